@@ -1,0 +1,37 @@
+"""Shared pieces of the layers: linear (bf16 GEMM semantics), RMSNorm, SiTU-GLU (K3_SPEC §1, §3).
+
+Dtype rule: activations carry the compute dtype (bf16 serving, fp32 verification); every GEMM accumulates in
+fp32 and rounds its output to the compute dtype; nonlinearities upcast to fp32 and round once.
+"""
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def linear(x, w, spec: str):
+    """einsum with fp32 accumulation, output in x's dtype (weights cast to it; fp32 weights stay exact)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
+
+
+def rms_norm(x, w, eps):
+    """HF RMSNorm: fp32 statistics, normalised value rounded to x's dtype, then times the weight."""
+    xf = x.astype(F32)
+    n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return n * w.astype(x.dtype)
+
+
+def situ_glu(g, u, beta1: float, beta2: float | None):
+    """SiTU(g) * cap(u) in fp32, rounded once (K3_SPEC §3). sigmoid takes the UNCAPPED g."""
+    gf, uf = g.astype(F32), u.astype(F32)
+    situ = beta1 * jnp.tanh(gf / beta1) * jax.nn.sigmoid(gf)
+    cap = uf if beta2 is None else beta2 * jnp.tanh(uf / beta2)
+    return (situ * cap).astype(g.dtype)
+
+
+def ffn(x, gate_w, up_w, down_w, cfg):
+    """Dense SiTU-GLU MLP on [..., D] (layer 0 and the shared experts)."""
+    h = situ_glu(linear(x, gate_w, "...d,df->...f"), linear(x, up_w, "...d,df->...f"),
+                 cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return linear(h, down_w, "...f,fd->...d")

@@ -1,0 +1,74 @@
+"""MLA attention, NoPE with a sigmoid output gate (K3_SPEC §5).
+
+Two equal forms: `mla_full` is the naive expanded form over a whole sequence (the scoring reference), and
+`mla_cached` is the weight-absorbed form over the latent cache (prefill chunks, decode, speculative verify):
+queries absorb W_UK, outputs absorb W_UV, and the cache holds one 576-wide row per token.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import MLA_LOWRANK_EPS, K3Config
+from k3jax.layers.common import F32, linear, rms_norm
+
+
+def queries(p, x_BTD):
+    """-> q [B,T,H,nope+rope]."""
+    return linear(rms_norm(linear(x_BTD, p["q_a"], "btd,dq->btq"), p["q_a_norm"], MLA_LOWRANK_EPS),
+                  p["q_b"], "btq,qhe->bthe")
+
+
+def latent_rows(p, x_BTD, cfg: K3Config):
+    """-> cache rows [B,T,R+rope]: [RMSNorm(c) | k_pe] (k_pe neither normalised nor rotated)."""
+    kv = linear(x_BTD, p["kv_a"], "btd,dr->btr")
+    R = cfg.kv_lora_rank
+    return jnp.concatenate([rms_norm(kv[..., :R], p["kv_a_norm"], MLA_LOWRANK_EPS), kv[..., R:]], axis=-1)
+
+
+def _gate_out(p, o_BTHV, x_BTD):
+    """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then o_proj."""
+    gate = jax.nn.sigmoid(linear(x_BTD, p["g"], "btd,dhv->bthv"))
+    return linear(o_BTHV * gate, p["o"], "bthv,hvd->btd")
+
+
+def _softmax_probs(s, mask, dtype):
+    s = jnp.where(mask, s, -jnp.inf)
+    return jax.nn.softmax(s, axis=-1).astype(dtype)
+
+
+def mla_full(p, x_BTD, cfg: K3Config):
+    """Naive causal MLA over a full sequence (§5.2)."""
+    N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    q = queries(p, x_BTD)
+    rows = latent_rows(p, x_BTD, cfg)
+    c, k_pe = rows[..., :R], rows[..., R:]
+    k_nope = linear(c, p["w_uk"], "bsr,hnr->bshn")
+    v = linear(c, p["w_uv"], "bsr,hvr->bshv")
+    s = (jnp.einsum("bthn,bshn->bhts", q[..., :N], k_nope, preferred_element_type=F32)
+         + jnp.einsum("bthe,bse->bhts", q[..., N:], k_pe, preferred_element_type=F32)) * cfg.qk_head_dim ** -0.5
+    T = x_BTD.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    probs = _softmax_probs(s, causal, x_BTD.dtype)
+    o = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=F32).astype(x_BTD.dtype)
+    return _gate_out(p, o, x_BTD)
+
+
+def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
+    """Absorbed MLA for T new tokens whose rows are already written into the cache.
+
+    cache_rows_BSC: the (dequantised) latent cache in the compute dtype; key_len_BT[b, t]: how many cache
+    positions token t may attend to (its own position + 1 for causal decoding; any visibility mask works,
+    which the speculative verifier uses).
+    """
+    N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    q = queries(p, x_BTD)
+    q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")  # W_UK^T q_nope
+    c, k_pe = cache_rows_BSC[..., :R], cache_rows_BSC[..., R:]
+    s = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=F32)
+         + jnp.einsum("bthe,bse->bhts", q[..., N:], k_pe, preferred_element_type=F32)) * cfg.qk_head_dim ** -0.5
+    S = cache_rows_BSC.shape[1]
+    mask = jnp.arange(S)[None, None, None, :] < key_len_BT[:, None, :, None]
+    probs = _softmax_probs(s, mask, x_BTD.dtype)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs, c, preferred_element_type=F32).astype(x_BTD.dtype)
+    o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
+    return _gate_out(p, o, x_BTD)

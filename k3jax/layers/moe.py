@@ -1,0 +1,72 @@
+"""Latent MoE (K3_SPEC §6): fp32 sigmoid router with selection-only bias, routed experts in the latent width,
+routed_expert_norm on the weighted latent sum, up projection, plus shared experts on the full hidden.
+
+XLA reference path: gather each token's selected expert weights (dequantising MXFP4 exactly) and run them.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import mxfp4
+from k3jax.config import K3Config
+from k3jax.layers.common import F32, ffn, linear, rms_norm, situ_glu
+
+
+def route(p, x_TD, cfg: K3Config):
+    """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them."""
+    logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32),
+                        precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    _, sel = jax.lax.top_k(scores + p["router_bias"], cfg.num_experts_per_token)
+    w = jnp.take_along_axis(scores, sel, axis=-1)
+    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return sel, w * cfg.routed_scaling_factor
+
+
+def _expert_weight(experts, name, sel, dtype):
+    if name in experts:  # bf16 experts
+        return experts[name][sel].astype(dtype)
+    return mxfp4.dequantize(experts[name + "_codes"][sel], experts[name + "_scales"][sel], dtype)
+
+
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int = 64):
+    """Weighted sum over each token's experts in the latent width, fp32 combine rounded once. Tokens are
+    processed in chunks so the gathered weights stay bounded."""
+
+    def run(args):
+        z, sel, w = args
+        dt = z.dtype
+        w1 = _expert_weight(experts, "w1", sel, dt)  # [t,k,I,L]
+        w3 = _expert_weight(experts, "w3", sel, dt)
+        w2 = _expert_weight(experts, "w2", sel, dt)  # [t,k,L,I]
+        h = situ_glu(jnp.einsum("tl,tkil->tki", z, w1, preferred_element_type=F32).astype(dt),
+                     jnp.einsum("tl,tkil->tki", z, w3, preferred_element_type=F32).astype(dt),
+                     cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        y = jnp.einsum("tki,tkli->tkl", h, w2, preferred_element_type=F32).astype(dt)
+        return jnp.einsum("tkl,tk->tl", y.astype(F32), w, precision=jax.lax.Precision.HIGHEST).astype(dt)
+
+    T = z_TL.shape[0]
+    if T <= token_chunk:
+        return run((z_TL, sel_Tk, w_Tk))
+    n = -(-T // token_chunk)
+    pad = n * token_chunk - T
+
+    def chunks(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(n, token_chunk, *a.shape[1:])
+
+    out = jax.lax.map(run, (chunks(z_TL), chunks(sel_Tk), chunks(w_Tk)))
+    return out.reshape(n * token_chunk, -1)[:T]
+
+
+def moe(p, x_TD, cfg: K3Config, return_routing: bool = False):
+    """x is the normed MLP input [T, D] (flatten batch and time first)."""
+    sel, w = route(p, x_TD, cfg)
+    z = linear(x_TD, p["latent_down"], "td,dl->tl")
+    y_lat = routed_experts(p["experts"], z, sel, w, cfg)
+    if cfg.latent_moe_use_norm:
+        y_lat = rms_norm(y_lat, p["latent_norm"], cfg.rms_norm_eps)
+    y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"],
+                                                          p["shared_down"], cfg)
+    return (y, sel) if return_routing else y

@@ -1,0 +1,120 @@
+"""The K3 forward in plain JAX: the AttnRes decoder loop (K3_SPEC §2.3) around KDA/MLA and dense/MoE layers.
+
+- `forward`: full sequences, no cache (naive MLA, chunked KDA from a zero state): scoring and the reference.
+- `extend`: T new tokens per sequence on top of a decode state (prefill chunks when T > 1, decode when T == 1),
+  writing the MLA latent cache and advancing the KDA state and conv windows.
+The 93-layer loop is unrolled in Python on purpose: a scan over layers costs ~16 us per iteration on GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import cache as cache_lib
+from k3jax.config import K3Config
+from k3jax.layers import kda, mla, moe
+from k3jax.layers.attn_res import attn_res
+from k3jax.layers.common import ffn, linear, rms_norm
+
+# Sublayer callbacks: attn(L, params, normed x [B,T,D]) -> [B,T,D]
+AttnFn = Callable[[int, dict, jax.Array], jax.Array]
+
+
+def embed(params, tokens_BT, dtype):
+    return params["embed"][tokens_BT].astype(dtype)
+
+
+def logits_from_hidden(params, h_BTD, cfg: K3Config):
+    return linear(rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), params["lm_head"], "btd,dv->btv")
+
+
+def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool):
+    if not is_moe:
+        return ffn(x_BTD, p["gate"], p["up"], p["down"], cfg)
+    B, T, D = x_BTD.shape
+    return moe.moe(p, x_BTD.reshape(B * T, D), cfg).reshape(B, T, D)
+
+
+def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()):
+    """AttnRes decoder loop. Returns (final hidden after the output mix [B,T,D], {layer: P after it})."""
+    eps = cfg.rms_norm_eps
+    blocks: list[jax.Array] = []
+    P = x_BTD
+    tapped = {}
+    for L, lp in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{L}_{cfg.layer_kind(L)}"):
+            h = attn_res(jnp.stack(blocks + [P]), lp["attn_res"]["norm"], lp["attn_res"]["proj"], eps) \
+                if blocks else P
+            if cfg.is_block_boundary(L):
+                blocks.append(P)  # the ENTERING prefix, not the mix h
+                P = None
+            a = attn(L, lp["attn"], rms_norm(h, lp["attn_norm"], eps))
+            P = a if P is None else P + a
+            h = attn_res(jnp.stack(blocks + [P]), lp["mlp_res"]["norm"], lp["mlp_res"]["proj"], eps)
+            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L))
+            if L in taps:
+                tapped[L] = P
+    h_out = attn_res(jnp.stack(blocks + [P]), params["out_res"]["norm"], params["out_res"]["proj"], eps)
+    return h_out, tapped
+
+
+def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16):
+    """Full-sequence logits [B, T, V] (causal, from an empty state)."""
+    B, T = tokens_BT.shape
+    zeros = jnp.zeros((B,), jnp.int32)
+
+    def attn(L, p, x):
+        if cfg.is_mla(L):
+            return mla.mla_full(p, x, cfg)
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        state = jnp.zeros((B, H, K, K), jnp.float32)
+        window = jnp.zeros((B, 3, cfg.kda_conv_size - 1, H, K), dtype)
+        return kda.kda_prefill(p, x, cfg, zeros + T, state, window)[0]
+
+    h, _ = trunk(params, embed(params, tokens_BT, dtype), cfg, attn)
+    return logits_from_hidden(params, h, cfg)
+
+
+def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
+           all_logits: bool = False, taps: tuple[int, ...] = ()):
+    """Append tokens (right-padded; n_new_B real ones per sequence) to the decode state.
+
+    Returns (logits [B, V] at each sequence's last new token, or [B, T, V] if all_logits; new cache; taps).
+    Sequences with n_new == 0 are left exactly as they were.
+    """
+    B, T = tokens_BT.shape
+    start_B = cache["lengths"]
+    pos_BT = start_B[:, None] + jnp.arange(T)[None]
+    valid_BT = jnp.arange(T)[None] < n_new_B[:, None]
+    new_layers = list(cache["layers"])
+    R = cfg.kv_lora_rank
+
+    def attn(L, p, x):
+        entry = cache["layers"][L]
+        if cfg.is_mla(L):
+            entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, valid_BT, R)
+            new_layers[L] = entry
+            rows = cache_lib.read_rows(entry, R, dtype)
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
+        if T == 1:
+            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend)
+            keep = n_new_B[:, None, None, None] > 0  # idle slots keep their state
+            state = jnp.where(keep, state, entry["state"])
+            conv = jnp.where(keep[..., None], conv, entry["conv"])
+            out = out[:, None]
+        else:
+            out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"])
+        new_layers[L] = {"state": state, "conv": conv}
+        return out
+
+    h, tapped = trunk(params, embed(params, tokens_BT, dtype), cfg, attn, taps)
+    if not all_logits:
+        last = jnp.maximum(n_new_B - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None], axis=1)
+    logits = logits_from_hidden(params, h, cfg)
+    logits = logits if all_logits else logits[:, 0]
+    new_cache = {"lengths": start_B + n_new_B, "layers": new_layers}
+    return logits, new_cache, tapped

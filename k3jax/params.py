@@ -1,0 +1,301 @@
+"""The one table of every K3 tensor: our path, HF name, shape, dtype, logical axes, HF -> ours transform.
+
+The converter, loader, sharding rules, memory planner and random initialisation all read `tensor_table`.
+Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out (w_DHK), and a few fusions:
+- KDA q/k/v/g projections stacked as `qkvg` [4, D, H, K] (one batched GEMV per decode step);
+- KDA q/k/v conv weights stacked as `conv` [3, H, K, 4];
+- MLA `kv_b` split into the absorbed decode layouts `w_uk` [H, nope, R] and `w_uv` [H, v, R];
+- routed experts stacked per layer: MXFP4 codes/scales kept packed ([E, out, in/2] / [E, out, in/32], the HF
+  [out, in] row layout, 32-element groups along `in`), or dequantised to bf16 [E, out, in] on request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax import mxfp4
+from k3jax.config import MXFP4_GROUP, K3Config
+
+TABLE_VERSION = 1
+HF_PREFIX = "language_model."
+
+# Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
+#   copy       same shape
+#   T          2-D [out, in] -> transpose -> reshape to the spec's shape (minus any stack axis)
+#   reshape    reshape to the spec's shape (e.g. [1, D] -> [D], [C, 1, 4] -> [H, K, 4])
+#   narrow     flatten, keep the first n entries (A_log: 128 stored -> H heads; K3_SPEC §7.4)
+#   kvb_k/kvb_v  kv_b [H*(nope+v), R] -> [H, nope+v, R] -> the k_nope or v rows
+#   dequant    MXFP4 pair (weight_packed, weight_scale) -> bf16 [out, in]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    path: tuple[Any, ...]  # our pytree path, e.g. ("layers", 3, "attn", "q_a")
+    hf: str  # HF name below "language_model."; "{s}" is replaced by each entry of `stack`
+    shape: tuple[int, ...]  # our shape (including the stack axis first, when stacked)
+    dtype: str  # our storage dtype: bfloat16 | float32 | uint8
+    axes: tuple[str | None, ...]  # logical axis names, one per dim of `shape`
+    transform: str = "copy"
+    hf_shape: tuple[int, ...] = ()  # shape of ONE HF tensor
+    hf_dtypes: tuple[str, ...] = ("bfloat16",)  # accepted HF dtypes (the release's small tensors may be F32)
+    stack: tuple[str, ...] | None = None  # values substituted into "{s}", stacked on axis 0
+    init: str = "linear"  # how init_params draws it: linear | norm | ones | alog | dt_bias | conv | codes | scales
+    fan_in: int = 1
+    active: float = 1.0  # fraction of this tensor read per token (routed experts: top_k / E)
+
+    @property
+    def key(self) -> str:
+        return "/".join(str(p) for p in self.path)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        if self.stack is None:
+            return (HF_PREFIX + self.hf,)
+        return tuple(HF_PREFIX + self.hf.format(s=s) for s in self.stack)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def num_params(self) -> int:
+        """Logical parameters: a packed MXFP4 byte holds two weights; scales are not parameters."""
+        if self.init == "codes":
+            return 2 * math.prod(self.shape)
+        if self.init == "scales":
+            return 0
+        return math.prod(self.shape)
+
+
+def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
+    """Every tensor of the text model. `experts`: 'mxfp4' (packed, default when the config is quantised)
+    or 'bf16' (dequantised)."""
+    experts = experts or ("mxfp4" if cfg.expert_quant == "mxfp4" else "bf16")
+    if experts not in ("mxfp4", "bf16"):
+        raise ValueError(f"experts must be 'mxfp4' or 'bf16', got {experts!r}")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    t: list[TensorSpec] = []
+
+    def add(path, hf, shape, axes, transform="copy", hf_shape=None, dtype="bfloat16", init="linear",
+            fan_in=1, hf_dtypes=None, stack=None, active=1.0):
+        t.append(TensorSpec(tuple(path), hf, tuple(shape), dtype, tuple(axes), transform,
+                            tuple(hf_shape if hf_shape is not None else shape),
+                            hf_dtypes or ((dtype,) if dtype != "float32" else ("float32", "bfloat16")),
+                            stack, init, fan_in, active))
+
+    def norm(path, hf, n, axis="embed"):
+        add(path, hf, (n,), (axis,), init="norm")
+
+    add(("embed",), "model.embed_tokens.weight", (V, D), ("vocab", "embed"), init="embed", active=0.0)
+    add(("lm_head",), "lm_head.weight", (D, V), ("embed", "vocab"), "T", (V, D), fan_in=D)
+    norm(("final_norm",), "model.norm.weight", D)
+    norm(("out_res", "norm"), "model.output_attn_res_norm.weight", D)
+    add(("out_res", "proj"), "model.output_attn_res_proj.weight", (D,), ("embed",), "reshape", (1, D),
+        fan_in=D)
+
+    for L in range(cfg.num_hidden_layers):
+        p, h = ("layers", L), f"model.layers.{L}."
+        norm(p + ("attn_norm",), h + "input_layernorm.weight", D)
+        norm(p + ("mlp_norm",), h + "post_attention_layernorm.weight", D)
+        for site, hf_site in (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res")):
+            norm(p + (site, "norm"), h + f"{hf_site}_norm.weight", D)
+            add(p + (site, "proj"), h + f"{hf_site}_proj.weight", (D,), ("embed",), "reshape", (1, D), fan_in=D)
+        a, ha = p + ("attn",), h + "self_attn."
+        if cfg.is_mla(L):
+            _mla(add, norm, a, ha, cfg)
+        else:
+            _kda(add, a, ha, cfg)
+        f, hf_ = p + ("ffn",), h
+        if cfg.is_moe(L):
+            _moe(add, norm, f, hf_ + "block_sparse_moe.", cfg, experts)
+        else:
+            F = cfg.intermediate_size
+            add(f + ("gate",), hf_ + "mlp.gate_proj.weight", (D, F), ("embed", "ffn"), "T", (F, D), fan_in=D)
+            add(f + ("up",), hf_ + "mlp.up_proj.weight", (D, F), ("embed", "ffn"), "T", (F, D), fan_in=D)
+            add(f + ("down",), hf_ + "mlp.down_proj.weight", (F, D), ("ffn", "embed"), "T", (D, F), fan_in=F)
+    return t
+
+
+def _kda(add, a, ha, cfg: K3Config):
+    D, H, K, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    add(a + ("qkvg",), ha + "{s}_proj.weight", (4, D, H, K), ("stack", "embed", "kda_heads", "head_dim"), "T",
+        (H * K, D), stack=("q", "k", "v", "g"), fan_in=D)
+    add(a + ("conv",), ha + "{s}_conv1d.weight", (3, H, K, W), ("stack", "kda_heads", "head_dim", None),
+        "reshape", (H * K, 1, W), dtype="float32", init="conv", stack=("q", "k", "v"), fan_in=W)
+    add(a + ("f_a",), ha + "f_a_proj.weight", (D, K), ("embed", None), "T", (K, D), fan_in=D)
+    add(a + ("f_b",), ha + "f_b_proj.weight", (K, H, K), (None, "kda_heads", "head_dim"), "T", (H * K, K),
+        fan_in=K)
+    add(a + ("b",), ha + "b_proj.weight", (D, H), ("embed", "kda_heads"), "T", (H, D), fan_in=D)
+    add(a + ("A_log",), ha + "A_log", (H,), ("kda_heads",), "narrow", (cfg.kda_a_log_stored,),
+        dtype="float32", init="alog")
+    add(a + ("dt_bias",), ha + "dt_bias", (H, K), ("kda_heads", "head_dim"), "reshape", (H * K,),
+        dtype="float32", init="dt_bias")
+    add(a + ("o_norm",), ha + "o_norm.weight", (K,), (None,), dtype="float32", init="norm")
+    add(a + ("o",), ha + "o_proj.weight", (H, K, D), ("kda_heads", "head_dim", "embed"), "T", (D, H * K),
+        fan_in=H * K)
+
+
+def _mla(add, norm, a, ha, cfg: K3Config):
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    Q, R, N, P, Vd = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    add(a + ("q_a",), ha + "q_a_proj.weight", (D, Q), ("embed", "q_lora"), "T", (Q, D), fan_in=D)
+    norm(a + ("q_a_norm",), ha + "q_a_layernorm.weight", Q, "q_lora")
+    add(a + ("q_b",), ha + "q_b_proj.weight", (Q, H, N + P), ("q_lora", "mla_heads", None), "T",
+        (H * (N + P), Q), fan_in=Q)
+    add(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", (D, R + P), ("embed", None), "T", (R + P, D), fan_in=D)
+    norm(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", R, None)
+    add(a + ("w_uk",), ha + "kv_b_proj.weight", (H, N, R), ("mla_heads", None, None), "kvb_k",
+        (H * (N + Vd), R), fan_in=R)
+    add(a + ("w_uv",), ha + "kv_b_proj.weight", (H, Vd, R), ("mla_heads", None, None), "kvb_v",
+        (H * (N + Vd), R), fan_in=R)
+    add(a + ("g",), ha + "g_proj.weight", (D, H, Vd), ("embed", "mla_heads", None), "T", (H * Vd, D), fan_in=D)
+    add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd),
+        fan_in=H * Vd)
+
+
+def _moe(add, norm, f, hm, cfg: K3Config, experts: str):
+    D, E, Dl, I, S = (cfg.hidden_size, cfg.num_experts, cfg.routed_expert_hidden_size,
+                      cfg.moe_intermediate_size, cfg.shared_intermediate)
+    add(f + ("router",), hm + "gate.weight", (D, E), ("embed", "experts_router"), "T", (E, D), fan_in=D)
+    add(f + ("router_bias",), hm + "gate.e_score_correction_bias", (E,), ("experts_router",), dtype="float32",
+        init="router_bias")
+    add(f + ("latent_down",), hm + "routed_expert_down_proj.weight", (D, Dl), ("embed", "latent"), "T", (Dl, D),
+        fan_in=D)
+    norm(f + ("latent_norm",), hm + "routed_expert_norm.weight", Dl, "latent")
+    add(f + ("latent_up",), hm + "routed_expert_up_proj.weight", (Dl, D), ("latent", "embed"), "T", (D, Dl),
+        fan_in=Dl)
+    for name, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj")):
+        add(f + (name,), hm + f"shared_experts.{hf}.weight", (D, S), ("embed", "shared_ffn"), "T", (S, D),
+            fan_in=D)
+    add(f + ("shared_down",), hm + "shared_experts.down_proj.weight", (S, D), ("shared_ffn", "embed"), "T",
+        (D, S), fan_in=S)
+    stack = tuple(str(e) for e in range(E))
+    act = cfg.num_experts_per_token / E
+    # (our name, HF w-index, out, in, axes of [out, in]); logical [out, in] as in HF, groups along `in`
+    for name, w, out, inp, ax in (("w1", "w1", I, Dl, ("moe_ffn", "latent")),
+                                  ("w3", "w3", I, Dl, ("moe_ffn", "latent")),
+                                  ("w2", "w2", Dl, I, ("latent", "moe_ffn"))):
+        base = hm + "experts.{s}." + w
+        if experts == "mxfp4":
+            add(f + ("experts", name + "_codes"), base + ".weight_packed", (E, out, inp // 2),
+                ("experts", ax[0], ax[1] + "_packed"), hf_shape=(out, inp // 2), dtype="uint8", init="codes",
+                stack=stack, fan_in=inp, active=act)
+            add(f + ("experts", name + "_scales"), base + ".weight_scale", (E, out, inp // MXFP4_GROUP),
+                ("experts", ax[0], ax[1] + "_groups"), hf_shape=(out, inp // MXFP4_GROUP), dtype="uint8",
+                init="scales", stack=stack, fan_in=inp, active=act)
+        else:
+            src = ".weight_packed" if cfg.expert_quant == "mxfp4" else ".weight"
+            add(f + ("experts", name), base + src, (E, out, inp), ("experts",) + ax,
+                "dequant" if cfg.expert_quant == "mxfp4" else "copy",
+                (out, inp // 2) if cfg.expert_quant == "mxfp4" else (out, inp),
+                hf_dtypes=("uint8",) if cfg.expert_quant == "mxfp4" else ("bfloat16",),
+                stack=stack, fan_in=inp, active=act)
+
+
+# ---- derived views --------------------------------------------------------------------------------------
+
+
+def param_counts(cfg: K3Config, experts: str | None = None) -> dict[str, int]:
+    table = tensor_table(cfg, experts)
+    total = sum(s.num_params for s in table)
+    active = sum(round(s.num_params * s.active) for s in table)
+    return {"total": total, "active": active, "bytes": sum(s.nbytes for s in table)}
+
+
+def abstract_params(cfg: K3Config, experts: str | None = None) -> dict:
+    """The parameter pytree as jax.ShapeDtypeStruct leaves (no allocation)."""
+    return unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
+                      for s in tensor_table(cfg, experts)})
+
+
+def logical_axes(cfg: K3Config, experts: str | None = None) -> dict:
+    return unflatten({s.path: s.axes for s in tensor_table(cfg, experts)})
+
+
+def unflatten(flat: dict[tuple, Any]) -> dict:
+    """{path: leaf} -> nested dicts; integer path parts become list indices (layers)."""
+    root: dict = {}
+    for path, leaf in flat.items():
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = leaf
+    return _lists(root)
+
+
+def _lists(node):
+    if isinstance(node, dict):
+        node = {k: _lists(v) for k, v in node.items()}
+        if node and all(isinstance(k, int) for k in node):
+            return [node[i] for i in range(len(node))]
+    return node
+
+
+def get_path(tree, path):
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def flatten(tree, cfg: K3Config, experts: str | None = None) -> dict[tuple, Any]:
+    return {s.path: get_path(tree, s.path) for s in tensor_table(cfg, experts)}
+
+
+# ---- random parameters ------------------------------------------------------------------------------------
+
+
+def _seed_for(path) -> int:
+    return int.from_bytes(hashlib.blake2s("/".join(map(str, path)).encode(), digest_size=4).digest(), "little")
+
+
+def init_tensor(spec: TensorSpec, key: jax.Array) -> jax.Array:
+    """One tensor's deterministic random value (jittable, so it can be generated directly on devices)."""
+    shape, dtype = spec.shape, jnp.dtype(spec.dtype)
+    k = jax.random.fold_in(key, _seed_for(spec.path))
+    n = jax.random.normal
+    if spec.init == "linear":
+        return (n(k, shape, jnp.float32) / math.sqrt(spec.fan_in)).astype(dtype)
+    if spec.init == "embed":
+        return n(k, shape, jnp.float32).astype(dtype)
+    if spec.init == "norm":
+        return (1.0 + 0.1 * n(k, shape, jnp.float32)).astype(dtype)
+    if spec.init == "conv":
+        return (0.5 * n(k, shape, jnp.float32)).astype(dtype)
+    if spec.init == "alog":  # exp(A_log) in [1, 16], as in Mamba/KDA inits
+        return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+    if spec.init == "dt_bias":
+        return (0.5 * n(k, shape, jnp.float32) - 1.0).astype(dtype)
+    if spec.init == "router_bias":
+        return (0.1 * n(k, shape, jnp.float32)).astype(dtype)
+    if spec.init == "codes":
+        return jax.random.randint(k, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    if spec.init == "scales":
+        # E2M1 magnitudes average ~2.3: 2^(e-127) ~ 1/(2.3 sqrt(fan_in)) keeps expert outputs O(1)
+        centre = 127 - round(math.log2(2.3 * math.sqrt(spec.fan_in)))
+        return jax.random.randint(k, shape, centre - 1, centre + 2, jnp.int32).astype(jnp.uint8)
+    raise ValueError(f"unknown init {spec.init!r} for {spec.key}")
+
+
+def init_params(cfg: K3Config, seed: int = 0, experts: str | None = None) -> dict:
+    """Deterministic random parameters for any config (each tensor keyed by its path, so a tensor's value
+    does not depend on which others exist)."""
+    key = jax.random.key(seed)
+    return unflatten({s.path: init_tensor(s, key) for s in tensor_table(cfg, experts)})
+
+
+def cast_params(params, dtype) -> dict:
+    """Cast the bf16 trunk to the compute dtype; fp32 tensors and packed uint8 experts stay as they are."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.bfloat16 else x, params)
+
+
+def table_summary(cfg: K3Config, experts: str | None = None) -> list[dict]:
+    return [dataclasses.asdict(s) | {"key": s.key} for s in tensor_table(cfg, experts)]

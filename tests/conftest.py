@@ -1,0 +1,19 @@
+import os
+
+# Tests run on CPU; 16 fake devices let the sharding tests build every TP mesh in one process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs every run (the seed is printed so a failure can be replayed)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)

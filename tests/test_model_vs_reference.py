@@ -1,0 +1,25 @@
+"""The whole tiny model and each layer against the independent float64 NumPy oracle (tests/np_reference.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import np_reference as ref
+from helpers import random_model, rel_rms
+from k3jax import model
+from k3jax.config import preset
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo"])
+def test_full_model_matches_reference(name, rng):
+    cfg = preset(name)
+    tc = cfg.to_hf(wrapped=False)
+    params, hf = random_model(cfg, int(rng.integers(1 << 30)))
+    T = int(rng.integers(5, 23))
+    tokens = rng.integers(0, cfg.vocab_size, size=(T,))
+    want = ref.forward(hf, tc, tokens)
+    got = jax.jit(model.forward, static_argnums=(2, 3))(params, jnp.asarray(tokens)[None], cfg, jnp.float32)[0]
+    err = rel_rms(got, want)
+    print(f"{name}: T={T} relative RMS error vs float64 oracle = {err:.2e}")
+    assert err <= 1e-5
