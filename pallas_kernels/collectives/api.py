@@ -1,0 +1,145 @@
+"""All-reduce entry points, called inside `jax.shard_map` (with check_vma=False for the Pallas backend).
+
+backend="xla": jax.lax.psum (NCCL). backend="latency_specialized": Pallas Mosaic GPU one-shot or two-shot
+kernel chosen by message size; it falls back to the XLA reference (logged once per reason) on CPU, for
+an axis of size 1, or for a shape/dtype the kernels do not take. Mesh device order must be row-major
+(`jax.make_mesh`), as Mosaic GPU collectives require.
+"""
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.collectives import reference
+
+log = logging.getLogger(__name__)
+
+LANES = 128
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 values per thread in BF16)
+# Smallest message (bytes per rank) for which two-shot beats one-shot, by axis size; from
+# bench/results/collectives.json (2 x H200). Sizes not listed use one-shot.
+TWO_SHOT_MIN_BYTES = {2: math.inf}
+MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  algorithm: str  # "one_shot" | "two_shot" | "xla"
+  block_rows: int = 0
+  reason: str = ""
+
+
+@functools.cache
+def _log_fallback_once(reason):
+  log.warning("pallas all-reduce falls back to psum: %s", reason)
+
+
+def _largest_divisor_at_most(m, cap):
+  return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
+
+
+def _common_reason(dtype, n, platform):
+  if platform != "gpu":
+    return f"platform {platform}"
+  if n < 2:
+    return "axis size 1"
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {dtype}"
+  return ""
+
+
+def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=BLOCK_BYTES):
+  """Which kernel (and block size) all_reduce uses for a per-rank array; pure, so it is tested on CPU."""
+  size = math.prod(shape)
+  reason = _common_reason(dtype, n, platform)
+  if not reason and (size == 0 or size % LANES):
+    reason = f"size {size} not a multiple of {LANES}"
+  if reason:
+    return Plan("xla", reason=reason)
+  m = size // LANES
+  itemsize = jnp.dtype(dtype).itemsize
+  cap_rows = max(1, block_bytes // (LANES * itemsize))
+  nbytes = size * itemsize
+  if algorithm is None:
+    algorithm = "two_shot" if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf) else "one_shot"
+  if algorithm == "two_shot":
+    # need >= n blocks, in a multiple of n, so every rank reduces the same number of blocks.
+    r = _largest_divisor_at_most(m, cap_rows)
+    while r > 1 and (m // r) % n:
+      r = _largest_divisor_at_most(m, r - 1)
+    if (m // r) % n:
+      return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes)
+    return Plan("two_shot", r)
+  if algorithm != "one_shot":
+    raise ValueError(f"unknown algorithm {algorithm}")
+  return Plan("one_shot", _largest_divisor_at_most(m, cap_rows))
+
+
+def plan_add_rmsnorm(x_shape, x_dtype, res_shape, res_dtype, w_shape, n, platform):
+  """Whether the fused all-reduce + residual add + RMSNorm kernel takes these operands."""
+  reason = _common_reason(x_dtype, n, platform) or _common_reason(res_dtype, n, platform)
+  d = x_shape[-1] if x_shape else 0
+  if not reason and (tuple(x_shape) != tuple(res_shape) or tuple(w_shape) != (d,)):
+    reason = f"shapes x{x_shape} residual{res_shape} w{w_shape}"
+  if not reason and (d % LANES or d // LANES > MAX_FUSED_LANE_ROWS or math.prod(x_shape) == 0):
+    reason = f"feature size {d}"
+  if reason:
+    return Plan("xla", reason=reason)
+  return Plan("one_shot_add_rmsnorm", d // LANES)
+
+
+def _platform():
+  return jax.default_backend()
+
+
+def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, skip_barrier=False):
+  """Sum of x over `axis_name`, same shape and dtype on every rank.
+
+  algorithm ("one_shot" | "two_shot") and skip_barrier are for benchmarks: skip_barrier=True is unsafe in
+  jax 0.11.2 (see kernels.py) and exists only to time the kernel without XLA's barrier.
+  """
+  if backend == "xla":
+    return reference.all_reduce(x, axis_name)
+  if backend != "latency_specialized":
+    raise ValueError(f"unknown backend {backend}")
+  n = lax.axis_size(axis_name)
+  plan = plan_all_reduce(x.shape, x.dtype, n, _platform(), algorithm)
+  if plan.algorithm == "xla":
+    _log_fallback_once(plan.reason)
+    return reference.all_reduce(x, axis_name)
+  from pallas_kernels.collectives import kernels  # GPU-only imports stay off the CPU path
+
+  y = kernels.KERNELS[plan.algorithm](
+      x.reshape(-1, LANES), axis_name=axis_name, n=n, block_rows=plan.block_rows,
+      skip_barrier=skip_barrier)
+  return y.reshape(x.shape)
+
+
+def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, backend="xla",
+                           skip_barrier=False):
+  """(new_residual, normed): new_residual = residual + allreduce(x_partial) rounded to residual's dtype,
+  normed = RMSNorm(new_residual) * norm_w (K3_SPEC rounding order), over the last axis."""
+  if backend == "xla":
+    return reference.all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name)
+  if backend != "latency_specialized":
+    raise ValueError(f"unknown backend {backend}")
+  n = lax.axis_size(axis_name)
+  plan = plan_add_rmsnorm(x_partial.shape, x_partial.dtype, residual.shape, residual.dtype,
+                          norm_w.shape, n, _platform())
+  if plan.algorithm == "xla":
+    _log_fallback_once(plan.reason)
+    return reference.all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name)
+  from pallas_kernels.collectives import kernels
+
+  q = plan.block_rows
+  shape = x_partial.shape
+  new, normed = kernels.one_shot_add_rmsnorm(
+      x_partial.reshape(-1, q, LANES), residual.reshape(-1, q, LANES), norm_w.reshape(q, LANES), eps,
+      axis_name=axis_name, n=n, skip_barrier=skip_barrier)
+  return new.reshape(shape), normed.reshape(shape)
