@@ -1,0 +1,40 @@
+"""Small helpers shared by the Pallas kernels: which GPU we are on, and logging a fallback once."""
+
+import functools
+import logging
+
+import jax
+
+logger = logging.getLogger("k3jax.backends")
+
+# device_kind substrings -> compute capability, for abstract devices (interpret mode, AOT lowering on CPU),
+# which carry a kind but no compute_capability.
+_KIND_TO_ARCH = (("B200", (10, 0)), ("B300", (10, 3)), ("GB200", (10, 0)), ("GB300", (10, 3)),
+                 ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("H20", (9, 0)))
+
+
+def gpu_arch() -> tuple[int, int] | None:
+    """(major, minor) of the GPU we compile for, or None when there is none (CPU).
+
+    An abstract device pinned with jax.sharding.use_abstract_mesh wins over the real one, so interpret-mode
+    tests on CPU can pick the Hopper or the Blackwell body.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and device.platform == "gpu":
+        cc = getattr(device, "compute_capability", None)
+        if cc:
+            return tuple(int(x) for x in cc.split("."))[:2]
+        for name, arch in _KIND_TO_ARCH:
+            if name in device.device_kind:
+                return arch
+        return None
+    device = jax.devices()[0]
+    if device.platform != "gpu" or not hasattr(device, "compute_capability"):
+        return None
+    return tuple(int(x) for x in device.compute_capability.split("."))[:2]
+
+
+@functools.cache
+def log_once(op: str, reason: str) -> None:
+    """Log one fallback reason per (op, reason): decode steps are traced many times, the log stays short."""
+    logger.warning("%s: Pallas kernel not used, falling back to the XLA reference: %s", op, reason)

@@ -1,0 +1,57 @@
+"""Dispatch for the KDA decode step: Pallas Mosaic GPU body by compute capability, XLA reference otherwise.
+
+A body raises NotImplementedError for what it does not handle (no GPU, shape, dtype); the api then runs the
+reference and logs the reason once on logger "k3jax.backends".
+"""
+
+from pallas_kernels import common
+from pallas_kernels.kda_decode import reference
+
+BACKENDS = ("xla", "latency_specialized")
+
+
+def _kernel_decode():
+    arch = common.gpu_arch()
+    if arch is None:
+        raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
+    if arch[0] == 9:
+        from pallas_kernels.kda_decode import sm90
+        return sm90.kda_decode
+    if arch[0] == 10:
+        from pallas_kernels.kda_decode import sm100
+        return sm100.kda_decode
+    raise NotImplementedError(f"no KDA decode body for compute capability {arch}")
+
+
+def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
+               o_norm_w_K, *, eps=1e-5, backend="xla"):
+    """One KDA decode step -> (y_BHK, new_state_BHKV, new_conv_B3WHK). See reference.py for the maths."""
+    args = (qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
+            o_norm_w_K)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "latency_specialized":
+        try:
+            return _kernel_decode()(*args, eps=eps)
+        except NotImplementedError as e:
+            common.log_once("kda_decode", str(e))
+    return reference.kda_decode(*args, eps=eps)
+
+
+def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+               dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
+    """Speculative verify of T new tokens -> (y_BTHK, commit_data); the state is left untouched.
+
+    Only the XLA form exists yet: T <= 8 unrolled steps fuse into few kernels, and the state is read once.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "latency_specialized":
+        common.log_once("kda_verify", "no Pallas verify kernel yet")
+    return reference.kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+                                A_log_H, dt_bias_HK, o_norm_w_K, eps=eps)
+
+
+def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B):
+    """Advance state and conv window by accepted_B[b] in [0, T] tokens -> (new_state, new_conv)."""
+    return reference.kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B)
