@@ -1,4 +1,4 @@
-"""pallas_kernels.collectives: dispatch/eligibility and the XLA fallback on CPU; the Pallas kernels on >= 2 GPUs.
+"""pallas_kernels.collectives: dispatch and the XLA fallback on CPU; the Pallas kernels on >= 2 GPUs.
 
 Oracles are float64 NumPy sums of the per-rank inputs (written from the definition, not from the code).
 """
@@ -163,7 +163,8 @@ def test_pallas_add_rmsnorm(rng, shape):
   new, normed = (np.asarray(a) for a in f(x, res, w))
   ref_new, ref_normed = _np_add_rmsnorm(x, res[0], w[0], 1e-5)
   np.testing.assert_allclose(new[0].astype(np.float64), ref_new.astype(np.float64), rtol=2**-7, atol=1e-6)
-  np.testing.assert_allclose(normed[0].astype(np.float64), ref_normed.astype(np.float64), rtol=2**-6, atol=1e-3)
+  np.testing.assert_allclose(normed[0].astype(np.float64), ref_normed.astype(np.float64),
+                             rtol=2**-6, atol=1e-3)
   np.testing.assert_array_equal(new[1].view(np.uint16), new[0].view(np.uint16))
   np.testing.assert_array_equal(normed[1].view(np.uint16), normed[0].view(np.uint16))
 

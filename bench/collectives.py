@@ -1,0 +1,278 @@
+"""All-reduce of decode-sized activations on 2 GPUs: XLA psum (NCCL) vs the Pallas one-shot/two-shot kernels.
+
+  python bench/collectives.py --check --out DIR   # correctness at real shapes + the back-to-back stress test
+  python bench/collectives.py --bench --out DIR   # CUPTI device time per call, all kernels of a call summed
+
+Device time per call = every kernel the call launches on a rank (XLA's cross-device barrier kernel, the
+semaphore memset, the Pallas kernel; or NCCL's kernel), summed, averaged over ranks and over a chain of
+CHAIN dependent calls. Writes DIR/collectives.json and DIR/collectives.md.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.collectives import api, reference  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+EPS = 1e-5
+CHAIN = 4
+NVLINK_BYTES_PER_S = 450e9  # H200 NVLink 4: 18 links x 25 GB/s per direction
+
+
+def make_mesh(n=2):
+  return jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:n])
+
+
+def sharded(mesh, fn, n_in):
+  """jit(shard_map(fn)) over operands/results with a leading rank axis; returns (call, put)."""
+  inner = lambda *a: jax.tree.map(lambda y: y[None], fn(*(v[0] for v in a)))
+  f = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=(P("tp"),) * n_in, out_specs=P("tp"),
+                            check_vma=False))
+  put = lambda *a: [jax.device_put(v, NamedSharding(mesh, P("tp"))) for v in a]
+  return f, put
+
+
+# ------------------------------------------------------------------------------------ correctness
+def np_add_rmsnorm(x_n, res, w, eps=EPS):
+  s = x_n.astype(np.float64).sum(0)
+  new = (res.astype(np.float64) + s).astype(BF16)
+  nf = new.astype(np.float64)
+  inv = 1.0 / np.sqrt(np.mean(nf * nf, axis=-1, keepdims=True) + eps)
+  return new, ((nf * inv).astype(BF16).astype(np.float64) * w.astype(np.float64)).astype(BF16)
+
+
+def sum_errors(y_n, x_n, per_step=False):
+  """Bad if off the f64 sum by more than one BF16 rounding or if ranks differ; per step: one flag per index
+  of the axis after the rank axis. Also returns the largest relative error."""
+  x64 = x_n.astype(np.float64)
+  ref, y0 = x64.sum(0), y_n[0].astype(np.float64)
+  tol = float(jnp.finfo(jnp.bfloat16).eps) * np.abs(x64).sum(0) + 1e-30
+  bad = (np.abs(y0 - ref) > tol) | np.any(y_n.view(np.uint16) != y_n[:1].view(np.uint16), axis=0)
+  bad = bad.reshape(bad.shape[0], -1).any(1) if per_step else bad.any()
+  return bad, float(np.max(np.abs(y0 - ref) / (np.abs(ref) + 1e-3)))
+
+
+def close_bf16(a, ref):
+  """Elements within 2 bf16 ulps of the f64-path reference (both went through the same roundings)."""
+  a, ref = a.astype(np.float64), ref.astype(np.float64)
+  return np.abs(a - ref) <= 2 * 2.0**-8 * np.abs(ref) + 1e-3
+
+
+def check(mesh, rng):
+  n = mesh.size
+  rows = []
+  cases = [(b, d) for d in (7168, 3584) for b in (1, 8, 64)] + [
+      (int(rng.integers(1, 65)), 128 * int(rng.integers(1, 64))) for _ in range(6)]
+  for (b, d) in cases:
+    x = (rng.standard_normal((n, b, d)) * 10.0 ** rng.uniform(-2, 2)).astype(BF16)
+    for alg in ("one_shot", "two_shot"):
+      f, put = sharded(mesh, lambda v, alg=alg: api.all_reduce(v, "tp", backend="latency_specialized",
+                                                                algorithm=alg), 1)
+      y = np.asarray(f(*put(x)))
+      bad, rel = sum_errors(y, x)
+      rows.append(dict(op=alg, shape=[b, d], ok=not bool(bad), max_rel_err=rel))
+      print(rows[-1], flush=True)
+    if d // 128 <= 256:
+      res = np.broadcast_to(rng.standard_normal((b, d)).astype(BF16), (n, b, d)).copy()
+      w = np.broadcast_to((1 + 0.1 * rng.standard_normal(d)).astype(BF16), (n, d)).copy()
+      f, put = sharded(mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(
+          v, r, g, EPS, "tp", backend="latency_specialized"), 3)
+      new, normed = (np.asarray(a) for a in f(*put(x, res, w)))
+      rn, rnorm = np_add_rmsnorm(x, res[0], w[0])
+      same = all(np.array_equal(a[r].view(np.uint16), a[0].view(np.uint16)) for a in (new, normed)
+                 for r in range(n))
+      ok = bool(close_bf16(new[0], rn).all() and close_bf16(normed[0], rnorm).all() and same)
+      rows.append(dict(op="one_shot_add_rmsnorm", shape=[b, d], ok=ok, ranks_identical=same))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def stress(mesh, steps=2000, seed=0):
+  """`steps` loop iterations, each three different kernels back to back on fresh random data.
+
+  No NCCL call or host sync sits between the Pallas calls, so a rank that reads a stale signal or a
+  peer's previous buffer produces a wrong sum, which the host check below counts.
+  """
+  n = mesh.size
+  rng = np.random.default_rng(seed)
+  xa = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # one-shot, batch-1 hidden
+  xb = rng.standard_normal((n, steps, 2, 3584)).astype(BF16)  # two-shot, MoE latent
+  xc = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # fused add + RMSNorm
+  res = np.broadcast_to(rng.standard_normal((1, steps, 1, 7168)).astype(BF16), (n, steps, 1, 7168)).copy()
+  w = np.broadcast_to((1 + 0.1 * rng.standard_normal(7168)).astype(BF16), (n, 7168)).copy()
+
+  def loop(xa, xb, xc, res, w):
+    def body(i, out):
+      ya, yb, new, normed = out
+      a = api.all_reduce(xa[i], "tp", backend="latency_specialized", algorithm="one_shot")
+      b = api.all_reduce(xb[i], "tp", backend="latency_specialized", algorithm="two_shot")
+      c, d = api.all_reduce_add_rmsnorm(xc[i], res[i], w, EPS, "tp", backend="latency_specialized")
+      return ya.at[i].set(a), yb.at[i].set(b), new.at[i].set(c), normed.at[i].set(d)
+    init = (jnp.zeros_like(xa), jnp.zeros_like(xb), jnp.zeros_like(xc), jnp.zeros_like(xc))
+    return jax.lax.fori_loop(0, steps, body, init)
+
+  f, put = sharded(mesh, loop, 5)
+  t0 = time.perf_counter()
+  ya, yb, new, normed = (np.asarray(a) for a in f(*put(xa, xb, xc, res, w)))
+  wall = time.perf_counter() - t0
+  bad_a, _ = sum_errors(ya, xa, per_step=True)
+  bad_b, _ = sum_errors(yb, xb, per_step=True)
+  rn, rnorm = np_add_rmsnorm(xc, res[0], w[0])
+  same_c = np.all(new.view(np.uint16) == new[:1].view(np.uint16), axis=(0, 2, 3)) & np.all(
+      normed.view(np.uint16) == normed[:1].view(np.uint16), axis=(0, 2, 3))
+  bad_c = ~(close_bf16(new[0], rn).all(axis=(1, 2)) & close_bf16(normed[0], rnorm).all(axis=(1, 2)) & same_c)
+  return dict(steps=steps, calls=3 * steps, bad_calls=int(bad_a.sum() + bad_b.sum() + bad_c.sum()),
+              bad_one_shot=int(bad_a.sum()), bad_two_shot=int(bad_b.sum()), bad_fused=int(bad_c.sum()),
+              wall_s_incl_compile=wall)
+
+
+# ----------------------------------------------------------------------------------------- timing
+def variants():
+  ls = "latency_specialized"
+  return {
+      "psum": (1, lambda x: jax.lax.psum(x, "tp")),
+      "one_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot")),
+      "two_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="two_shot")),
+      "psum_add_rmsnorm": (3, lambda x, r, w: reference.all_reduce_add_rmsnorm(x, r, w, EPS, "tp")),
+      "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", backend=ls)),
+  }
+
+
+def time_variant(mesh, name, b, d, repeats=5):
+  from jax.experimental.mosaic.gpu import profiler
+
+  n_in, op = variants()[name]
+
+  def chain(*a):
+    x, rest = a[0], a[1:]
+    for _ in range(CHAIN):  # dependent calls, as in a layer stack
+      out = op(x, *rest)
+      x = out[1] if isinstance(out, tuple) else out
+    return x
+
+  f, put = sharded(mesh, chain, n_in)
+  rng = np.random.default_rng(0)
+  args = [rng.standard_normal((mesh.size, b, d)).astype(BF16) * 0.01]
+  if n_in == 3:
+    args += [rng.standard_normal((mesh.size, b, d)).astype(BF16),
+             np.ones((mesh.size, d), BF16)]
+  args = put(*args)
+  per_call, kernels = [], {}
+  for _ in range(repeats):
+    _, timings = profiler.measure(f, aggregate=False)(*args)
+    per_call.append(sum(t for _, t in timings) * 1e3 / (mesh.size * CHAIN))
+    for k, t in timings:
+      kernels.setdefault(k[:60], []).append(t * 1e3)
+  per_kernel = {k: dict(count_per_call=len(v) / (repeats * mesh.size * CHAIN), median_us=float(np.median(v)),
+                        min_us=float(np.min(v))) for k, v in kernels.items()}
+  return dict(op=name, batch=b, d=d, bytes=b * d * 2, us_per_call=float(np.median(per_call)),
+              us_per_call_all=per_call, kernels=per_kernel)
+
+
+def bench(mesh):
+  rows = []
+  grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "two_shot")]
+  grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "two_shot")]
+  grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_add_rmsnorm", "one_shot_add_rmsnorm")]
+  grid += [("one_shot", 1, 128)]  # a 256 B message: the latency floor of the push protocol
+  for name, b, d in grid:
+    try:
+      rows.append(time_variant(mesh, name, b, d))
+      r = rows[-1]
+      print(f"{name:22s} B={b:3d} D={d:5d} {r['us_per_call']:8.2f} us/call  "
+            + "  ".join(f"{k[:28]}={v['median_us']:.2f}" for k, v in r["kernels"].items()), flush=True)
+    except Exception as e:  # keep the other rows; the failure is recorded
+      rows.append(dict(op=name, batch=b, d=d, error=repr(e)[:400]))
+      print("FAILED", name, b, d, repr(e)[:400], flush=True)
+  return rows
+
+
+def barrier_us(row):
+  """Median time of XLA's cross-device barrier kernel in a Pallas row (0 if none was found)."""
+  return sum(v["median_us"] * v["count_per_call"] for k, v in row.get("kernels", {}).items()
+             if "barrier" in k.lower())
+
+
+def write_md(results, path):
+  by = {(r["op"], r["batch"], r["d"]): r for r in results.get("bench", []) if "us_per_call" in r}
+  tiny = by.get(("one_shot", 1, 128))
+  lat = (tiny["us_per_call"] - barrier_us(tiny)) if tiny else float("nan")
+  lines = ["# All-reduce on 2 x H200 (device time per call, us; CUPTI, all kernels of a call)", "",
+           f"Chain of {CHAIN} dependent calls, median of 5 measurements. 'kernel only' = the Pallas call "
+           "without XLA's barrier kernel. Floor = latency of a 256 B push (kernel only, measured: "
+           f"{lat:.2f} us) + bytes / {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s.", "",
+           "| D | batch | KB | psum | one-shot | (kernel only) | two-shot | floor | psum / one-shot |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for d in (7168, 3584):
+    for b in (1, 2, 4, 8, 16, 32, 64):
+      p, o, t = by.get(("psum", b, d)), by.get(("one_shot", b, d)), by.get(("two_shot", b, d))
+      if not (p and o):
+        continue
+      floor = lat + b * d * 2 / NVLINK_BYTES_PER_S * 1e6
+      po, oo = p["us_per_call"], o["us_per_call"]
+      to = t["us_per_call"] if t else float("nan")
+      lines.append(f"| {d} | {b} | {b * d * 2 / 1024:.0f} | {po:.2f} | {oo:.2f} | {oo - barrier_us(o):.2f} | "
+                   f"{to:.2f} | {floor:.2f} | {po / oo:.1f}x |")
+  lines += ["", "Fused all-reduce + residual add + RMSNorm (D = 7168):", "",
+            "| batch | XLA psum + add + norm | Pallas fused | (kernel only) |", "|---|---|---|---|"]
+  for b in (1, 8, 64):
+    p, o = by.get(("psum_add_rmsnorm", b, 7168)), by.get(("one_shot_add_rmsnorm", b, 7168))
+    if p and o:
+      lines.append(f"| {b} | {p['us_per_call']:.2f} | {o['us_per_call']:.2f} | "
+                   f"{o['us_per_call'] - barrier_us(o):.2f} |")
+  if "stress" in results:
+    lines += ["", f"Stress: {results['stress']}"]
+  if "check" in results:
+    bad = [r for r in results["check"] if not r["ok"]]
+    lines += ["", f"Correctness: {len(results['check']) - len(bad)}/{len(results['check'])} cases ok"
+              + (f"; failures: {bad}" if bad else "")]
+  lines += ["", f"Device: {results.get('device', '?')}. Per-kernel breakdown in collectives.json."]
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--check", action="store_true")
+  ap.add_argument("--bench", action="store_true")
+  ap.add_argument("--stress-steps", type=int, default=2000)
+  ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+  ap.add_argument("--deadline-s", type=int, default=540)
+  a = ap.parse_args()
+  faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a deadlocked kernel must not eat the budget
+  os.makedirs(a.out, exist_ok=True)
+  mesh = make_mesh(2)
+  results = dict(device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}", jax=jax.__version__)
+  path = os.path.join(a.out, "collectives.json")
+
+  def save():
+    with open(path, "w") as f:
+      json.dump(results, f, indent=1)
+    write_md(results, os.path.join(a.out, "collectives.md"))
+
+  if a.check:
+    results["check"] = check(mesh, np.random.default_rng())
+    save()
+    results["stress"] = stress(mesh, a.stress_steps, seed=int(np.random.default_rng().integers(2**31)))
+    print("stress", results["stress"], flush=True)
+    save()
+  if a.bench:
+    results["bench"] = bench(mesh)
+    save()
+
+
+if __name__ == "__main__":
+  main()
