@@ -1,0 +1,110 @@
+"""The fused KDA decode step as one Mosaic GPU kernel; sm90.py and sm100.py pick register layout and tuning.
+
+One CTA (one warpgroup, 128 threads) per (b, h). The step is state-bandwidth bound: each 128 x 128 fp32 state
+tile (64 KiB) is read once and written once, straight between HBM and registers; everything else is O(K).
+
+One read of S is enough because the update is linear in S (decay on key rows, rank-1 write):
+    delta = v - (diag(e) S)ᵀ k̂          = v - Sᵀ (e ⊙ k̂)
+    o     = S_newᵀ q̂                    = Sᵀ (e ⊙ q̂) + beta (k̂ · q̂) delta
+    S_new = diag(e) S + beta k̂ deltaᵀ   with e = exp(g)
+so the two K-reductions Sᵀ kd and Sᵀ qd run on the loaded tile, and S_new is formed and stored from the same
+registers. The O(K) work (conv window, SiLU, gate, beta, L2 norms) runs with thread t owning channel t
+(WG_STRIDED layout), and its results reach the tile layout through a 3 KiB SMEM buffer.
+
+Shapes it handles: K = V = 128 (the release), any B and H, bf16 or f32 compute dtype; anything else raises
+NotImplementedError so the api falls back to the reference.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+_CONV_TAPS = 4
+_LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
+    B, three, H, K = qkv_B3HK.shape
+    if three != 3 or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
+        raise NotImplementedError(f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} "
+                                  f"conv={conv_B3WHK.shape}")
+    if K != 128:
+        raise NotImplementedError(f"kernel needs K = V = 128 (one channel per thread), got {K}")
+    if qkv_B3HK.dtype not in (jnp.bfloat16, jnp.float32) or state_BHKV.dtype != F32:
+        raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
+
+
+def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
+          y_ref, new_state_ref, new_conv_ref, vec_smem, *, tile_layout, eps, dtype):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    K = vec_smem.shape[-1]
+    row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
+
+    # Issue the 64 KiB state read first; the O(K) prologue below hides its latency.
+    S_KV = plgpu.load(state_ref.at[b, h], layout=tile_layout, optimized=False)  # GMEM: plain ld.global
+
+    # Short conv + SiLU for q, k, v (§4.2); thread t owns channel t.
+    x = []
+    for i in range(3):
+        window = [conv_ref.at[b, i, j, h][...] for j in range(_CONV_TAPS - 1)] + [qkv_ref.at[b, i, h][...]]
+        y = sum(plgpu.load(w_ref.at[i, h, :, j]) * u.astype(F32) for j, u in enumerate(window))
+        x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
+        for j in range(_CONV_TAPS - 1):  # the window slides by one: keep the newest three pre-conv inputs
+            new_conv_ref.at[b, i, j, h][...] = window[j + 1]
+    q, k, v = x
+
+    # Gate, beta, L2 norms (§4.3).
+    g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_ref.at[b, h][...].astype(F32) + dtb_ref.at[h][...]))
+    beta = _sigmoid(beta_ref[b, h].astype(F32))
+    qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
+    kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    decay = jnp.exp(g)
+    vec_smem.at[0][...] = decay * kn
+    vec_smem.at[1][...] = decay * qn
+    vec_smem.at[2][...] = decay
+    vec_smem.at[3][...] = beta * kn
+    vec_smem.at[4][...] = v
+    o_gain = beta * jnp.sum(kn * qn)
+
+    def bcast(vec, dim):  # layout_cast tells the lowering which tile layout the broadcast must produce
+        return plgpu.layout_cast(lax.broadcast_in_dim(vec, S_KV.shape, (dim,)), tile_layout)
+
+    def rows(i):  # a per-key-row vector, broadcast along V
+        return bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0)
+
+    # Recurrence (§4.4) from one read of S.
+    delta_V = plgpu.load(vec_smem.at[4], layout=col_layout) - jnp.sum(S_KV * rows(0), axis=0)
+    o_V = jnp.sum(S_KV * rows(1), axis=0) + o_gain * delta_V
+    new_state_ref.at[b, h][...] = S_KV * rows(2) + rows(3) * bcast(delta_V, 1)
+
+    # Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding.
+    vec_smem.at[5][...] = o_V.astype(dtype).astype(F32)
+    o = vec_smem.at[5][...]
+    n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
+    y_ref.at[b, h][...] = (n * _sigmoid(gate_ref.at[b, h][...].astype(F32))).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "interpret"))
+def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
+           o_norm_w_K, *, eps, tile_layout, interpret=None):
+    B, _, H, K = qkv_B3HK.shape
+    dtype = qkv_B3HK.dtype
+    kernel = plgpu.kernel(
+        functools.partial(_body, tile_layout=tile_layout, eps=eps, dtype=dtype),
+        out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+                  jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
+        scratch_types=[plgpu.SMEM((6, K), F32)],
+        grid=(B, H), grid_names=("b", "h"),
+        compiler_params=_LANE, interpret=interpret,
+    )
+    return kernel(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
+                  A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
