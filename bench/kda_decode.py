@@ -1,0 +1,190 @@
+"""KDA decode step on one GPU: correctness at real shapes, then CUPTI device time of the fused Pallas kernel,
+the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the step must move.
+
+Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT
+Writes kda_decode.json and kda_decode.md into the given folder.
+"""
+
+import json
+import pathlib
+import statistics
+import sys
+import traceback
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from pallas_kernels.kda_decode import api, kernel, reference
+
+HBM_PEAK = 4.8e12  # H200 datasheet
+SHAPES = [(1, 6), (1, 12), (1, 96), (8, 6), (8, 12), (8, 96), (64, 6), (64, 12), (64, 96)]
+ITERS = 30
+
+
+def make_inputs(seed, B, H, K=128, dtype=jnp.bfloat16):
+    r = np.random.default_rng(seed)
+    act = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32).astype(dtype)  # noqa: E731
+    return (act(B, 3, H, K), act(B, H, K), act(B, H), act(B, H, K),
+            jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32), act(B, 3, 3, H, K),
+            jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
+            jnp.asarray(r.uniform(-1, 1.5, H), jnp.float32),
+            jnp.asarray(r.standard_normal((H, K)), jnp.float32),
+            jnp.asarray(1 + 0.2 * r.standard_normal(K), jnp.float32))
+
+
+def step_bytes(args, outs):
+    return sum(a.nbytes for a in args) + sum(o.nbytes for o in outs)
+
+
+def device_us(f, *args):
+    """Median over ITERS runs of the summed CUPTI kernel time of one call, in microseconds."""
+    f(*args)
+    _, times = profiler.measure(f, iterations=ITERS)(*args)
+    return 1e3 * statistics.median(times)
+
+
+def kernel_names(f, *args):
+    _, per_kernel = profiler.measure(f, aggregate=False)(*args)
+    return [name for name, _ in per_kernel]
+
+
+def load_fla():
+    """fla is pure Python on top of Triton; skip its package __init__s (they import every op and model)."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        return fused_recurrent_kda_fwd, "installed"
+    except Exception:
+        pass
+    root = pathlib.Path("bench/build/fla_src")
+    sys.path.insert(0, str(root))
+    for name in ("fla", "fla.ops", "fla.ops.kda"):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(root / name.replace(".", "/"))]
+        sys.modules[name] = pkg
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    return fused_recurrent_kda_fwd, "carried wheel source (bench/build/fla_src)"
+
+
+def fla_case(fwd, args):
+    """fla's decode recurrence (T=1) with gate, beta sigmoid and L2 norms in-kernel, state updated in place.
+    It does not do the short conv nor the gated RMSNorm: less work than our kernel."""
+    import torch
+    qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, _ = args
+    qn, kn, v, decay, beta_s, _ = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    # post-conv q, k, v in bf16 as fla receives them (it normalises them itself)
+    window = jnp.concatenate([conv, qkv[:, :, None]], axis=2).astype(jnp.float32)
+    y = jnp.sum(window * jnp.moveaxis(conv_w, -1, 1)[None], axis=2)
+    post = (y * jax.nn.sigmoid(y)).astype(jnp.bfloat16)
+    t = torch.from_dlpack
+    q_t, k_t, v_t = (t(post[:, i][:, None]).contiguous() for i in range(3))
+    g_t = t(f[:, None]).contiguous()
+    b_t = t(beta[:, None]).contiguous()
+    h0 = t(state).clone()
+    A_t, dtb_t = t(A_log), t(dt_bias.reshape(-1))
+
+    def run():
+        return fwd(q_t, k_t, v_t, g_t, b_t, A_log=A_t, dt_bias=dtb_t, initial_state=h0,
+                   output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
+                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+
+    # correctness of the comparison: one step from the same state must match our reference state
+    o, ht = run()
+    torch.cuda.synchronize()
+    want = reference._advance(state, kn, decay, beta_s,
+                              v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2))
+    err = float(jnp.max(jnp.abs(jnp.asarray(ht.cpu().numpy()) - want)))
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            run()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+                and e.key != "ProfilerStep*" and "Memcpy" not in e.key)
+    return total / ITERS, err
+
+
+def main(out_dir):
+    out_dir = pathlib.Path(out_dir)
+    dev = jax.devices()[0]
+    print(dev, dev.device_kind, dev.compute_capability)
+    ref = jax.jit(reference.kda_decode)
+    fused = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))
+    tcgen05_layout = jax.jit(lambda *a: kernel.decode(*a, eps=1e-5, tile_layout=kernel.plgpu.Layout.TCGEN05))
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   hbm_peak_Bps=HBM_PEAK, iterations=ITERS, cases=[], correctness=[])
+
+    # correctness at real shapes, both dtypes
+    for B, H in [(1, 6), (1, 12), (8, 6), (8, 12), (64, 6), (64, 12), (2, 96)]:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            args = make_inputs(B * 1000 + H, B, H, dtype=dtype)
+            want, got = ref(*args), fused(*args)
+            errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                    for n, a, b in zip(("y", "state", "conv"), got, want, strict=True)}
+            rel_state = errs["state"] / float(jnp.max(jnp.abs(want[1])))
+            results["correctness"].append(dict(B=B, H=H, dtype=jnp.dtype(dtype).name, max_abs_err=errs,
+                                               state_rel_err=rel_state))
+            print("check", B, H, jnp.dtype(dtype).name, errs, rel_state, flush=True)
+
+    try:
+        fla_fwd, fla_src = load_fla()
+        results["fla"] = fla_src
+    except Exception as e:
+        fla_fwd = None
+        results["fla"] = f"unavailable: {e!r}"
+        traceback.print_exc()
+
+    # XLA copy of a large buffer: the practical bandwidth ceiling on this machine
+    big = jnp.ones((256 * 2**20,), jnp.float32)
+    copy_us = device_us(jax.jit(lambda x: x + 1), big)
+    results["xla_copy_1GiB_read_write_Bps"] = 2 * big.nbytes / (copy_us * 1e-6)
+    print("copy bandwidth", results["xla_copy_1GiB_read_write_Bps"] / 1e12, "TB/s", flush=True)
+
+    for B, H in SHAPES:
+        args = make_inputs(7, B, H)
+        outs = ref(*args)
+        nbytes = step_bytes(args, outs)
+        case = dict(B=B, H=H, bytes=nbytes, floor_us=nbytes / HBM_PEAK * 1e6)
+        case["pallas_us"] = device_us(fused, *args)
+        case["xla_us"] = device_us(ref, *args)
+        case["xla_kernels"] = len(kernel_names(ref, *args))
+        case["pallas_kernels"] = len(kernel_names(fused, *args))
+        try:
+            case["pallas_tcgen05_layout_us"] = device_us(tcgen05_layout, *args)
+        except Exception as e:
+            case["pallas_tcgen05_layout_us"] = f"failed: {type(e).__name__}"
+        if fla_fwd is not None:
+            try:
+                case["fla_us"], case["fla_state_err"] = fla_case(fla_fwd, args)
+            except Exception as e:
+                case["fla_us"] = f"failed: {e!r}"[:300]
+                traceback.print_exc()
+        case["pallas_frac_of_peak"] = nbytes / (case["pallas_us"] * 1e-6) / HBM_PEAK
+        case["speedup_vs_xla"] = case["xla_us"] / case["pallas_us"]
+        print(case, flush=True)
+        results["cases"].append(case)
+
+    (out_dir / "kda_decode.json").write_text(json.dumps(results, indent=1))
+    lines = [f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 ({results['device']})", "",
+             f"CUPTI device time, median of {ITERS}; floor = bytes / {HBM_PEAK / 1e12:.1f} TB/s. "
+             f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
+             f"fla: {results['fla']} (recurrence + gate + beta + L2 only: no conv, no gated norm).", "",
+             "| B | H | MB moved | floor us | Pallas us | % of peak | XLA us (kernels) | vs XLA | fla us |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in results["cases"]:
+        fla = c.get("fla_us")
+        fla = f"{fla:.2f}" if isinstance(fla, float) else "-"
+        lines.append(f"| {c['B']} | {c['H']} | {c['bytes'] / 1e6:.2f} | {c['floor_us']:.2f} | "
+                     f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {c['xla_us']:.2f} "
+                     f"({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | {fla} |")
+    (out_dir / "kda_decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")
