@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 GROUP = 32
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       dtype=np.float32)
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 
 
 def _unpack_nibbles(packed, xp):
@@ -45,23 +45,23 @@ def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> n
 
 
 def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Round W [..., out, in] to MXFP4 (nearest E2M1, per-group power-of-two scale so the group max fits 6).
+    """Round W [..., out, in] to MXFP4: OCP MX rule, scale 2^(floor(log2(group amax)) - 2) (2 = E2M1's largest
+    exponent), elements rounded to the nearest E2M1 value and saturated at +-6.
 
-    Exact on weights that are already MXFP4-representable with that canonical scale, so
-    quantize(dequantize(quantize(w))) == quantize(w) bit for bit.
+    Idempotent: a dequantised group has amax in {4, 6} x scale, which gives back the same scale, so
+    quantize(dequantize(quantize(w))) == quantize(w) bit for bit. (The "smallest scale whose 6 covers amax"
+    rule is not: amax/scale in (3, 3.5) rounds to 3 and re-quantises one exponent lower.)
     """
     w = np.asarray(w, np.float32)
     if w.shape[-1] % GROUP:
         raise ValueError(f"MXFP4 needs the input axis divisible by {GROUP}, got {w.shape}")
     g = w.reshape(*w.shape[:-1], -1, GROUP)
     amax = np.abs(g).max(axis=-1)
-    # smallest e with amax <= 6 * 2^(e-127)
-    with np.errstate(divide="ignore"):
-        e = np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / 6.0)).astype(np.int32) + 127
-    e = np.where(amax > 0, e, 127).clip(1, 254)
+    _, ex = np.frexp(amax)  # amax = m * 2^ex with m in [0.5, 1): floor(log2(amax)) = ex - 1, exactly
+    e = np.where(amax > 0, ex - 1 - 2 + 127, 127).clip(1, 254)
     scaled = g / np.ldexp(np.float32(1.0), e - 127)[..., None]
     mags = E2M1_VALUES[:8]
-    idx = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1)  # ties go to the smaller magnitude
+    idx = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1)  # ties -> smaller magnitude; > 6 -> 6
     codes = (idx | (np.signbit(scaled).astype(np.int64) << 3)).astype(np.uint8).reshape(w.shape)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return packed, e.astype(np.uint8)
