@@ -1,0 +1,283 @@
+"""HF K3 checkpoint -> k3jax checkpoint (orbax params + k3jax_meta.json), streaming, resumable, atomic.
+
+Flow: open and validate every header (no data read, nothing written on error) -> one job per table entry,
+grouped into parts (the globals, then one part per layer) -> N worker threads read source tensors lazily
+(one stack entry or row block at a time, so host memory is bounded by workers x block size, not by the
+model) and write them into a staging directory `OUT_DIR.tmp-<hash>` -> a part's marker is written when all
+its leaves are on disk, so `--resume` skips finished parts -> metadata, tokenizer files, optional verify ->
+one rename to OUT_DIR. A crash leaves only the staging directory, which `k3jax.load` refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from convert import store
+from convert.safetensors_io import ShardError, read
+from convert.source import ConvertError, Source, check, fingerprint, open_source
+from k3jax import params as P
+from k3jax import transforms
+
+META = "k3jax_meta.json"
+FORMAT = "k3jax-checkpoint"
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Options:
+    experts: str | None = None  # 'mxfp4' (keep packed) | 'bf16' (dequantise); default: as stored
+    dtype: str = "bfloat16"  # storage dtype of the bf16 trunk; fp32 tensors and packed bytes are kept
+    tp: int = 1  # tensor-parallel hint: chunk boundaries follow the TP split, recorded in the metadata
+    workers: int = 2
+    resume: bool = False
+    verify: bool = False
+    checksum: str = "fast"  # 'fast' | 'full' (sha256 of every byte)
+    overwrite: bool = False
+    block_bytes: int = 256 << 20  # largest row block read at once from an unstacked tensor
+    progress: bool = True
+
+
+def convert(
+    hf_dir: str, out_dir: str, opts: Options = Options(), _after_part: Callable[[str], None] | None = None
+) -> dict:
+    """Convert; returns the metadata dict written to OUT_DIR/k3jax_meta.json.
+
+    `_after_part(part)` is a test hook, called after each part's marker is written."""
+    if opts.dtype not in ("bfloat16", "float32"):
+        raise ConvertError(f"--dtype must be bfloat16 or float32, got {opts.dtype!r}")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not opts.overwrite:
+        raise ConvertError(f"{out_dir} already exists (pass --overwrite to replace it)")
+    src = open_source(hf_dir)
+    cfg = src.cfg
+    experts = opts.experts or ("mxfp4" if cfg.expert_quant == "mxfp4" else "bf16")
+    if experts == "mxfp4" and cfg.expert_quant != "mxfp4":
+        raise ConvertError(
+            "--experts mxfp4 needs MXFP4 experts in the source; this checkpoint stores bf16 "
+            "experts (re-quantising would change the weights)"
+        )
+    table = P.tensor_table(cfg, experts)
+    skipped = check(src, table)
+    source_files = {f: fingerprint(os.path.join(hf_dir, f), opts.checksum == "full") for f in src.files}
+    job_id = hashlib.sha256(
+        json.dumps(
+            [cfg.to_hf(), experts, opts.dtype, opts.tp, opts.block_bytes, source_files], sort_keys=True
+        ).encode()
+    ).hexdigest()[:12]
+    stage = f"{out_dir}.tmp-{job_id}"
+    params_dir, parts_dir = os.path.join(stage, "params"), os.path.join(stage, "parts")
+    if os.path.exists(stage) and not opts.resume:
+        shutil.rmtree(stage)
+    os.makedirs(params_dir, exist_ok=True)
+    os.makedirs(parts_dir, exist_ok=True)
+
+    jobs = [
+        _Job(
+            spec,
+            src,
+            _store_dtype(spec, opts.dtype),
+            *store.chunk_shape(spec, _store_dtype(spec, opts.dtype), opts.tp, opts.block_bytes),
+        )
+        for spec in table
+    ]
+    parts: dict[str, list[_Job]] = {}
+    for j in jobs:
+        parts.setdefault(_part(j.spec), []).append(j)
+    done = {p for p in parts if os.path.exists(os.path.join(parts_dir, p + ".done"))}
+    todo = [j for p, js in parts.items() if p not in done for j in js]
+    try:
+        bar = _Progress(sum(j.src_bytes for j in todo), "convert", opts.progress)
+        if done:
+            print(f"resuming: {len(done)} of {len(parts)} parts already converted", file=sys.stderr)
+        remaining = {p: len(js) for p, js in parts.items() if p not in done}
+        lock = threading.Lock()
+
+        def run(j: _Job):
+            j.write(params_dir, bar)
+            with lock:
+                p = _part(j.spec)
+                remaining[p] -= 1
+                finished = remaining[p] == 0
+            if finished:
+                open(os.path.join(parts_dir, p + ".done"), "w").close()
+                if _after_part:
+                    _after_part(p)
+
+        _pool(run, todo, opts.workers)
+        bar.close()
+        store.write_metadata(params_dir, table)
+        meta = {
+            "format": FORMAT,
+            "table_version": P.TABLE_VERSION,
+            "config": cfg.to_hf(),
+            "experts": experts,
+            "dtype": opts.dtype,
+            "tp": opts.tp,
+            "params": "params",
+            "tensors": {j.spec.key: {"shape": list(j.spec.shape), "dtype": j.dtype} for j in jobs},
+            "source": {
+                "dir": os.path.abspath(hf_dir),
+                "checksum": opts.checksum,
+                "files": source_files,
+                "tensors_read": sum(len(j.spec.hf_names) for j in jobs),
+                "skipped": skipped,
+            },
+            "tokenizer": [],
+        }
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(hf_dir, name)):
+                shutil.copy2(os.path.join(hf_dir, name), os.path.join(stage, name))
+                meta["tokenizer"].append(name)
+            else:
+                print(
+                    f"warning: {name} not in {hf_dir}; the checkpoint has no tokenizer file", file=sys.stderr
+                )
+        if opts.verify:
+            vbar = _Progress(sum(j.src_bytes for j in jobs), "verify", opts.progress)
+            _pool(lambda j: j.verify(params_dir, vbar), jobs, opts.workers)
+            vbar.close()
+        with open(os.path.join(stage, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        shutil.rmtree(parts_dir)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(stage, out_dir)  # the one atomic step: before it nothing loads, after it all of it does
+    except (ConvertError, ShardError) as e:  # bad data: nothing to resume, leave nothing behind
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ConvertError(str(e)) from None
+    return meta
+
+
+def _store_dtype(spec: P.TensorSpec, dtype: str) -> str:
+    return dtype if spec.dtype == "bfloat16" else spec.dtype
+
+
+def _part(spec: P.TensorSpec) -> str:
+    return f"layer{spec.path[1]:03d}" if spec.path[0] == "layers" else "globals"
+
+
+def _pool(fn, items, workers: int):
+    """Run fn over items on `workers` threads; the first exception cancels the rest and is re-raised."""
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        futs = [ex.submit(fn, it) for it in items]
+        finished, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        for f in futs:
+            if f.done() and f.exception() is not None:
+                for g in futs:
+                    g.cancel()
+                raise f.exception()
+
+
+@dataclass
+class _Job:
+    """One table entry: where its HF tensors are, how to stream them, what to write."""
+
+    spec: P.TensorSpec
+    src: Source
+    dtype: str
+    chunks: tuple[int, ...]
+    axis: int
+
+    @property
+    def src_bytes(self) -> int:
+        n = 0
+        for t in self.spec.hf_names:
+            e = self.src.entry(t)
+            n += e.nbytes
+            if self.spec.transform == "dequant":
+                n += self.src.entries[self.src.name(t).removesuffix("_packed") + "_scale"].nbytes
+        return n // (2 if self.spec.transform.startswith("kvb_") else 1)  # kv_b is read by two entries
+
+    def blocks(self) -> Iterator[tuple[tuple, np.ndarray, int]]:
+        """(index into our array, our values in the storage dtype, source bytes read), bounded in size."""
+        spec = dataclasses.replace(self.spec, dtype=self.dtype)  # cast once, straight to the storage dtype
+        names = [self.src.name(t) for t in spec.hf_names]
+        if spec.stack is not None:
+            for i, name in enumerate(names):
+                a, c, n = self._read(name)
+                yield (i,), transforms.from_hf(spec, [a], [c])[0], n
+            return
+        e = self.src.entries[names[0]]
+        step, shape = self.chunks[self.axis], spec.shape
+        streamable = (
+            e.shape == shape
+            if spec.transform == "copy"
+            else spec.transform == "T" and e.shape == (int(np.prod(shape[1:])), shape[0])
+        )
+        if not streamable or step >= shape[self.axis]:
+            a, c, n = self._read(names[0])
+            yield (), transforms.from_hf(spec, [a], [c]), n
+            return
+        inner = e.shape[0] // spec.shape[self.axis]  # HF rows per index of the streamed axis (T: head dims)
+        for r0 in range(0, spec.shape[self.axis], step):
+            r1 = min(r0 + step, spec.shape[self.axis])
+            a = read(e, (r0 * inner, r1 * inner))
+            if spec.transform == "T":
+                out = np.ascontiguousarray(a.T).reshape((spec.shape[0], r1 - r0) + spec.shape[2:])
+                yield (slice(None), slice(r0, r1)), out.astype(store.np_dtype(self.dtype)), a.nbytes
+            else:
+                yield (
+                    (slice(r0, r1),),
+                    a.reshape((r1 - r0,) + spec.shape[1:]).astype(store.np_dtype(self.dtype)),
+                    a.nbytes,
+                )
+
+    def _read(self, name: str):
+        a = read(self.src.entries[name])
+        if self.spec.transform != "dequant":
+            return a, None, a.nbytes // (2 if self.spec.transform.startswith("kvb_") else 1)
+        c = read(self.src.entries[name.removesuffix("_packed") + "_scale"])
+        return a, c, a.nbytes + c.nbytes
+
+    def write(self, params_dir: str, bar):
+        t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=True)
+        for idx, arr, n in self.blocks():
+            t[idx].write(arr).result()
+            bar.update(n)
+
+    def verify(self, params_dir: str, bar):
+        t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=False)
+        for idx, want, n in self.blocks():
+            got = t[idx].read().result()
+            if got.shape != want.shape or not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+                names = ", ".join(self.src.name(h) for h in self.spec.hf_names[:2])
+                raise ConvertError(
+                    f"--verify: output {self.spec.key} {idx} differs from its source ({names})"
+                )
+            bar.update(n)
+
+
+class _Progress:
+    """Thread-safe tqdm byte counter (shows MB/s); silent when progress is off."""
+
+    def __init__(self, total: int, desc: str, on: bool):
+        self.lock = threading.Lock()
+        self.n = 0
+        self.bar = None
+        if on:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, smoothing=0.1
+            )
+
+    def update(self, n: int):
+        with self.lock:
+            self.n += n
+            if self.bar is not None:
+                self.bar.update(n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
