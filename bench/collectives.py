@@ -27,7 +27,7 @@ from pallas_kernels.collectives import api, reference  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 EPS = 1e-5
-CHAIN = 4
+CHAIN = 8
 NVLINK_BYTES_PER_S = 450e9  # H200 NVLink 4: 18 links x 25 GB/s per direction
 
 
@@ -78,7 +78,7 @@ def check(mesh, rng):
       (int(rng.integers(1, 65)), 128 * int(rng.integers(1, 64))) for _ in range(6)]
   for (b, d) in cases:
     x = (rng.standard_normal((n, b, d)) * 10.0 ** rng.uniform(-2, 2)).astype(BF16)
-    for alg in ("one_shot", "two_shot"):
+    for alg in ("one_shot", "one_shot_st", "two_shot"):
       f, put = sharded(mesh, lambda v, alg=alg: api.all_reduce(v, "tp", backend="latency_specialized",
                                                                 algorithm=alg), 1)
       y = np.asarray(f(*put(x)))
@@ -101,7 +101,7 @@ def check(mesh, rng):
 
 
 def stress(mesh, steps=2000, seed=0):
-  """`steps` loop iterations, each three different kernels back to back on fresh random data.
+  """`steps` loop iterations, each four different kernels back to back on fresh random data.
 
   No NCCL call or host sync sits between the Pallas calls, so a rank that reads a stale signal or a
   peer's previous buffer produces a wrong sum, which the host check below counts.
@@ -111,31 +111,36 @@ def stress(mesh, steps=2000, seed=0):
   xa = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # one-shot, batch-1 hidden
   xb = rng.standard_normal((n, steps, 2, 3584)).astype(BF16)  # two-shot, MoE latent
   xc = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # fused add + RMSNorm
+  xd = rng.standard_normal((n, steps, 8, 7168)).astype(BF16)  # one-shot, plain stores
   res = np.broadcast_to(rng.standard_normal((1, steps, 1, 7168)).astype(BF16), (n, steps, 1, 7168)).copy()
   w = np.broadcast_to((1 + 0.1 * rng.standard_normal(7168)).astype(BF16), (n, 7168)).copy()
 
-  def loop(xa, xb, xc, res, w):
+  def loop(xa, xb, xc, xd, res, w):
     def body(i, out):
-      ya, yb, new, normed = out
+      ya, yb, new, normed, yd = out
       a = api.all_reduce(xa[i], "tp", backend="latency_specialized", algorithm="one_shot")
       b = api.all_reduce(xb[i], "tp", backend="latency_specialized", algorithm="two_shot")
       c, d = api.all_reduce_add_rmsnorm(xc[i], res[i], w, EPS, "tp", backend="latency_specialized")
-      return ya.at[i].set(a), yb.at[i].set(b), new.at[i].set(c), normed.at[i].set(d)
-    init = (jnp.zeros_like(xa), jnp.zeros_like(xb), jnp.zeros_like(xc), jnp.zeros_like(xc))
+      e = api.all_reduce(xd[i], "tp", backend="latency_specialized", algorithm="one_shot_st")
+      return ya.at[i].set(a), yb.at[i].set(b), new.at[i].set(c), normed.at[i].set(d), yd.at[i].set(e)
+    init = tuple(jnp.zeros_like(v) for v in (xa, xb, xc, xc, xd))
     return jax.lax.fori_loop(0, steps, body, init)
 
-  f, put = sharded(mesh, loop, 5)
+  f, put = sharded(mesh, loop, 6)
   t0 = time.perf_counter()
-  ya, yb, new, normed = (np.asarray(a) for a in f(*put(xa, xb, xc, res, w)))
+  ya, yb, new, normed, yd = (np.asarray(a) for a in f(*put(xa, xb, xc, xd, res, w)))
   wall = time.perf_counter() - t0
   bad_a, _ = sum_errors(ya, xa, per_step=True)
   bad_b, _ = sum_errors(yb, xb, per_step=True)
+  bad_d, _ = sum_errors(yd, xd, per_step=True)
   rn, rnorm = np_add_rmsnorm(xc, res[0], w[0])
   same_c = np.all(new.view(np.uint16) == new[:1].view(np.uint16), axis=(0, 2, 3)) & np.all(
       normed.view(np.uint16) == normed[:1].view(np.uint16), axis=(0, 2, 3))
   bad_c = ~(close_bf16(new[0], rn).all(axis=(1, 2)) & close_bf16(normed[0], rnorm).all(axis=(1, 2)) & same_c)
-  return dict(steps=steps, calls=3 * steps, bad_calls=int(bad_a.sum() + bad_b.sum() + bad_c.sum()),
+  n_bad = int(bad_a.sum() + bad_b.sum() + bad_c.sum() + bad_d.sum())
+  return dict(steps=steps, calls=4 * steps, bad_calls=n_bad,
               bad_one_shot=int(bad_a.sum()), bad_two_shot=int(bad_b.sum()), bad_fused=int(bad_c.sum()),
+              bad_one_shot_st=int(bad_d.sum()),
               wall_s_incl_compile=wall)
 
 
@@ -146,6 +151,11 @@ def variants():
       "psum": (1, lambda x: jax.lax.psum(x, "tp")),
       "one_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot")),
       "two_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="two_shot")),
+      "one_shot_st": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot_st")),
+      "one_shot@4k": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot",
+                                                  block_bytes=4096)),
+      "one_shot_st@4k": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot_st",
+                                                     block_bytes=4096)),
       "psum_add_rmsnorm": (3, lambda x, r, w: reference.all_reduce_add_rmsnorm(x, r, w, EPS, "tp")),
       "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", backend=ls)),
   }
@@ -178,16 +188,20 @@ def time_variant(mesh, name, b, d, repeats=5):
       kernels.setdefault(k[:60], []).append(t * 1e3)
   per_kernel = {k: dict(count_per_call=len(v) / (repeats * mesh.size * CHAIN), median_us=float(np.median(v)),
                         min_us=float(np.min(v))) for k, v in kernels.items()}
-  return dict(op=name, batch=b, d=d, bytes=b * d * 2, us_per_call=float(np.median(per_call)),
-              us_per_call_all=per_call, kernels=per_kernel)
+  # Steady state (ranks in lockstep, as inside a decode step): median time of each kernel x its count.
+  # The plain mean also carries the host launch skew between the two GPUs, absorbed by the first call.
+  steady = sum(v["median_us"] * v["count_per_call"] for v in per_kernel.values())
+  return dict(op=name, batch=b, d=d, bytes=b * d * 2, us_per_call=steady,
+              us_per_call_mean_incl_skew=float(np.median(per_call)), kernels=per_kernel)
 
 
 def bench(mesh):
   rows = []
-  grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "two_shot")]
-  grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "two_shot")]
+  grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "one_shot_st")]
+  grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("two_shot", "one_shot@4k", "one_shot_st@4k")]
+  grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "one_shot_st", "two_shot")]
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_add_rmsnorm", "one_shot_add_rmsnorm")]
-  grid += [("one_shot", 1, 128)]  # a 256 B message: the latency floor of the push protocol
+  grid += [("one_shot", 1, 128), ("one_shot_st", 1, 128)]  # 256 B: latency floor of the push protocols
   for name, b, d in grid:
     try:
       rows.append(time_variant(mesh, name, b, d))
@@ -208,38 +222,50 @@ def barrier_us(row):
 
 def write_md(results, path):
   by = {(r["op"], r["batch"], r["d"]): r for r in results.get("bench", []) if "us_per_call" in r}
-  tiny = by.get(("one_shot", 1, 128))
-  lat = (tiny["us_per_call"] - barrier_us(tiny)) if tiny else float("nan")
-  lines = ["# All-reduce on 2 x H200 (device time per call, us; CUPTI, all kernels of a call)", "",
-           f"Chain of {CHAIN} dependent calls, median of 5 measurements. 'kernel only' = the Pallas call "
-           "without XLA's barrier kernel. Floor = latency of a 256 B push (kernel only, measured: "
-           f"{lat:.2f} us) + bytes / {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s.", "",
-           "| D | batch | KB | psum | one-shot | (kernel only) | two-shot | floor | psum / one-shot |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  us = lambda op, b, d: by[(op, b, d)]["us_per_call"] if (op, b, d) in by else float("nan")
+  nan = float("nan")
+  kernel_only = lambda op, b, d: us(op, b, d) - barrier_us(by[(op, b, d)]) if (op, b, d) in by else nan
+  lat = kernel_only("one_shot_st", 1, 128)
+  lines = ["# All-reduce on 2 x H200: device time per call (us), CUPTI", "",
+           "Steady state: every kernel a call launches on a rank (NCCL's kernel; or the semaphore memset, "
+           "XLA's cross-device barrier kernel and the Pallas kernel), median over a chain of "
+           f"{CHAIN} dependent calls x 5 runs x 2 ranks. 'kernel' = the Pallas kernel plus memset, "
+           "without the barrier kernel. "
+           f"Floor = a 256 B plain-store push measured as a kernel ({lat:.2f} us) + bytes / "
+           f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s.", "",
+           "| D | batch | KB | psum | one-shot TMA | one-shot st | (st kernel) | barrier | two-shot "
+           "| floor |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for d in (7168, 3584):
     for b in (1, 2, 4, 8, 16, 32, 64):
-      p, o, t = by.get(("psum", b, d)), by.get(("one_shot", b, d)), by.get(("two_shot", b, d))
-      if not (p and o):
+      if ("psum", b, d) not in by:
         continue
+      bar = barrier_us(by[("one_shot_st", b, d)]) if ("one_shot_st", b, d) in by else float("nan")
       floor = lat + b * d * 2 / NVLINK_BYTES_PER_S * 1e6
-      po, oo = p["us_per_call"], o["us_per_call"]
-      to = t["us_per_call"] if t else float("nan")
-      lines.append(f"| {d} | {b} | {b * d * 2 / 1024:.0f} | {po:.2f} | {oo:.2f} | {oo - barrier_us(o):.2f} | "
-                   f"{to:.2f} | {floor:.2f} | {po / oo:.1f}x |")
-  lines += ["", "Fused all-reduce + residual add + RMSNorm (D = 7168):", "",
-            "| batch | XLA psum + add + norm | Pallas fused | (kernel only) |", "|---|---|---|---|"]
+      lines.append(f"| {d} | {b} | {b * d * 2 / 1024:.0f} | {us('psum', b, d):.2f} | "
+                   f"{us('one_shot', b, d):.2f} | "
+                   f"{us('one_shot_st', b, d):.2f} | {kernel_only('one_shot_st', b, d):.2f} | {bar:.2f} | "
+                   f"{us('two_shot', b, d):.2f} | {floor:.2f} |")
+  lines += ["", "Block size (D = 7168): per-CTA block 16 KB (default) vs 4 KB", "",
+            "| batch | one-shot TMA 16K | 4K | one-shot st 16K | 4K |", "|---|---|---|---|---|"]
   for b in (1, 8, 64):
-    p, o = by.get(("psum_add_rmsnorm", b, 7168)), by.get(("one_shot_add_rmsnorm", b, 7168))
-    if p and o:
-      lines.append(f"| {b} | {p['us_per_call']:.2f} | {o['us_per_call']:.2f} | "
-                   f"{o['us_per_call'] - barrier_us(o):.2f} |")
+    lines.append(f"| {b} | {us('one_shot', b, 7168):.2f} | {us('one_shot@4k', b, 7168):.2f} | "
+                 f"{us('one_shot_st', b, 7168):.2f} | {us('one_shot_st@4k', b, 7168):.2f} |")
+  lines += ["", "Fused all-reduce + residual add + RMSNorm (D = 7168):", "",
+            "| batch | XLA psum + add + norm | Pallas fused | (kernel) |", "|---|---|---|---|"]
+  for b in (1, 8, 64):
+    lines.append(f"| {b} | {us('psum_add_rmsnorm', b, 7168):.2f} | "
+                 f"{us('one_shot_add_rmsnorm', b, 7168):.2f} | "
+                 f"{kernel_only('one_shot_add_rmsnorm', b, 7168):.2f} |")
   if "stress" in results:
-    lines += ["", f"Stress: {results['stress']}"]
+    lines += ["", "Stress (back-to-back calls, fresh random data, every result checked): "
+              f"{results['stress']}"]
   if "check" in results:
     bad = [r for r in results["check"] if not r["ok"]]
-    lines += ["", f"Correctness: {len(results['check']) - len(bad)}/{len(results['check'])} cases ok"
-              + (f"; failures: {bad}" if bad else "")]
-  lines += ["", f"Device: {results.get('device', '?')}. Per-kernel breakdown in collectives.json."]
+    lines += ["", f"Correctness vs float64 sum, ranks bit-identical: {len(results['check']) - len(bad)}/"
+              f"{len(results['check'])} cases ok" + (f"; failures: {bad}" if bad else "")]
+  lines += ["", f"Device: {results.get('device', '?')}, jax {results.get('jax', '?')}. "
+            "Per-kernel medians in collectives.json."]
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
 

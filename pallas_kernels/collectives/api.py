@@ -76,9 +76,9 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=BLOCK
     if (m // r) % n:
       return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes)
     return Plan("two_shot", r)
-  if algorithm != "one_shot":
+  if algorithm not in ("one_shot", "one_shot_st"):
     raise ValueError(f"unknown algorithm {algorithm}")
-  return Plan("one_shot", _largest_divisor_at_most(m, cap_rows))
+  return Plan(algorithm, _largest_divisor_at_most(m, cap_rows))
 
 
 def plan_add_rmsnorm(x_shape, x_dtype, res_shape, res_dtype, w_shape, n, platform):
@@ -98,18 +98,19 @@ def _platform():
   return jax.default_backend()
 
 
-def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, skip_barrier=False):
+def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=BLOCK_BYTES,
+               skip_barrier=False):
   """Sum of x over `axis_name`, same shape and dtype on every rank.
 
-  algorithm ("one_shot" | "two_shot") and skip_barrier are for benchmarks: skip_barrier=True is unsafe in
-  jax 0.11.2 (see kernels.py) and exists only to time the kernel without XLA's barrier.
+  algorithm ("one_shot" | "one_shot_st" | "two_shot"), block_bytes and skip_barrier are for benchmarks and
+  tests; skip_barrier=True is unsafe in jax 0.11.2 (see kernels.py).
   """
   if backend == "xla":
     return reference.all_reduce(x, axis_name)
   if backend != "latency_specialized":
     raise ValueError(f"unknown backend {backend}")
   n = lax.axis_size(axis_name)
-  plan = plan_all_reduce(x.shape, x.dtype, n, _platform(), algorithm)
+  plan = plan_all_reduce(x.shape, x.dtype, n, _platform(), algorithm, block_bytes)
   if plan.algorithm == "xla":
     _log_fallback_once(plan.reason)
     return reference.all_reduce(x, axis_name)

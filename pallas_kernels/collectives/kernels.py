@@ -214,3 +214,44 @@ def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrie
 KERNELS = {"one_shot": one_shot, "two_shot": two_shot}
 
 
+
+
+def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+  """One-shot with plain register loads/stores only (no SMEM, no TMA).
+
+  Latency variant: a TMA store to a peer needs an in-kernel descriptor for the remote address and a bulk
+  wait for remote completion; plain stores ordered by the signal's release (red.release.sys after a
+  warpgroup barrier) skip both. Every slot, mine included, is read back with plain loads, so writes and
+  reads stay in the generic proxy.
+  """
+  M, C = x_MC.shape
+  R = block_rows
+  dtype = x_MC.dtype
+
+  def body(x_gmem, y_gmem, recv_gmem, sem):
+    me = lax.axis_index(axis_name)
+    rows = pl.ds(lax.axis_index("blocks") * R, R)
+    mine = x_gmem[rows]
+    peers = _peers(me, n, axis_name)
+    for peer in peers:
+      plgpu.remote_ref(recv_gmem, peer).at[me, rows][...] = mine
+    recv_gmem.at[me, rows][...] = mine
+    for peer in peers:
+      pl.semaphore_signal(sem, device_id=peer)
+    pl.semaphore_wait(sem, n - 1)
+    acc = recv_gmem[0, rows].astype(jnp.float32)
+    for r in range(1, n):
+      acc = acc + recv_gmem[r, rows].astype(jnp.float32)
+    y_gmem[rows] = acc.astype(dtype)
+
+  y, _ = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
+      scratch_types=[plgpu.SemaphoreType.REGULAR],
+      grid=(M // R,), grid_names=("blocks",),
+      compiler_params=_params(skip_barrier),
+  )(x_MC)
+  return y
+
+
+KERNELS["one_shot_st"] = one_shot_st
