@@ -130,7 +130,7 @@ def convert(
                 "dir": os.path.abspath(hf_dir),
                 "checksum": opts.checksum,
                 "files": source_files,
-                "tensors_read": sum(len(j.spec.hf_names) for j in jobs),
+                "tensors_read": len(src.entries) - sum(skipped.values()),
                 "skipped": skipped,
             },
             "tokenizer": [],

@@ -20,9 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from k3jax import params as P
-
-# logical axes that tensor-parallel sharding splits; chunks are cut along them by the --tp hint
-TP_AXES = ("vocab", "kda_heads", "mla_heads", "ffn", "shared_ffn", "moe_ffn")
+from k3jax import sharding
 
 
 def leaf_name(path) -> str:
@@ -42,7 +40,7 @@ def chunk_shape(spec: P.TensorSpec, dtype: str, tp: int, block_bytes: int) -> tu
     unstacked copy/T tensors in row blocks of <= block_bytes along the axis their HF rows map to."""
     c = list(spec.shape)
     for i, ax in enumerate(spec.axes):
-        if tp > 1 and ax in TP_AXES and c[i] % tp == 0:
+        if tp > 1 and sharding.RULES.get(ax) and c[i] % tp == 0:  # TP-split axes
             c[i] //= tp
     if spec.stack is not None:
         c[0] = 1

@@ -1,0 +1,97 @@
+"""Load a converted k3jax checkpoint straight into device arrays: `cfg, params = k3jax.load(CKPT_DIR, mesh)`.
+
+The directory is what `k3jax-convert` writes: `k3jax_meta.json` (config, tensor-table version, experts format,
+dtypes) and `params/`, an orbax PyTree checkpoint. Orbax restores every leaf with its target sharding, so each
+device reads only the chunks of its own shard. We refuse anything whose tensor table or config does not match
+this code before reading a byte of weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import params as P
+from k3jax.config import ConfigError, K3Config
+
+META = "k3jax_meta.json"
+FORMAT = "k3jax-checkpoint"
+
+
+class CheckpointError(ValueError):
+    """A directory that is not a loadable k3jax checkpoint for this code."""
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such directory")
+    if not os.path.exists(path):
+        is_hf = os.path.exists(os.path.join(ckpt_dir, "config.json"))
+        hint = " (it looks like an HF checkpoint)" if is_hf else ""
+        raise CheckpointError(f"{ckpt_dir} is not a converted k3jax checkpoint{hint}: "
+                              f"run k3jax-convert HF_DIR {ckpt_dir} first")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; "
+                              "run k3jax-convert first")
+    if meta.get("table_version") != P.TABLE_VERSION:
+        raise CheckpointError(f"{ckpt_dir}: tensor-table version {meta.get('table_version')} but this code "
+                              f"reads version {P.TABLE_VERSION}; re-run k3jax-convert on the HF checkpoint")
+    return meta
+
+
+def load_config(ckpt_dir: str) -> K3Config:
+    return K3Config.from_hf(read_meta(ckpt_dir)["config"])
+
+
+def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
+    """(cfg, params). `dtype` casts the bf16 trunk on read (fp32 tensors and packed experts are kept);
+    `mesh` places every leaf with `k3jax.sharding.param_shardings`, else all on the first device;
+    `expect` refuses a checkpoint of a different config."""
+    meta = read_meta(ckpt_dir)
+    try:
+        cfg = K3Config.from_hf(meta["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt_dir}: stored config is not runnable: {e}") from None
+    if expect is not None and expect != cfg:
+        diff = [f.name for f in cfg.__dataclass_fields__.values()
+                if f.compare and getattr(cfg, f.name) != getattr(expect, f.name)]
+        raise CheckpointError(f"{ckpt_dir}: config differs from the expected one in {diff}")
+    experts = meta["experts"]
+    table = P.tensor_table(cfg, experts)
+    stored = meta["tensors"]
+    want = {s.key: s for s in table}
+    if set(stored) != set(want):
+        extra, missing = sorted(set(stored) - set(want)), sorted(set(want) - set(stored))
+        raise CheckpointError(f"{ckpt_dir}: tensors do not match the tensor table (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}); re-run k3jax-convert")
+    for key, s in want.items():
+        if tuple(stored[key]["shape"]) != s.shape:
+            raise CheckpointError(f"{ckpt_dir}: {key} has shape {stored[key]['shape']}, the table says "
+                                  f"{list(s.shape)}; re-run k3jax-convert")
+    if mesh is not None:
+        from k3jax.sharding import param_shardings
+
+        shardings = P.flatten(param_shardings(cfg, mesh, experts), cfg, experts)
+    else:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = {s.path: dev for s in table}
+
+    def target(s: P.TensorSpec):
+        dt = jnp.dtype(stored[s.key]["dtype"])
+        if dtype is not None and s.dtype == "bfloat16":
+            dt = jnp.dtype(dtype)  # tensorstore casts while reading
+        return jax.ShapeDtypeStruct(s.shape, dt, sharding=shardings[s.path])
+
+    abstract = P.unflatten({s.path: target(s) for s in table})
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        params_dir = os.path.join(os.path.abspath(ckpt_dir), meta.get("params", "params"))
+        params = ckptr.restore(params_dir, abstract)
+    return cfg, params
