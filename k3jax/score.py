@@ -1,0 +1,59 @@
+"""Full-sequence logits: `python -m k3jax.score --checkpoint CKPT --tokens IDS.npy --out OUT.npy`.
+
+IDS.npy holds int token ids [B, T] (or [T]); OUT.npy gets float32 logits [B, T, V] (or [T, V]) from
+`model.forward` (causal, from an empty state). With --dtype float32 the bf16 trunk is widened exactly and
+every matmul runs at full fp32 precision (jax_default_matmul_precision="highest"), for comparisons with
+independent implementations; --dtype bfloat16 is the model's native numerics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def score(ckpt_dir: str, tokens: np.ndarray, dtype: str = "float32", mesh=None) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax import model
+    from k3jax.checkpoint import load
+
+    if dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    tokens = np.asarray(tokens)
+    if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim not in (1, 2):
+        raise ValueError(
+            f"tokens must be int ids of shape [B, T] or [T], got {tokens.dtype}{list(tokens.shape)}"
+        )
+    dt = jnp.dtype(dtype)
+    cfg, params = load(ckpt_dir, mesh=mesh, dtype=dt)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got [{tokens.min()}, {tokens.max()}]")
+    ids_BT = tokens[None] if tokens.ndim == 1 else tokens
+    fwd = jax.jit(model.forward, static_argnums=(2, 3))
+    logits = np.asarray(fwd(params, jnp.asarray(ids_BT, jnp.int32), cfg, dt), np.float32)
+    return logits[0] if tokens.ndim == 1 else logits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3jax.score", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="a k3jax-convert output directory")
+    ap.add_argument("--tokens", required=True, help=".npy of int token ids [B, T] or [T]")
+    ap.add_argument("--out", required=True, help=".npy to write float32 logits to")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    a = ap.parse_args(argv)
+    try:
+        logits = score(a.checkpoint, np.load(a.tokens), a.dtype)
+    except ValueError as e:
+        print(f"k3jax.score: error: {e}", file=sys.stderr)
+        return 2
+    np.save(a.out, logits)
+    print(f"wrote logits {list(logits.shape)} to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
