@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
@@ -43,14 +44,20 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
 
 
 def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
-          y_ref, new_state_ref, new_conv_ref, vec_smem, *, tile_layout, eps, dtype):
+          y_ref, new_state_ref, new_conv_ref, vec_smem, *, tile_layout, v_chunk, eps, dtype):
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
 
-    # Issue the 64 KiB state read first; the O(K) prologue below hides its latency.
-    S_KV = plgpu.load(state_ref.at[b, h], layout=tile_layout, optimized=False)  # GMEM: plain ld.global
+    V = new_state_ref.shape[-1]
+
+    def load_state(c):  # columns [c*v_chunk, (c+1)*v_chunk): straight from HBM into registers (ld.global)
+        return plgpu.load(state_ref.at[b, h, :, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout,
+                          optimized=False)
+
+    # Issue the first state read before the O(K) prologue, which then hides its latency.
+    S_next = load_state(0)
 
     # Short conv + SiLU for q, k, v (§4.2); thread t owns channel t.
     x = []
@@ -75,31 +82,38 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
     vec_smem.at[4][...] = v
     o_gain = beta * jnp.sum(kn * qn)
 
+    tile = (K, v_chunk)
+
     def bcast(vec, dim):  # layout_cast tells the lowering which tile layout the broadcast must produce
-        return plgpu.layout_cast(lax.broadcast_in_dim(vec, S_KV.shape, (dim,)), tile_layout)
+        return plgpu.layout_cast(lax.broadcast_in_dim(vec, tile, (dim,)), tile_layout)
 
-    def rows(i):  # a per-key-row vector, broadcast along V
-        return bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0)
+    kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
 
-    # Recurrence (§4.4) from one read of S.
-    delta_V = plgpu.load(vec_smem.at[4], layout=col_layout) - jnp.sum(S_KV * rows(0), axis=0)
-    o_V = jnp.sum(S_KV * rows(1), axis=0) + o_gain * delta_V
-    new_state_ref.at[b, h][...] = S_KV * rows(2) + rows(3) * bcast(delta_V, 1)
+    # Recurrence (§4.4) from one read of S, v_chunk columns at a time (columns are independent given k̂, q̂),
+    # the next chunk's read in flight while this one is reduced and written.
+    for c in range(V // v_chunk):
+        S_KC = S_next
+        if c + 1 < V // v_chunk:
+            S_next = load_state(c + 1)
+        cols = pl.ds(c * v_chunk, v_chunk)
+        delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - jnp.sum(S_KC * kd, axis=0)
+        o_C = jnp.sum(S_KC * qd, axis=0) + o_gain * delta_C
+        new_state_ref.at[b, h, :, cols][...] = S_KC * decay_r + bk * bcast(delta_C, 1)
+        vec_smem.at[5, cols][...] = o_C.astype(dtype).astype(F32)
 
     # Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding.
-    vec_smem.at[5][...] = o_V.astype(dtype).astype(F32)
     o = vec_smem.at[5][...]
     n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
     y_ref.at[b, h][...] = (n * _sigmoid(gate_ref.at[b, h][...].astype(F32))).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "interpret"))
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, interpret=None):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, interpret=None):
     B, _, H, K = qkv_B3HK.shape
     dtype = qkv_B3HK.dtype
     kernel = plgpu.kernel(
-        functools.partial(_body, tile_layout=tile_layout, eps=eps, dtype=dtype),
+        functools.partial(_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                   jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
         scratch_types=[plgpu.SMEM((6, K), F32)],
