@@ -65,10 +65,22 @@ def sum_errors(y_n, x_n, per_step=False):
   return bad, float(np.max(np.abs(y0 - ref) / (np.abs(ref) + 1e-3)))
 
 
-def close_bf16(a, ref):
-  """Elements within 2 bf16 ulps of the f64-path reference (both went through the same roundings)."""
+def ulps(a, ref):
+  """|a - ref| in BF16 ulps of ref (ulp = 2^(exponent - 7)); zeros of ref use the smallest normal's ulp."""
   a, ref = a.astype(np.float64), ref.astype(np.float64)
-  return np.abs(a - ref) <= 2 * 2.0**-8 * np.abs(ref) + 1e-3
+  ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2.0**-126))) - 7)
+  return np.abs(a - ref) / ulp
+
+
+# The kernel sums in FP32 and the oracle in FP64: new may round 1 ulp apart (FP32 double rounding), and the
+# normed output, two roundings later and with a different sum-of-squares order, up to 3. A stale or racing
+# read is off by O(1) relative, i.e. ~100+ ulps.
+NEW_ULPS, NORMED_ULPS = 1, 3
+
+
+def fused_ok(new, normed, ref_new, ref_normed, axis=None):
+  ok_new = ulps(new, ref_new).max(axis=axis) <= NEW_ULPS
+  return ok_new & (ulps(normed, ref_normed).max(axis=axis) <= NORMED_ULPS)
 
 
 def check(mesh, rng):
@@ -94,8 +106,10 @@ def check(mesh, rng):
       rn, rnorm = np_add_rmsnorm(x, res[0], w[0])
       same = all(np.array_equal(a[r].view(np.uint16), a[0].view(np.uint16)) for a in (new, normed)
                  for r in range(n))
-      ok = bool(close_bf16(new[0], rn).all() and close_bf16(normed[0], rnorm).all() and same)
-      rows.append(dict(op="one_shot_add_rmsnorm", shape=[b, d], ok=ok, ranks_identical=same))
+      ok = bool(fused_ok(new[0], normed[0], rn, rnorm) and same)
+      rows.append(dict(op="one_shot_add_rmsnorm", shape=[b, d], ok=ok, ranks_identical=same,
+                       max_ulps_new=float(ulps(new[0], rn).max()),
+                       max_ulps_normed=float(ulps(normed[0], rnorm).max())))
       print(rows[-1], flush=True)
   return rows
 
@@ -136,11 +150,12 @@ def stress(mesh, steps=2000, seed=0):
   rn, rnorm = np_add_rmsnorm(xc, res[0], w[0])
   same_c = np.all(new.view(np.uint16) == new[:1].view(np.uint16), axis=(0, 2, 3)) & np.all(
       normed.view(np.uint16) == normed[:1].view(np.uint16), axis=(0, 2, 3))
-  bad_c = ~(close_bf16(new[0], rn).all(axis=(1, 2)) & close_bf16(normed[0], rnorm).all(axis=(1, 2)) & same_c)
+  bad_c = ~(fused_ok(new[0], normed[0], rn, rnorm, axis=(1, 2)) & same_c)
   n_bad = int(bad_a.sum() + bad_b.sum() + bad_c.sum() + bad_d.sum())
   return dict(steps=steps, calls=4 * steps, bad_calls=n_bad,
               bad_one_shot=int(bad_a.sum()), bad_two_shot=int(bad_b.sum()), bad_fused=int(bad_c.sum()),
-              bad_one_shot_st=int(bad_d.sum()),
+              bad_one_shot_st=int(bad_d.sum()), fused_max_ulps_new=float(ulps(new[0], rn).max()),
+              fused_max_ulps_normed=float(ulps(normed[0], rnorm).max()),
               wall_s_incl_compile=wall)
 
 

@@ -22,8 +22,12 @@ log = logging.getLogger(__name__)
 LANES = 128
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 values per thread in BF16)
-# Smallest message (bytes per rank) for which two-shot beats one-shot, by axis size; from
-# bench/results/collectives.json (2 x H200). Sizes not listed use one-shot.
+# Up to this message size, 4 KB blocks (more CTAs, shorter per-CTA chains) measured faster than 16 KB:
+# 7.0 vs 7.4 us at 14 KB, 8.0 vs 8.5 us at 112 KB; at 917 KB 16 KB blocks win (12.7 vs 14.0 us).
+SMALL_BLOCK_BYTES, SMALL_MESSAGE_BYTES = 4 * 1024, 128 * 1024
+# Smallest message (bytes per rank) for which two-shot beats one-shot, by axis size. On 2 x H200 it never
+# did up to 917 KB (bench/results/collectives.json): with 2 ranks it moves the same bytes per link in two
+# round trips. Axis sizes not listed (not measured yet) use one-shot.
 TWO_SHOT_MIN_BYTES = {2: math.inf}
 MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
 
@@ -54,7 +58,7 @@ def _common_reason(dtype, n, platform):
   return ""
 
 
-def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=BLOCK_BYTES):
+def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None):
   """Which kernel (and block size) all_reduce uses for a per-rank array; pure, so it is tested on CPU."""
   size = math.prod(shape)
   reason = _common_reason(dtype, n, platform)
@@ -64,10 +68,13 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=BLOCK
     return Plan("xla", reason=reason)
   m = size // LANES
   itemsize = jnp.dtype(dtype).itemsize
-  cap_rows = max(1, block_bytes // (LANES * itemsize))
   nbytes = size * itemsize
+  if block_bytes is None:
+    block_bytes = SMALL_BLOCK_BYTES if nbytes <= SMALL_MESSAGE_BYTES else BLOCK_BYTES
+  cap_rows = max(1, block_bytes // (LANES * itemsize))
   if algorithm is None:
-    algorithm = "two_shot" if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf) else "one_shot"
+    # plain-store one-shot measured 0.2-0.5 us faster than the TMA one-shot at every size (2 x H200).
+    algorithm = "two_shot" if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf) else "one_shot_st"
   if algorithm == "two_shot":
     # need >= n blocks, in a multiple of n, so every rank reduces the same number of blocks.
     r = _largest_divisor_at_most(m, cap_rows)
@@ -98,8 +105,7 @@ def _platform():
   return jax.default_backend()
 
 
-def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=BLOCK_BYTES,
-               skip_barrier=False):
+def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=None, skip_barrier=False):
   """Sum of x over `axis_name`, same shape and dtype on every rank.
 
   algorithm ("one_shot" | "one_shot_st" | "two_shot"), block_bytes and skip_barrier are for benchmarks and
