@@ -1,0 +1,277 @@
+"""Speculative decoding (K3_SPEC §9.4): verify a drafted block in one target forward, accept, commit.
+
+One step, per sequence b with `len_b` tokens in the target cache and an `anchor_b` (sampled, not yet cached):
+  1. the drafter proposes K tokens d_1..d_K following the anchor;
+  2. `verify` runs the target over [anchor, d_1..d_K] at positions len..len+K: MLA rows are written into the
+     cache (causal inside the block), KDA runs the block from the committed state WITHOUT changing it and
+     keeps what a commit needs; logits at all K+1 rows (row i predicts the token after block token i);
+  3. `accept_*` picks n_acc in [0, K] accepted drafts and the next token (correction or bonus) on device;
+  4. `commit` makes the anchor + the n_acc accepted drafts part of the state: lengths += n_acc + 1 (later MLA
+     rows stay invisible and are overwritten), KDA state and conv window advance by exactly n_acc + 1 tokens.
+The next token becomes the new anchor. `generate` runs the whole loop in one jitted while_loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax import cache as cache_lib
+from k3jax import model
+from k3jax.config import K3Config
+from k3jax.layers import kda, mla
+from k3jax.layers.common import linear
+from pallas_kernels.kda_decode import api as kda_api
+
+# ---- 1. verify: one target forward over [anchor + K drafts] ------------------------------------------------
+
+
+def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
+           taps: tuple[int, ...] = ()):
+    """Target forward over the block at positions len..len+T-1 of every sequence.
+
+    Returns (logits [B,T,V], pending, taps {layer: P [B,T,D]}). `pending` is the cache with the block's MLA
+    rows written but lengths unchanged, plus per-KDA-layer commit data: pass it to `commit`.
+    """
+    B, T = block_BT.shape
+    pos_BT = cache["lengths"][:, None] + jnp.arange(T)[None]
+    all_valid = jnp.ones((B, T), bool)
+    layers = list(cache["layers"])
+    commit_data = {}
+
+    def attn(L, p, x):
+        entry = cache["layers"][L]
+        if cfg.is_mla(L):
+            R = cfg.kv_lora_rank
+            entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, all_valid, R)
+            layers[L] = entry
+            rows = cache_lib.read_rows(entry, R, dtype)
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)  # causal inside the block
+        qkv, f, beta, gate = kda.project(p, x)
+        y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
+                                               p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
+                                               backend=backend)
+        return linear(y, p["o"], "bthk,hkd->btd")
+
+    h, tapped = model.trunk(params, model.embed(params, block_BT, dtype), cfg, attn, taps)
+    logits = model.logits_from_hidden(params, h, cfg)
+    pending = {"lengths": cache["lengths"], "layers": layers, "kda_commit": commit_data}
+    return logits, pending, tapped
+
+
+def commit(pending: dict, n_commit_B) -> dict:
+    """Advance every sequence by n_commit_B[b] block tokens (anchor + accepted drafts; 0 = unchanged)."""
+    layers = list(pending["layers"])
+    for L, data in pending["kda_commit"].items():
+        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B)
+        layers[L] = {"state": state, "conv": conv}
+    return {"lengths": pending["lengths"] + n_commit_B, "layers": layers}
+
+
+# ---- 2. acceptance (gpt-fast style; all [B, ...] on device, per-sequence results) -------------------------
+
+
+def _first_rejection(accept_BK):
+    """Number of leading accepted drafts per sequence."""
+    return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def _row(x_BT, n_B):
+    return jnp.take_along_axis(x_BT, n_B[:, None, None] if x_BT.ndim == 3 else n_B[:, None], axis=1)[:, 0]
+
+
+def accept_greedy(logits_BTV, drafts_BK):
+    """Exact match against the target argmax. -> (n_acc [B], next token [B])."""
+    target_BT = jnp.argmax(logits_BTV, axis=-1).astype(drafts_BK.dtype)
+    n_acc = _first_rejection(drafts_BK == target_BT[:, :-1])
+    return n_acc, _row(target_BT, n_acc)
+
+
+def accept_rejection(key, logits_BTV, drafts_BK, q_BKV, temperature: float):
+    """Lossless rejection sampling (Leviathan et al. / Chen et al.): accept d_i w.p. min(1, p_i/q_i); on the
+    first rejection resample from normalize(max(0, p_i - q_i)); all accepted -> bonus from p_{K+1}."""
+    k_u, k_tok = jax.random.split(key)
+    p_BTV = jax.nn.softmax(logits_BTV.astype(jnp.float32) / temperature, axis=-1)
+    p_d = jnp.take_along_axis(p_BTV[:, :-1], drafts_BK[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_u, drafts_BK.shape)
+    n_acc = _first_rejection(u * q_d < p_d)  # u < p/q without dividing by q
+    q_pad = jnp.concatenate([q_BKV, jnp.zeros_like(q_BKV[:, :1])], axis=1)  # row K: residual = p (the bonus)
+    resid = _row(jnp.maximum(p_BTV - q_pad, 0.0), n_acc)
+    mass = jnp.sum(resid, axis=-1, keepdims=True)
+    resid = jnp.where(mass > 0, resid / jnp.maximum(mass, 1e-30), _row(p_BTV, n_acc))  # p == q: never rejects
+    return n_acc, jax.random.categorical(k_tok, jnp.log(resid)).astype(drafts_BK.dtype)
+
+
+def synthetic_rates(acceptance_length: float, num_draft: int) -> np.ndarray:
+    """vLLM's minimum-variance schedule: rate i = P(first i drafts all accepted). AL counts the bonus, so
+    n = AL - 1 drafts on average: floor(n) ones, then frac(n), then zeros (AL=6, K=7 -> [1,1,1,1,1,0,0])."""
+    if not 1.0 <= acceptance_length <= num_draft + 1:
+        raise ValueError(f"acceptance_length must lie in [1, {num_draft + 1}], got {acceptance_length}")
+    n = acceptance_length - 1.0
+    whole = math.floor(n)
+    rates = np.zeros(num_draft)
+    rates[:whole] = 1.0
+    if whole < num_draft:
+        rates[whole] = n - whole
+    return rates
+
+
+def accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length: float, temperature: float):
+    """Benchmark mode: acceptance ignores agreement; the target logits still pick the next token."""
+    K = drafts_BK.shape[1]
+    rates = synthetic_rates(acceptance_length, K)
+    prev = np.concatenate([[1.0], rates[:-1]])
+    cond = np.divide(rates, prev, out=np.zeros_like(rates), where=prev > 0)  # P(accept i | i-1 accepted)
+    k_u, k_tok = jax.random.split(key)
+    n_acc = _first_rejection(jax.random.uniform(k_u, drafts_BK.shape) < jnp.asarray(cond, jnp.float32))
+    return n_acc, sample(k_tok, _row(logits_BTV, n_acc), temperature).astype(drafts_BK.dtype)
+
+
+def sample(key, logits_BV, temperature: float):
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature).astype(jnp.int32)
+
+
+def accept(key, logits_BTV, drafts_BK, q_BKV, temperature: float, acceptance_length: float | None):
+    """Dispatch: synthetic when acceptance_length is set, greedy at temperature 0, else rejection sampling
+    (a drafter without probabilities is a greedy drafter: q = one-hot of its drafts)."""
+    if acceptance_length is not None:
+        return accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length, temperature)
+    if temperature == 0.0:
+        return accept_greedy(logits_BTV, drafts_BK)
+    if q_BKV is None:
+        q_BKV = jax.nn.one_hot(drafts_BK, logits_BTV.shape[-1], dtype=jnp.float32)
+    return accept_rejection(key, logits_BTV, drafts_BK, q_BKV, temperature)
+
+
+# ---- 3. the generation loop ------------------------------------------------------------------------------
+
+
+class SpecConfig(NamedTuple):
+    """Everything static about a speculative run (hashable: the jit key)."""
+    cfg: K3Config
+    drafter: object  # a k3jax.drafter.Drafter (frozen dataclass)
+    num_draft: int = 7
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    acceptance_length: float | None = None  # synthetic acceptance (benchmarks) when set
+    dtype: object = jnp.bfloat16
+    backend: str = "xla"
+    stop_token: int | None = None
+
+
+class SpecState(NamedTuple):
+    cache: dict
+    draft_state: object
+    anchor_B: jax.Array  # the last emitted token, not yet in the cache
+    out_BN: jax.Array  # emitted tokens (N = max_new + K + 1 so a step never writes out of bounds)
+    n_out_B: jax.Array
+    done_B: jax.Array  # stop token emitted
+    key: jax.Array
+    step: jax.Array
+    accepted_SB: jax.Array  # per step and sequence: accepted drafts (-1 once the sequence is finished)
+
+
+def prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, max_len: int) -> SpecState:
+    """Target prefill of right-padded prompts; the first generated token becomes the anchor."""
+    cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
+    cache = cache_lib.init_cache(cfg, B, max_len, spec.dtype, "bf16")
+    logits, cache, taps = model.extend(params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend,
+                                       taps=spec.drafter.taps)
+    key, k_tok = jax.random.split(key)
+    anchor = sample(k_tok, logits, spec.temperature)
+    dstate = spec.drafter.init_state(B, max_len, spec.dtype)
+    dstate = spec.drafter.observe(draft_params, params, dstate, prompt_BT, n_prompt_B,
+                                  jnp.zeros_like(n_prompt_B), taps)
+    out = jnp.zeros((B, spec.max_new_tokens + K + 1), jnp.int32).at[:, 0].set(anchor)
+    done = anchor == spec.stop_token if spec.stop_token is not None else jnp.zeros((B,), bool)
+    return SpecState(cache, dstate, anchor, out, jnp.ones((B,), jnp.int32), done, key,
+                     jnp.zeros((), jnp.int32), jnp.full((spec.max_new_tokens, B), -1, jnp.int32))
+
+
+def step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
+    """One draft -> verify -> accept -> commit round for the whole batch (finished sequences stay frozen)."""
+    K = spec.num_draft
+    key, k_draft, k_acc = jax.random.split(st.key, 3)
+    start_B = st.cache["lengths"]
+    prop = spec.drafter.propose(draft_params, params, st.draft_state, st.anchor_B, start_B, K, k_draft,
+                                spec.temperature)
+    drafts = prop.drafts_BK.astype(jnp.int32)
+    block = jnp.concatenate([st.anchor_B[:, None], drafts], axis=1)
+    logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend,
+                                   spec.drafter.taps)
+    n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.temperature, spec.acceptance_length)
+    active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
+    n_commit = jnp.where(active, n_acc + 1, 0)
+    cache = commit(pending, n_commit)
+    dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps)
+
+    i = jnp.arange(K + 1)[None]
+    emitted = jnp.where(i < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), nxt[:, None])
+    keep = i < n_commit[:, None]
+    b = jnp.arange(block.shape[0])[:, None]
+    slot = jnp.where(keep, st.n_out_B[:, None] + i, st.out_BN.shape[1])  # out of range -> dropped
+    out = st.out_BN.at[b, slot].set(emitted, mode="drop")
+    done = st.done_B
+    if spec.stop_token is not None:
+        done = done | jnp.any(keep & (emitted == spec.stop_token), axis=1)
+    accepted = st.accepted_SB.at[st.step].set(jnp.where(active, n_acc, -1), mode="drop")
+    return SpecState(cache, dstate, jnp.where(active, nxt, st.anchor_B), out, st.n_out_B + n_commit, done,
+                     key, st.step + 1, accepted)
+
+
+def _running(spec: SpecConfig, st: SpecState):
+    return jnp.any((st.n_out_B < spec.max_new_tokens) & ~st.done_B) & (st.step < spec.max_new_tokens)
+
+
+def loop(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
+    """All steps on device (one dispatch for the whole generation)."""
+    return jax.lax.while_loop(lambda s: _running(spec, s), lambda s: step(spec, params, draft_params, s), st)
+
+
+prefill_jit = jax.jit(prefill, static_argnums=(0, 6))
+step_jit = jax.jit(step, static_argnums=0, donate_argnums=3)  # the verify step, for benchmarks to time
+loop_jit = jax.jit(loop, static_argnums=0, donate_argnums=3)
+
+
+def stats(st: SpecState) -> dict:
+    """Host-side acceptance statistics (accepted drafts per step; acceptance length counts the bonus)."""
+    acc = np.asarray(st.accepted_SB)[: int(st.step)]
+    live = acc[acc >= 0]
+    K1 = None if live.size == 0 else float(np.mean(live + 1))
+    return {"steps": int(st.step), "accepted_per_step": acc, "mean_acceptance_length": K1,
+            "tokens_generated": np.asarray(st.n_out_B)}
+
+
+def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_params=None, num_draft: int = 7,
+             max_new_tokens: int = 64, temperature: float = 0.0, acceptance_length: float | None = None,
+             seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla", stop_token: int | None = None,
+             max_len: int | None = None, on_device_loop: bool = True, on_step=None):
+    """Speculative generation for a right-padded prompt batch. Returns (tokens [B, max_new_tokens], stats).
+
+    on_device_loop: one jitted while_loop; otherwise a host loop over `step_jit`, calling on_step(i, state)
+    after each step (benchmarks hook their timing there). Tokens after a stop token are not meaningful.
+    """
+    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, float(temperature), acceptance_length, dtype,
+                      backend, stop_token)
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    n_prompt_B = jnp.asarray(n_prompt_B, jnp.int32)
+    max_len = max_len or prompt_BT.shape[1] + max_new_tokens + num_draft + 1
+    st = prefill_jit(spec, params, draft_params, prompt_BT, n_prompt_B, jax.random.key(seed), max_len)
+    if on_device_loop:
+        st = loop_jit(spec, params, draft_params, st)
+    else:
+        while bool(_running(spec, st)):
+            st = step_jit(spec, params, draft_params, st)
+            if on_step is not None:
+                on_step(int(st.step), st)
+    return st.out_BN[:, :max_new_tokens], stats(st)
+
+
+speculative_generate = generate  # the name bench/decode.py imports
