@@ -28,7 +28,7 @@ class CheckpointError(ValueError):
 def read_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, META)
     if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{ckpt_dir}: no such directory")
+        raise CheckpointError(f"{ckpt_dir}: no such directory (make one with k3jax-convert HF_DIR OUT_DIR)")
     if not os.path.exists(path):
         is_hf = os.path.exists(os.path.join(ckpt_dir, "config.json"))
         hint = " (it looks like an HF checkpoint)" if is_hf else ""

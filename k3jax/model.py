@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import cache as cache_lib
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla, moe
 from k3jax.layers.attn_res import attn_res
@@ -23,22 +24,24 @@ from k3jax.layers.common import ffn, linear, rms_norm
 AttnFn = Callable[[int, dict, jax.Array], jax.Array]
 
 
-def embed(params, tokens_BT, dtype):
-    return params["embed"][tokens_BT].astype(dtype)
+def embed(params, tokens_BT, dtype, comm: Comm = LOCAL):
+    return comm.embed(params["embed"], tokens_BT).astype(dtype)
 
 
-def logits_from_hidden(params, h_BTD, cfg: K3Config):
-    return linear(rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), params["lm_head"], "btd,dv->btv")
+def logits_from_hidden(params, h_BTD, cfg: K3Config, comm: Comm = LOCAL):
+    """Vocab-split lm_head under tp: gather the logits for sampling."""
+    logits = linear(rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), params["lm_head"], "btd,dv->btv")
+    return comm.all_gather(logits, axis=-1, what="logits")
 
 
-def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool):
+def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL):
     if not is_moe:
-        return ffn(x_BTD, p["gate"], p["up"], p["down"], cfg)
+        return comm.all_reduce(ffn(x_BTD, p["gate"], p["up"], p["down"], cfg), "mlp_out")
     B, T, D = x_BTD.shape
-    return moe.moe(p, x_BTD.reshape(B * T, D), cfg).reshape(B, T, D)
+    return moe.moe(p, x_BTD.reshape(B * T, D), cfg, comm=comm).reshape(B, T, D)
 
 
-def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()):
+def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = (), comm: Comm = LOCAL):
     """AttnRes decoder loop. Returns (final hidden after the output mix [B,T,D], {layer: P after it})."""
     eps = cfg.rms_norm_eps
     blocks: list[jax.Array] = []
@@ -54,32 +57,32 @@ def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()
             a = attn(L, lp["attn"], rms_norm(h, lp["attn_norm"], eps))
             P = a if P is None else P + a
             h = attn_res(jnp.stack(blocks + [P]), lp["mlp_res"]["norm"], lp["mlp_res"]["proj"], eps)
-            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L))
+            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L), comm)
             if L in taps:
                 tapped[L] = P
     h_out = attn_res(jnp.stack(blocks + [P]), params["out_res"]["norm"], params["out_res"]["proj"], eps)
     return h_out, tapped
 
 
-def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16):
+def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = LOCAL):
     """Full-sequence logits [B, T, V] (causal, from an empty state)."""
     B, T = tokens_BT.shape
     zeros = jnp.zeros((B,), jnp.int32)
 
     def attn(L, p, x):
         if cfg.is_mla(L):
-            return mla.mla_full(p, x, cfg)
-        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+            return mla.mla_full(p, x, cfg, comm)
+        H, K = p["A_log"].shape[0], cfg.kda_head_dim  # local heads under tp
         state = jnp.zeros((B, H, K, K), jnp.float32)
         window = jnp.zeros((B, 3, cfg.kda_conv_size - 1, H, K), dtype)
-        return kda.kda_prefill(p, x, cfg, zeros + T, state, window)[0]
+        return kda.kda_prefill(p, x, cfg, zeros + T, state, window, comm=comm)[0]
 
-    h, _ = trunk(params, embed(params, tokens_BT, dtype), cfg, attn)
-    return logits_from_hidden(params, h, cfg)
+    h, _ = trunk(params, embed(params, tokens_BT, dtype, comm), cfg, attn, comm=comm)
+    return logits_from_hidden(params, h, cfg, comm)
 
 
 def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
-           all_logits: bool = False, taps: tuple[int, ...] = ()):
+           all_logits: bool = False, taps: tuple[int, ...] = (), comm: Comm = LOCAL):
     """Append tokens (right-padded; n_new_B real ones per sequence) to the decode state.
 
     Returns (logits [B, V] at each sequence's last new token, or [B, T, V] if all_logits; new cache; taps).
@@ -98,23 +101,23 @@ def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfl
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, valid_BT, R)
             new_layers[L] = entry
             rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1, comm)
         if T == 1:
-            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend)
+            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend, comm)
             keep = n_new_B[:, None, None, None] > 0  # idle slots keep their state
             state = jnp.where(keep, state, entry["state"])
             conv = jnp.where(keep[..., None], conv, entry["conv"])
             out = out[:, None]
         else:
-            out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"])
+            out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"], comm=comm)
         new_layers[L] = {"state": state, "conv": conv}
         return out
 
-    h, tapped = trunk(params, embed(params, tokens_BT, dtype), cfg, attn, taps)
+    h, tapped = trunk(params, embed(params, tokens_BT, dtype, comm), cfg, attn, taps, comm)
     if not all_logits:
         last = jnp.maximum(n_new_B - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    logits = logits_from_hidden(params, h, cfg)
+    logits = logits_from_hidden(params, h, cfg, comm)
     logits = logits if all_logits else logits[:, 0]
     new_cache = {"lengths": start_B + n_new_B, "layers": new_layers}
     return logits, new_cache, tapped

@@ -164,13 +164,15 @@ def _mla(add, norm, a, ha, cfg: K3Config):
 def _moe(add, norm, f, hm, cfg: K3Config, experts: str):
     D, E, Dl, I, S = (cfg.hidden_size, cfg.num_experts, cfg.routed_expert_hidden_size,
                       cfg.moe_intermediate_size, cfg.shared_intermediate)
+    # router and latent projections are split over tp (not replicated): router by expert, latent_down by its
+    # output (then gathered), latent_up by its input (partial sums reduced with the shared experts')
     add(f + ("router",), hm + "gate.weight", (D, E), ("embed", "experts_router"), "T", (E, D), fan_in=D)
     add(f + ("router_bias",), hm + "gate.e_score_correction_bias", (E,), ("experts_router",), dtype="float32",
         init="router_bias")
-    add(f + ("latent_down",), hm + "routed_expert_down_proj.weight", (D, Dl), ("embed", "latent"), "T", (Dl, D),
+    add(f + ("latent_down",), hm + "routed_expert_down_proj.weight", (D, Dl), ("embed", "latent_tp"), "T", (Dl, D),
         fan_in=D)
     norm(f + ("latent_norm",), hm + "routed_expert_norm.weight", Dl, "latent")
-    add(f + ("latent_up",), hm + "routed_expert_up_proj.weight", (Dl, D), ("latent", "embed"), "T", (D, Dl),
+    add(f + ("latent_up",), hm + "routed_expert_up_proj.weight", (Dl, D), ("latent_tp", "embed"), "T", (D, Dl),
         fan_in=Dl)
     for name, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj")):
         add(f + (name,), hm + f"shared_experts.{hf}.weight", (D, S), ("embed", "shared_ffn"), "T", (S, D),

@@ -7,8 +7,10 @@ The single-token decode maths lives once, in pallas_kernels.kda_decode (its XLA 
 import jax
 import jax.numpy as jnp
 
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import L2NORM_EPS, K3Config
 from k3jax.layers.common import F32, linear
+from pallas_kernels.kda_decode import api as kda_api
 
 
 CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) around the chunk's middle (§4.5)
@@ -108,7 +110,7 @@ def gated_norm(o_BTHV, gate_BTHK, w_K, eps):
     return (n * jax.nn.sigmoid(gate_BTHK.astype(F32))).astype(gate_BTHK.dtype)
 
 
-def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, chunk=CHUNK):
+def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, chunk=CHUNK, comm: Comm = LOCAL):
     """KDA over a right-padded block of new tokens, continuing from (state, conv window).
     Returns (out [B,T,D], new state, new window)."""
     T = x_BTD.shape[1]
@@ -123,15 +125,13 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     beta = jax.nn.sigmoid(beta_logit.astype(F32)) * valid[..., None]
     o, state = delta_rule_chunked(q, k, v, g, beta, state_BHKV, chunk)
     y = gated_norm(o.astype(x_BTD.dtype), gate, p["o_norm"], cfg.rms_norm_eps)
-    return linear(y, p["o"], "bthk,hkd->btd"), state, new_window
+    return comm.all_reduce(linear(y, p["o"], "bthk,hkd->btd"), "attn_out"), state, new_window
 
 
-def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
+def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", comm: Comm = LOCAL):
     """One token per sequence: projections here, the fused step in pallas_kernels.kda_decode."""
-    from pallas_kernels.kda_decode import api as kda_api  # noqa: PLC0415  (TODO lead: top-level once it lands)
-
     qkv, f, beta_logit, gate = project(p, x_BD[:, None])
     y, state, window = kda_api.kda_decode(
         qkv[:, 0], f[:, 0], beta_logit[:, 0], gate[:, 0], state_BHKV, window_B3WHK, p["conv"], p["A_log"],
         p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps, backend=backend)
-    return linear(y, p["o"], "bhk,hkd->bd"), state, window
+    return comm.all_reduce(linear(y, p["o"], "bhk,hkd->bd"), "attn_out"), state, window

@@ -8,6 +8,7 @@ queries absorb W_UK, outputs absorb W_UV, and the cache holds one 576-wide row p
 import jax
 import jax.numpy as jnp
 
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS, K3Config
 from k3jax.layers.common import F32, linear, rms_norm
 
@@ -25,10 +26,10 @@ def latent_rows(p, x_BTD, cfg: K3Config):
     return jnp.concatenate([rms_norm(kv[..., :R], p["kv_a_norm"], MLA_LOWRANK_EPS), kv[..., R:]], axis=-1)
 
 
-def _gate_out(p, o_BTHV, x_BTD):
-    """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then o_proj."""
+def _gate_out(p, o_BTHV, x_BTD, comm: Comm):
+    """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then o_proj (row-parallel)."""
     gate = jax.nn.sigmoid(linear(x_BTD, p["g"], "btd,dhv->bthv"))
-    return linear(o_BTHV * gate, p["o"], "bthv,hvd->btd")
+    return comm.all_reduce(linear(o_BTHV * gate, p["o"], "bthv,hvd->btd"), "attn_out")
 
 
 def _softmax_probs(s, mask, dtype):
@@ -36,7 +37,7 @@ def _softmax_probs(s, mask, dtype):
     return jax.nn.softmax(s, axis=-1).astype(dtype)
 
 
-def mla_full(p, x_BTD, cfg: K3Config):
+def mla_full(p, x_BTD, cfg: K3Config, comm: Comm = LOCAL):
     """Naive causal MLA over a full sequence (§5.2)."""
     N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     q = queries(p, x_BTD)
@@ -50,10 +51,10 @@ def mla_full(p, x_BTD, cfg: K3Config):
     causal = jnp.tril(jnp.ones((T, T), bool))
     probs = _softmax_probs(s, causal, x_BTD.dtype)
     o = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=F32).astype(x_BTD.dtype)
-    return _gate_out(p, o, x_BTD)
+    return _gate_out(p, o, x_BTD, comm)
 
 
-def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
+def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT, comm: Comm = LOCAL):
     """Absorbed MLA for T new tokens whose rows are already written into the cache.
 
     cache_rows_BSC: the (dequantised) latent cache in the compute dtype; key_len_BT[b, t]: how many cache
@@ -71,4 +72,4 @@ def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
     probs = _softmax_probs(s, mask, x_BTD.dtype)
     o_lat = jnp.einsum("bhts,bsr->bthr", probs, c, preferred_element_type=F32).astype(x_BTD.dtype)
     o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
-    return _gate_out(p, o, x_BTD)
+    return _gate_out(p, o, x_BTD, comm)

@@ -8,16 +8,20 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import mxfp4
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.common import F32, ffn, linear, rms_norm, situ_glu
 
 
-def route(p, x_TD, cfg: K3Config):
-    """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them."""
+def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
+    """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them.
+    The router is split by expert over tp: gather the (scores, biased scores) pair in one collective."""
     logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32),
                         precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    _, sel = jax.lax.top_k(scores + p["router_bias"], cfg.num_experts_per_token)
+    both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
+    scores, biased = both[0], both[1]
+    _, sel = jax.lax.top_k(biased, cfg.num_experts_per_token)
     w = jnp.take_along_axis(scores, sel, axis=-1)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -60,13 +64,20 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
     return out.reshape(n * token_chunk, -1)[:T]
 
 
-def moe(p, x_TD, cfg: K3Config, return_routing: bool = False):
-    """x is the normed MLP input [T, D] (flatten batch and time first)."""
-    sel, w = route(p, x_TD, cfg)
-    z = linear(x_TD, p["latent_down"], "td,dl->tl")
-    y_lat = routed_experts(p["experts"], z, sel, w, cfg)
+def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL):
+    """x is the normed MLP input [T, D] (flatten batch and time first).
+
+    Under tp: experts are split along their intermediate (partial latent sums -> all-reduce before the norm),
+    latent_down by its output (all-gather z), latent_up by its input (its partial output joins the shared
+    experts' partial in the layer's final all-reduce).
+    """
+    sel, w = route(p, x_TD, cfg, comm)
+    z = comm.all_gather(linear(x_TD, p["latent_down"], "td,dl->tl"), axis=-1, what="latent_z")
+    y_lat = comm.all_reduce(routed_experts(p["experts"], z, sel, w, cfg), "latent_sum")
     if cfg.latent_moe_use_norm:
         y_lat = rms_norm(y_lat, p["latent_norm"], cfg.rms_norm_eps)
+    y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[0])
     y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"],
                                                           p["shared_down"], cfg)
+    y = comm.all_reduce(y, "moe_out")
     return (y, sel) if return_routing else y

@@ -1,0 +1,201 @@
+"""The DSpark drafter (K3_SPEC §9): its config, its one tensor table, loading an HF drafter checkpoint.
+
+Same conventions as the target's table (k3jax.params): `[in, out]` matmul weights, head axes split out, MLA
+`kv_b` split into the absorbed layouts `w_uk` [H, nope, R] / `w_uv` [H, v, R]. HF names are those of §9.2,
+without a prefix (a `model.` prefix is accepted when loading). `embed_tokens.weight` is a frozen copy of the
+target's and is not loaded: the drafter uses the target's embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax import params as P
+from k3jax import transforms
+from k3jax.params import TensorSpec
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 64
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    hidden_act: str = "silu"  # absent from the released JSON; vLLM's default (§9.1, UNCERTAIN)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 50000.0
+    rope_factor: float = 32.0  # YaRN
+    rope_original_max_position_embeddings: int = 32768
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 1.0
+    max_position_embeddings: int = 1048576
+    target_layer_ids: tuple[int, ...] = (2, 23, 47, 71, 89)
+    target_hidden_size: int = 7168
+    target_num_hidden_layers: int = 93
+    mask_token_id: int = 163837
+    markov_rank: int = 256
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """192^-1/2 * mscale^2 with the YaRN attention mscale (0.130861 for the release, §9.3)."""
+        return self.qk_head_dim ** -0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+
+    @classmethod
+    def from_hf(cls, src: str | dict) -> DSparkConfig:
+        if not isinstance(src, dict):
+            path = os.path.join(src, "config.json") if os.path.isdir(src) else src
+            with open(path) as f:
+                src = json.load(f)
+        d = dict(src)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        kw: dict[str, Any] = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        for ours, theirs in (("rope_factor", "factor"), ("rope_beta_fast", "beta_fast"),
+                             ("rope_beta_slow", "beta_slow"), ("rope_mscale", "mscale"),
+                             ("rope_mscale_all_dim", "mscale_all_dim"),
+                             ("rope_original_max_position_embeddings", "original_max_position_embeddings")):
+            if theirs in rope:
+                kw[ours] = rope[theirs]
+        if "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        kw["target_layer_ids"] = tuple(int(x) for x in kw.get("target_layer_ids", cls.target_layer_ids))
+        if d.get("mla_use_nope", False) or d.get("mla_use_output_gate", False):
+            raise ValueError("DSpark drafter: expected mla_use_nope=false and mla_use_output_gate=false")
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("rope_")}
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d.update(architectures=["K3DSparkModel"], model_type="k3_dspark", num_key_value_heads=self.num_attention_heads,
+                 num_target_layers=len(self.target_layer_ids), mla_use_nope=False, mla_use_output_gate=False,
+                 draft_vocab_size=self.vocab_size, markov_head_type="vanilla", tie_word_embeddings=False,
+                 torch_dtype="bfloat16")
+        d["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": self.rope_theta, "factor": self.rope_factor,
+            "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+            "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow, "mscale": self.rope_mscale,
+            "mscale_all_dim": self.rope_mscale_all_dim}
+        return d
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def yarn_inv_freq(c: DSparkConfig) -> np.ndarray:
+    """DeepSeek-V3 YaRN: interpolate low frequencies by `factor`, keep high ones, linear ramp in between."""
+    dim, base = c.qk_rope_head_dim, c.rope_theta
+    extra = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inter = extra / c.rope_factor
+
+    def corr_dim(rot):  # the dimension whose wavelength fits `rot` times into the original context
+        return dim * math.log(c.rope_original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(c.rope_beta_fast)), 0)
+    high = min(math.ceil(corr_dim(c.rope_beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 1e-3), 0, 1)
+    keep = 1.0 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    return inter * (1 - keep) + extra * keep
+
+
+def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
+    D, H, V, F, r = c.hidden_size, c.num_attention_heads, c.vocab_size, c.intermediate_size, c.markov_rank
+    Q, R, N, Pd, Vd = c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    Dc = len(c.target_layer_ids) * c.target_hidden_size
+    t: list[TensorSpec] = []
+
+    def add(path, hf, shape, axes, transform="copy", hf_shape=None, init="linear", fan_in=1):
+        t.append(TensorSpec(tuple(path), hf, tuple(shape), "bfloat16", tuple(axes), transform,
+                            tuple(hf_shape if hf_shape is not None else shape), ("bfloat16", "float32"), None,
+                            init, fan_in))
+
+    def lin(path, hf, fan_in, out_shape, axes):  # HF [out, in] -> ours [in, *out]
+        add(path, hf, (fan_in,) + out_shape, axes, "T", (math.prod(out_shape), fan_in), fan_in=fan_in)
+
+    lin(("context_proj",), "context_proj.weight", Dc, (D,), ("ctx", "embed"))
+    add(("context_norm",), "context_norm.weight", (D,), ("embed",), init="norm")
+    for j in range(c.num_hidden_layers):
+        p, h = ("layers", j), f"layers.{j}."
+        add(p + ("attn_norm",), h + "input_layernorm.weight", (D,), ("embed",), init="norm")
+        add(p + ("mlp_norm",), h + "post_attention_layernorm.weight", (D,), ("embed",), init="norm")
+        a, ha = p + ("attn",), h + "self_attn."
+        lin(a + ("q_a",), ha + "q_a_proj.weight", D, (Q,), ("embed", "q_lora"))
+        add(a + ("q_a_norm",), ha + "q_a_layernorm.weight", (Q,), ("q_lora",), init="norm")
+        lin(a + ("q_b",), ha + "q_b_proj.weight", Q, (H, N + Pd), ("q_lora", "mla_heads", None))
+        lin(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", D, (R + Pd,), ("embed", None))
+        add(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", (R,), (None,), init="norm")
+        for name, tr, n in (("w_uk", "kvb_k", N), ("w_uv", "kvb_v", Vd)):
+            add(a + (name,), ha + "kv_b_proj.weight", (H, n, R), ("mla_heads", None, None), tr, (H * (N + Vd), R),
+                fan_in=R)
+        add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd),
+            fan_in=H * Vd)
+        f, hf = p + ("ffn",), h + "mlp."
+        lin(f + ("gate",), hf + "gate_proj.weight", D, (F,), ("embed", "ffn"))
+        lin(f + ("up",), hf + "up_proj.weight", D, (F,), ("embed", "ffn"))
+        lin(f + ("down",), hf + "down_proj.weight", F, (D,), ("ffn", "embed"))
+    add(("final_norm",), "final_norm.weight", (D,), ("embed",), init="norm")
+    add(("markov_w1",), "markov_head.markov_w1.weight", (V, r), ("vocab", None), init="embed")
+    add(("markov_w2",), "markov_head.markov_w2.weight", (V, r), ("vocab", None), fan_in=r)
+    if c.enable_confidence_head:
+        Dh = D + (r if c.confidence_head_with_markov else 0)
+        add(("conf_w",), "confidence_head.proj.weight", (Dh,), (None,), "reshape", (1, Dh), fan_in=Dh)
+        add(("conf_b",), "confidence_head.proj.bias", (), (), "reshape", (1,))
+    return t
+
+
+def init_params(c: DSparkConfig, seed: int = 0) -> dict:
+    key = jax.random.key(seed)
+    return P.unflatten({s.path: P.init_tensor(s, key) for s in tensor_table(c)})
+
+
+def params_to_hf(flat: dict[tuple, np.ndarray], c: DSparkConfig) -> dict[str, np.ndarray]:
+    """Ours {path: array} -> {HF name: array} (kv_b written once, from the w_uk entry)."""
+    out = {}
+    for s in tensor_table(c):
+        if s.transform == "kvb_v":
+            continue
+        other = flat[s.path[:-1] + ("w_uv",)] if s.transform == "kvb_k" else None
+        out[s.hf] = transforms.to_hf(s, np.asarray(flat[s.path]), other)[0]
+    return out
+
+
+def load(ckpt_dir: str, dtype=jnp.bfloat16) -> tuple[DSparkConfig, dict]:
+    """(config, params) from an HF DSpark directory (config.json + *.safetensors)."""
+    from safetensors.numpy import load_file  # noqa: PLC0415  (host-only dependency)
+
+    c = DSparkConfig.from_hf(ckpt_dir)
+    hf: dict[str, np.ndarray] = {}
+    for f in sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors"))):
+        hf.update({k.removeprefix("model."): v for k, v in load_file(f).items()})
+    flat = {}
+    for s in tensor_table(c):
+        if s.hf not in hf:
+            raise ValueError(f"{ckpt_dir}: drafter tensor {s.hf!r} missing")
+        a = hf[s.hf]
+        if tuple(a.shape) != s.hf_shape:
+            raise ValueError(f"{ckpt_dir}: {s.hf} has shape {list(a.shape)}, expected {list(s.hf_shape)}")
+        flat[s.path] = jnp.asarray(transforms.from_hf(s, [a]), dtype)
+    return c, P.unflatten(flat)
