@@ -198,8 +198,16 @@ class K3Config:
         if isinstance(eos, list):
             kw["eos_token_id"] = int(eos[0])
         kw["expert_quant"] = _expert_quant(d.get("quantization_config"))
+        kda_listed = _lookup(d, "linear_attn_config.kda_layers")
         kw.update(overrides)
-        return cls(**kw)
+        cfg = cls(**kw)
+        # the layer kind is read from full_attn_layers; an HF kda_layers list that disagrees means a config we
+        # would silently misread
+        if kda_listed is not _MISSING and not {"num_hidden_layers", "full_attn_layers"} & set(overrides):
+            if sorted(int(x) for x in kda_listed) != [L + 1 for L in cfg.kda_layers]:
+                raise ConfigError("text_config.linear_attn_config.kda_layers: must list exactly the 1-based "
+                                  "layers not in full_attn_layers")
+        return cfg
 
     def to_hf(self, wrapped: bool = True) -> dict[str, Any]:
         """The HF config dict (released nesting when `wrapped`)."""
@@ -282,6 +290,16 @@ def _expert_quant(q: dict | None) -> str | None:
         return None
     method, fmt = q.get("quant_method"), q.get("format")
     if method == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
+        for name, group in (q.get("config_groups") or {}).items():
+            w = group.get("weights") or {}
+            if w.get("num_bits", 4) != 4 or w.get("group_size", MXFP4_GROUP) != MXFP4_GROUP:
+                raise ConfigError(
+                    f"text_config.quantization_config.config_groups.{name}.weights: "
+                    f"num_bits={w.get('num_bits')!r} group_size={w.get('group_size')!r}; "
+                    f"MXFP4 is 4-bit in groups of {MXFP4_GROUP}")
+            if group.get("input_activations"):
+                raise ConfigError(f"text_config.quantization_config.config_groups.{name}.input_activations: "
+                                  "activation quantisation is not supported (K3 is W4A16)")
         return "mxfp4"
     raise ConfigError(
         f"text_config.quantization_config: quant_method={method!r} format={fmt!r} is not supported "
@@ -306,6 +324,11 @@ def validate(c: K3Config) -> None:
     need(c.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "the decay-gate lower bound must be < 0")
     need(c.kda_gate_lower_bound >= -5, "kda_gate_lower_bound", "must be >= -5 (bounded gate, K3_SPEC §4.3)")
     need(c.mla_use_nope, "mla_use_nope", "K3 MLA is NoPE; rotary MLA is not implemented")
+    need(c.mla_use_output_gate, "mla_use_output_gate", "K3 MLA has a sigmoid output gate; ungated MLA is not "
+         "implemented")
+    need(c.activation_situ_beta > 0, "activation_situ_beta", "SiTU divides by beta: must be > 0")
+    need(c.activation_situ_linear_beta is None or c.activation_situ_linear_beta > 0,
+         "activation_situ_linear_beta", "the up soft-cap divides by it: must be > 0 (or null for no cap)")
     need(c.kda_use_full_rank_gate, "kda_use_full_rank_gate", "K3 uses a full-rank g_proj gate")
     need(c.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
     need(c.num_key_value_heads == c.num_attention_heads, "num_key_value_heads",
