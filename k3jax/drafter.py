@@ -13,6 +13,12 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from k3jax import cache as cache_lib
+from k3jax.config import MLA_LOWRANK_EPS
+from k3jax.drafter_params import DSparkConfig, yarn_inv_freq, yarn_mscale
+from k3jax.layers import mla
+from k3jax.layers.common import F32, linear, rms_norm
+
 
 class Proposal(NamedTuple):
     drafts_BK: jax.Array  # int32 draft tokens following the anchor
@@ -73,3 +79,124 @@ class NgramDrafter:
         follow = jnp.minimum(follow, pos_B[:, None])  # never read past the anchor
         drafts = jnp.take_along_axis(hist, follow, axis=1)
         return Proposal(jnp.where(best[:, None] >= 0, drafts, anchor_B[:, None]).astype(jnp.int32))
+
+
+# ---- DSpark (K3_SPEC §9) ----------------------------------------------------------------------------------
+
+
+def rope_interleaved(x, pos, c: DSparkConfig):
+    """YaRN RoPE on GPT-J interleaved pairs (2i, 2i+1); x [..., rope], pos broadcastable to x[..., 0]."""
+    inv_freq = jnp.asarray(yarn_inv_freq(c), F32)
+    ang = pos[..., None].astype(F32) * inv_freq
+    m = yarn_mscale(c.rope_factor, c.rope_mscale) / yarn_mscale(c.rope_factor, c.rope_mscale_all_dim)
+    cos, sin = jnp.cos(ang) * m, jnp.sin(ang) * m
+    xf = x.astype(F32).reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def _latent_rows(p, x_BTD, pos_BT, c: DSparkConfig):
+    """Cache rows [RMSNorm(c) | RoPE(k_pe)] (the drafter's k_pe IS rotated, unlike the target's)."""
+    kv = linear(x_BTD, p["kv_a"], "btd,dr->btr")
+    R = c.kv_lora_rank
+    c_lat = rms_norm(kv[..., :R], p["kv_a_norm"], MLA_LOWRANK_EPS)
+    return jnp.concatenate([c_lat, rope_interleaved(kv[..., R:], pos_BT, c)], axis=-1)
+
+
+def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
+    """Absorbed MLA, no output gate: the block sees the context rows before the anchor and ALL block rows."""
+    N, R = c.qk_nope_head_dim, c.kv_lora_rank
+    q = mla.queries(p, x_BTD)
+    q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")
+    q_pe = rope_interleaved(q[..., N:], pos_BT[:, :, None], c)
+    rows = jnp.concatenate([ctx_rows_BSC.astype(x_BTD.dtype), _latent_rows(p, x_BTD, pos_BT, c)], axis=1)
+    lat, k_pe = rows[..., :R], rows[..., R:]
+    s = (jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=F32)
+         + jnp.einsum("bthe,bse->bhts", q_pe, k_pe, preferred_element_type=F32)) * c.softmax_scale
+    S, T = ctx_rows_BSC.shape[1], x_BTD.shape[1]
+    ctx_visible = jnp.arange(S)[None] < ctx_len_B[:, None]
+    visible = jnp.concatenate([ctx_visible, jnp.ones((x_BTD.shape[0], T), bool)], axis=1)
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1).astype(x_BTD.dtype)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat, preferred_element_type=F32).astype(x_BTD.dtype)
+    return linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,hvd->btd")
+
+
+_ACT = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+
+
+def _ffn(p, x, c: DSparkConfig):
+    g = linear(x, p["gate"], "btd,df->btf").astype(F32)
+    h = (_ACT[c.hidden_act](g) * linear(x, p["up"], "btd,df->btf").astype(F32)).astype(x.dtype)
+    return linear(h, p["down"], "btf,fd->btd")
+
+
+def dspark_context(dp, taps: dict, c: DSparkConfig, dtype):
+    """ctx = RMSNorm(context_proj(concat of the tapped target P, in target_layer_ids order))."""
+    cat = jnp.concatenate([taps[L].astype(dtype) for L in c.target_layer_ids], axis=-1)
+    return rms_norm(linear(cat, dp["context_proj"], "btc,cd->btd"), dp["context_norm"], c.rms_norm_eps)
+
+
+def dspark_block(dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft: int, c: DSparkConfig, dtype):
+    """Draft layers over [anchor, mask, ...] -> (post-final_norm hidden [B,K,D], base logits U [B,K,V])."""
+    B, eps = anchor_B.shape[0], c.rms_norm_eps
+    masks = jnp.full((B, num_draft - 1), c.mask_token_id, anchor_B.dtype)
+    ids = jnp.concatenate([anchor_B[:, None], masks], axis=1)
+    pos_BT = pos_B[:, None] + jnp.arange(num_draft)[None]
+    x = target_params["embed"][ids].astype(dtype)
+    for lp, rows_j in zip(dp["layers"], rows, strict=True):
+        x = x + _attention(lp["attn"], rms_norm(x, lp["attn_norm"], eps), pos_BT, rows_j, ctx_len_B, c)
+        x = x + _ffn(lp["ffn"], rms_norm(x, lp["mlp_norm"], eps), c)
+    h = rms_norm(x, dp["final_norm"], eps)
+    return h, linear(h, target_params["lm_head"], "btd,dv->btv")
+
+
+@dataclass(frozen=True)
+class DSparkDrafter:
+    """DSpark: context KV from tapped target states, one non-causal block pass, sequential Markov head."""
+    config: DSparkConfig
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def init_state(self, batch, max_len, dtype):
+        C = self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        return {"rows": [jnp.zeros((batch, max_len, C), dtype) for _ in range(self.config.num_hidden_layers)],
+                "lengths": jnp.zeros((batch,), jnp.int32)}
+
+    def observe(self, dp, target_params, state, tokens_BT, n_B, start_B, taps):
+        """Context KV injection (§9.3 step 2): the context only passes through each layer's kv_a + norm."""
+        c = self.config
+        dtype = state["rows"][0].dtype
+        T = tokens_BT.shape[1]
+        pos_BT = start_B[:, None] + jnp.arange(T)[None]
+        valid_BT = jnp.arange(T)[None] < n_B[:, None]
+        ctx = dspark_context(dp, taps, c, dtype)
+        rows = []
+        for lp, r in zip(dp["layers"], state["rows"], strict=True):
+            new = _latent_rows(lp["attn"], ctx, pos_BT, c)
+            rows.append(cache_lib.write_rows({"rows": r}, new, pos_BT, valid_BT, c.kv_lora_rank)["rows"])
+        return {"rows": rows, "lengths": jnp.maximum(state["lengths"], start_B + n_B)}
+
+    def propose(self, dp, target_params, state, anchor_B, pos_B, num_draft, key, temperature):
+        c = self.config
+        dtype = state["rows"][0].dtype
+        h, U = dspark_block(dp, target_params, state["rows"], pos_B, anchor_B, pos_B, num_draft, c, dtype)
+        prev, drafts, qs, confs = anchor_B, [], [], []
+        for i in range(num_draft):  # the serial part: row i's logits + the Markov bias of its predecessor
+            e = dp["markov_w1"][prev].astype(dtype)
+            logits = (U[:, i] + linear(e, dp["markov_w2"], "br,vr->bv")).astype(F32)
+            if temperature == 0.0:
+                tok = jnp.argmax(logits, axis=-1)
+            else:
+                key, sub = jax.random.split(key)
+                tok = jax.random.categorical(sub, logits / temperature)
+                qs.append(jax.nn.softmax(logits / temperature, axis=-1))
+            if c.enable_confidence_head:
+                feat = jnp.concatenate([h[:, i], e], -1) if c.confidence_head_with_markov else h[:, i]
+                confs.append(jax.nn.sigmoid(jnp.sum(feat.astype(F32) * dp["conf_w"].astype(F32), -1)
+                                            + dp["conf_b"].astype(F32)))
+            prev = tok.astype(anchor_B.dtype)
+            drafts.append(prev)
+        stack = (lambda xs: jnp.stack(xs, axis=1) if xs else None)  # noqa: E731
+        return Proposal(jnp.stack(drafts, axis=1).astype(jnp.int32), stack(qs), stack(confs))

@@ -54,6 +54,9 @@ class DSparkConfig:
     markov_rank: int = 256
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
+    bos_token_id: int = 163584
+    eos_token_id: int = 163586
+    pad_token_id: int = 163839
 
     @property
     def qk_head_dim(self) -> int:
@@ -87,9 +90,11 @@ class DSparkConfig:
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("rope_")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.name.startswith("rope_")}
         d["target_layer_ids"] = list(self.target_layer_ids)
-        d.update(architectures=["K3DSparkModel"], model_type="k3_dspark", num_key_value_heads=self.num_attention_heads,
+        d.update(architectures=["K3DSparkModel"], model_type="k3_dspark",
+                 num_key_value_heads=self.num_attention_heads,
                  num_target_layers=len(self.target_layer_ids), mla_use_nope=False, mla_use_output_gate=False,
                  draft_vocab_size=self.vocab_size, markov_head_type="vanilla", tie_word_embeddings=False,
                  torch_dtype="bfloat16")
@@ -112,7 +117,8 @@ def yarn_inv_freq(c: DSparkConfig) -> np.ndarray:
     inter = extra / c.rope_factor
 
     def corr_dim(rot):  # the dimension whose wavelength fits `rot` times into the original context
-        return dim * math.log(c.rope_original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+        orig = c.rope_original_max_position_embeddings
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(corr_dim(c.rope_beta_fast)), 0)
     high = min(math.ceil(corr_dim(c.rope_beta_slow)), dim - 1)
@@ -148,8 +154,8 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
         lin(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", D, (R + Pd,), ("embed", None))
         add(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", (R,), (None,), init="norm")
         for name, tr, n in (("w_uk", "kvb_k", N), ("w_uv", "kvb_v", Vd)):
-            add(a + (name,), ha + "kv_b_proj.weight", (H, n, R), ("mla_heads", None, None), tr, (H * (N + Vd), R),
-                fan_in=R)
+            add(a + (name,), ha + "kv_b_proj.weight", (H, n, R), ("mla_heads", None, None), tr,
+                (H * (N + Vd), R), fan_in=R)
         add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd),
             fan_in=H * Vd)
         f, hf = p + ("ffn",), h + "mlp."
@@ -184,17 +190,17 @@ def params_to_hf(flat: dict[tuple, np.ndarray], c: DSparkConfig) -> dict[str, np
 
 def load(ckpt_dir: str, dtype=jnp.bfloat16) -> tuple[DSparkConfig, dict]:
     """(config, params) from an HF DSpark directory (config.json + *.safetensors)."""
-    from safetensors.numpy import load_file  # noqa: PLC0415  (host-only dependency)
+    from convert.safetensors_io import read, read_header  # noqa: PLC0415  (host-side reader, bf16-capable)
 
     c = DSparkConfig.from_hf(ckpt_dir)
-    hf: dict[str, np.ndarray] = {}
+    entries = {}
     for f in sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors"))):
-        hf.update({k.removeprefix("model."): v for k, v in load_file(f).items()})
+        entries.update({k.removeprefix("model."): e for k, e in read_header(f).items()})
     flat = {}
     for s in tensor_table(c):
-        if s.hf not in hf:
+        if s.hf not in entries:
             raise ValueError(f"{ckpt_dir}: drafter tensor {s.hf!r} missing")
-        a = hf[s.hf]
+        a = read(entries[s.hf])
         if tuple(a.shape) != s.hf_shape:
             raise ValueError(f"{ckpt_dir}: {s.hf} has shape {list(a.shape)}, expected {list(s.hf_shape)}")
         flat[s.path] = jnp.asarray(transforms.from_hf(s, [a]), dtype)
