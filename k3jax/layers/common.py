@@ -10,9 +10,19 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
+def dot(spec: str, a, b):
+    """einsum of two compute-dtype operands with fp32 accumulation and an fp32 result (the bf16 GEMM rule).
+
+    XLA:CPU cannot run a bf16 x bf16 -> f32 dot, so on CPU the operands are widened first: bf16 products are
+    exact in fp32, so the result is the same up to summation order."""
+    if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
 def linear(x, w, spec: str):
-    """einsum with fp32 accumulation, output in x's dtype (weights cast to it; fp32 weights stay exact)."""
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
+    """GEMM with fp32 accumulation, output rounded to x's dtype (weights cast to it; fp32 weights stay exact)."""
+    return dot(spec, x, w.astype(x.dtype)).astype(x.dtype)
 
 
 def rms_norm(x, w, eps):

@@ -12,7 +12,6 @@ from k3jax.config import L2NORM_EPS, K3Config
 from k3jax.layers.common import F32, linear
 from pallas_kernels.kda_decode import api as kda_api
 
-
 CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) around the chunk's middle (§4.5)
 
 

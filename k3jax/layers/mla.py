@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS, K3Config
-from k3jax.layers.common import F32, linear, rms_norm
+from k3jax.layers.common import dot, linear, rms_norm
 
 
 def queries(p, x_BTD):
@@ -45,12 +45,12 @@ def mla_full(p, x_BTD, cfg: K3Config, comm: Comm = LOCAL):
     c, k_pe = rows[..., :R], rows[..., R:]
     k_nope = linear(c, p["w_uk"], "bsr,hnr->bshn")
     v = linear(c, p["w_uv"], "bsr,hvr->bshv")
-    s = (jnp.einsum("bthn,bshn->bhts", q[..., :N], k_nope, preferred_element_type=F32)
-         + jnp.einsum("bthe,bse->bhts", q[..., N:], k_pe, preferred_element_type=F32)) * cfg.qk_head_dim ** -0.5
+    s = (dot("bthn,bshn->bhts", q[..., :N], k_nope)
+         + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim ** -0.5
     T = x_BTD.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     probs = _softmax_probs(s, causal, x_BTD.dtype)
-    o = jnp.einsum("bhts,bshv->bthv", probs, v, preferred_element_type=F32).astype(x_BTD.dtype)
+    o = dot("bhts,bshv->bthv", probs, v).astype(x_BTD.dtype)
     return _gate_out(p, o, x_BTD, comm)
 
 
@@ -65,11 +65,11 @@ def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT, comm: Comm =
     q = queries(p, x_BTD)
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")  # W_UK^T q_nope
     c, k_pe = cache_rows_BSC[..., :R], cache_rows_BSC[..., R:]
-    s = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=F32)
-         + jnp.einsum("bthe,bse->bhts", q[..., N:], k_pe, preferred_element_type=F32)) * cfg.qk_head_dim ** -0.5
+    s = (dot("bthr,bsr->bhts", q_lat, c)
+         + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim ** -0.5
     S = cache_rows_BSC.shape[1]
     mask = jnp.arange(S)[None, None, None, :] < key_len_BT[:, None, :, None]
     probs = _softmax_probs(s, mask, x_BTD.dtype)
-    o_lat = jnp.einsum("bhts,bsr->bthr", probs, c, preferred_element_type=F32).astype(x_BTD.dtype)
+    o_lat = dot("bhts,bsr->bthr", probs, c).astype(x_BTD.dtype)
     o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
     return _gate_out(p, o, x_BTD, comm)

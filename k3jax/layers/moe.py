@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from k3jax import mxfp4
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
-from k3jax.layers.common import F32, ffn, linear, rms_norm, situ_glu
+from k3jax.layers.common import F32, dot, ffn, linear, rms_norm, situ_glu
 
 
 def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
@@ -44,10 +44,10 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
         w1 = _expert_weight(experts, "w1", sel, dt)  # [t,k,I,L]
         w3 = _expert_weight(experts, "w3", sel, dt)
         w2 = _expert_weight(experts, "w2", sel, dt)  # [t,k,L,I]
-        h = situ_glu(jnp.einsum("tl,tkil->tki", z, w1, preferred_element_type=F32).astype(dt),
-                     jnp.einsum("tl,tkil->tki", z, w3, preferred_element_type=F32).astype(dt),
+        h = situ_glu(dot("tl,tkil->tki", z, w1).astype(dt),
+                     dot("tl,tkil->tki", z, w3).astype(dt),
                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        y = jnp.einsum("tki,tkli->tkl", h, w2, preferred_element_type=F32).astype(dt)
+        y = dot("tki,tkli->tkl", h, w2).astype(dt)
         return jnp.einsum("tkl,tk->tl", y.astype(F32), w, precision=jax.lax.Precision.HIGHEST).astype(dt)
 
     T = z_TL.shape[0]

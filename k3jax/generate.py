@@ -1,0 +1,198 @@
+"""`python -m k3jax.generate`: prompt in, tokens out.
+
+With no --checkpoint it runs the embedded demo: a tiny K3-architecture model with RANDOM weights, written by
+convert/fake_hf.py, converted by the real converter and cached in the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEMO_SEED = 0
+
+
+def demo_checkpoint(log=print) -> str:
+    """Make (once) and return the demo checkpoint directory."""
+    import tempfile
+
+    from convert.core import Options, convert
+    from convert.fake_hf import write_fake_hf
+    from k3jax.config import preset
+    from k3jax.params import TABLE_VERSION
+
+    root = os.environ.get("K3JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3jax")
+    out = os.path.join(root, f"demo-v{TABLE_VERSION}")
+    if os.path.exists(out):
+        return out
+    log(f"[demo] making the embedded demo model (tiny K3 architecture, random weights) in {out}")
+    os.makedirs(root, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as hf:
+        write_fake_hf(hf, preset("demo"), seed=DEMO_SEED, shards=2, tokenizer=True)
+        convert(hf, out, Options(progress=False))
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="k3jax-generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", help="converted checkpoint (k3jax-convert); default: the embedded demo")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    src.add_argument("--prompt-ids", help="raw token ids, comma separated (no tokenizer needed)")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in K3's chat markup (one user turn)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=None, help="cache positions per sequence (default: fits)")
+    ap.add_argument("--batch", type=int, default=1, help="run the prompt as this many sequences (<= 64)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="compute dtype (float32 for verification)")
+    ap.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8")
+    ap.add_argument("--decode-backend", choices=("auto", "xla", "latency_specialized"), default="auto")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices across all processes)")
+    ap.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
+    ap.add_argument("--num-processes", type=int)
+    ap.add_argument("--process-id", type=int)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as e:  # our errors are ValueErrors with a message saying what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _read_prompt(args) -> str | None:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        with open(args.prompt_file) as f:
+            return f.read()
+    if args.prompt_ids is None and not sys.stdin.isatty():
+        return sys.stdin.read() or None  # an empty pipe is no prompt
+    return None
+
+
+def _run(args) -> int:
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    # Validate everything cheap before touching devices or files.
+    from k3jax.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed)
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t != ""]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        text = None
+    else:
+        ids, text = None, _read_prompt(args)
+        if text is None:
+            if args.checkpoint is not None:
+                raise ValueError("no prompt: give --prompt, --prompt-file, --prompt-ids or text on stdin")
+            text = "the quick brown fox"
+            log(f"[demo] no prompt given; using {text!r}")
+    if args.coordinator or args.num_processes:
+        from k3jax import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax import checkpoint
+    from k3jax.engine import Engine
+    from k3jax.sharding import make_mesh, validate_tp
+    from k3jax.tokenizer import Tokenizer, TokenizerError
+
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = demo_checkpoint(log)
+        log("[demo] running the embedded demo model: tiny K3 architecture with RANDOM weights, "
+            "so the text is gibberish; pass --checkpoint for a real model")
+    cfg = checkpoint.load_config(ckpt)
+    if args.tp > 1:
+        validate_tp(cfg, args.tp)
+    tok = None
+    try:
+        tok = Tokenizer.from_dir(ckpt)
+    except TokenizerError as e:
+        if ids is None:
+            raise ValueError(f"a text prompt needs tokenizer files: {e}") from None
+    if ids is None:
+        ids = tok.chat_prompt(text) if args.chat else tok.encode(text)
+        if not ids:
+            raise ValueError("the prompt is empty: give some text or --prompt-ids")
+    max_len = args.max_len or _round_up(len(ids) + args.max_new_tokens, 64)
+    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    if dtype == jnp.float32:
+        jax.config.update("jax_default_matmul_precision", "highest")
+    mesh = make_mesh(args.tp) if args.tp > 1 else None
+    t0 = time.perf_counter()
+    cfg, params = checkpoint.load(ckpt, mesh=mesh, dtype=dtype)
+    log(f"loaded {ckpt} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}) in "
+        f"{time.perf_counter() - t0:.1f}s on {args.tp} device(s) [{jax.devices()[0].platform}]")
+    eng = Engine(cfg, params, max_len=max_len, max_batch=max(args.batch, 1), dtype=dtype,
+                 cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
+    stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
+    prompts = [ids] * args.batch
+    progress = _progress(args, log, tok)
+    res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
+    if progress.bar is not None:
+        progress.bar.close()
+    out = {
+        "prompt_ids": ids,
+        "generated_ids": res.tokens,
+        "text": [tok.decode(t) for t in res.tokens] if tok is not None else None,
+        "ttft_s": res.ttft_s,
+        "decode_tokens_per_s": res.decode_tokens_per_s,
+        "decode_tokens": res.decode_tokens,
+        "batch": args.batch,
+        "decode_backend": args.decode_backend,
+        "tp": args.tp,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for b, t in enumerate(res.tokens):
+            shown = out["text"][b] if tok is not None else ",".join(map(str, t))
+            log(f"--- sequence {b}: {len(t)} tokens ---\n{shown}")
+        log(f"TTFT {res.ttft_s * 1e3:.1f} ms (includes compilation on the first run); decode "
+            f"{res.decode_tokens_per_s:.1f} tokens/s excluding prefill ({res.decode_tokens} tokens)")
+    return 0
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _progress(args, log, tok):
+    """Stream tokens between device chunks: a progress bar (tqdm) on stderr."""
+    from tqdm import tqdm
+
+    total = args.max_new_tokens * args.batch
+    bar = tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty() and not os.environ.get("K3JAX_PROGRESS"))
+
+    def on_tokens(toks, emitted):
+        bar.update(int(emitted.sum()))
+
+    on_tokens.bar = bar
+    return on_tokens
+
+
+if __name__ == "__main__":
+    sys.exit(main())
