@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_rms
+
 from k3jax import cache as cache_lib
 from k3jax import model
 from k3jax import params as P

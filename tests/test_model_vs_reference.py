@@ -2,11 +2,10 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
-
 import np_reference as ref
+import pytest
 from helpers import random_model, rel_rms
+
 from k3jax import model
 from k3jax.config import preset
 
