@@ -22,9 +22,11 @@ import numpy as np
 
 from k3jax import cache as cache_lib
 from k3jax import model
+from k3jax import sampling as sampling_lib
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla
 from k3jax.layers.common import linear
+from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
 
 # ---- 1. verify: one target forward over [anchor + K drafts] ------------------------------------------------
@@ -91,11 +93,17 @@ def accept_greedy(logits_BTV, drafts_BK):
     return n_acc, _row(target_BT, n_acc)
 
 
-def accept_rejection(key, logits_BTV, drafts_BK, q_BKV, temperature: float):
+def _sp(sampling) -> SamplingParams:
+    return sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=float(sampling))
+
+
+def accept_rejection(key, logits_BTV, drafts_BK, q_BKV, sampling: float | SamplingParams):
     """Lossless rejection sampling (Leviathan et al. / Chen et al.): accept d_i w.p. min(1, p_i/q_i); on the
-    first rejection resample from normalize(max(0, p_i - q_i)); all accepted -> bonus from p_{K+1}."""
+    first rejection resample from normalize(max(0, p_i - q_i)); all accepted -> bonus from p_{K+1}.
+    p is the distribution plain sampling draws from (temperature, top-k, top-p applied)."""
     k_u, k_tok = jax.random.split(key)
-    p_BTV = jax.nn.softmax(logits_BTV.astype(jnp.float32) / temperature, axis=-1)
+    B, T, V = logits_BTV.shape
+    p_BTV = sampling_lib.probs(logits_BTV.reshape(B * T, V), _sp(sampling)).reshape(B, T, V)
     p_d = jnp.take_along_axis(p_BTV[:, :-1], drafts_BK[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, drafts_BK.shape)
@@ -121,7 +129,7 @@ def synthetic_rates(acceptance_length: float, num_draft: int) -> np.ndarray:
     return rates
 
 
-def accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length: float, temperature: float):
+def accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length: float, sampling: float | SamplingParams):
     """Benchmark mode: acceptance ignores agreement; the target logits still pick the next token."""
     K = drafts_BK.shape[1]
     rates = synthetic_rates(acceptance_length, K)
@@ -129,25 +137,20 @@ def accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length: float, tempe
     cond = np.divide(rates, prev, out=np.zeros_like(rates), where=prev > 0)  # P(accept i | i-1 accepted)
     k_u, k_tok = jax.random.split(key)
     n_acc = _first_rejection(jax.random.uniform(k_u, drafts_BK.shape) < jnp.asarray(cond, jnp.float32))
-    return n_acc, sample(k_tok, _row(logits_BTV, n_acc), temperature).astype(drafts_BK.dtype)
+    return n_acc, sampling_lib.sample(_row(logits_BTV, n_acc), k_tok, _sp(sampling)).astype(drafts_BK.dtype)
 
 
-def sample(key, logits_BV, temperature: float):
-    if temperature == 0.0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature).astype(jnp.int32)
-
-
-def accept(key, logits_BTV, drafts_BK, q_BKV, temperature: float, acceptance_length: float | None):
+def accept(key, logits_BTV, drafts_BK, q_BKV, sampling: float | SamplingParams, acceptance_length=None):
     """Dispatch: synthetic when acceptance_length is set, greedy at temperature 0, else rejection sampling
     (a drafter without probabilities is a greedy drafter: q = one-hot of its drafts)."""
+    sp = _sp(sampling)
     if acceptance_length is not None:
-        return accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length, temperature)
-    if temperature == 0.0:
+        return accept_synthetic(key, logits_BTV, drafts_BK, acceptance_length, sp)
+    if sp.greedy:
         return accept_greedy(logits_BTV, drafts_BK)
     if q_BKV is None:
         q_BKV = jax.nn.one_hot(drafts_BK, logits_BTV.shape[-1], dtype=jnp.float32)
-    return accept_rejection(key, logits_BTV, drafts_BK, q_BKV, temperature)
+    return accept_rejection(key, logits_BTV, drafts_BK, q_BKV, sp)
 
 
 # ---- 3. the generation loop ------------------------------------------------------------------------------
@@ -159,11 +162,12 @@ class SpecConfig(NamedTuple):
     drafter: object  # a k3jax.drafter.Drafter (frozen dataclass)
     num_draft: int = 7
     max_new_tokens: int = 64
-    temperature: float = 0.0
+    sampling: SamplingParams = SamplingParams()  # the target's: temperature / top-k / top-p
     acceptance_length: float | None = None  # synthetic acceptance (benchmarks) when set
     dtype: object = jnp.bfloat16
     backend: str = "xla"
     stop_token: int | None = None
+    cache_dtype: str = "bf16"  # the target's MLA cache: "bf16" (the compute dtype) or "fp8"
 
 
 class SpecState(NamedTuple):
@@ -181,11 +185,11 @@ class SpecState(NamedTuple):
 def prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, max_len: int) -> SpecState:
     """Target prefill of right-padded prompts; the first generated token becomes the anchor."""
     cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
-    cache = cache_lib.init_cache(cfg, B, max_len, spec.dtype, "bf16")
+    cache = cache_lib.init_cache(cfg, B, max_len, spec.dtype, spec.cache_dtype)
     logits, cache, taps = model.extend(params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend,
                                        taps=spec.drafter.taps)
     key, k_tok = jax.random.split(key)
-    anchor = sample(k_tok, logits, spec.temperature)
+    anchor = sampling_lib.sample(logits, k_tok, spec.sampling)
     dstate = spec.drafter.init_state(B, max_len, spec.dtype)
     dstate = spec.drafter.observe(draft_params, params, dstate, prompt_BT, n_prompt_B,
                                   jnp.zeros_like(n_prompt_B), taps)
@@ -201,12 +205,12 @@ def step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     key, k_draft, k_acc = jax.random.split(st.key, 3)
     start_B = st.cache["lengths"]
     prop = spec.drafter.propose(draft_params, params, st.draft_state, st.anchor_B, start_B, K, k_draft,
-                                spec.temperature)
+                                spec.sampling.temperature)
     drafts = prop.drafts_BK.astype(jnp.int32)
     block = jnp.concatenate([st.anchor_B[:, None], drafts], axis=1)
     logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend,
                                    spec.drafter.taps)
-    n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.temperature, spec.acceptance_length)
+    n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.sampling, spec.acceptance_length)
     active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
     n_commit = jnp.where(active, n_acc + 1, 0)
     cache = commit(pending, n_commit)
@@ -250,16 +254,18 @@ def stats(st: SpecState) -> dict:
 
 
 def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_params=None, num_draft: int = 7,
-             max_new_tokens: int = 64, temperature: float = 0.0, acceptance_length: float | None = None,
-             seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla", stop_token: int | None = None,
-             max_len: int | None = None, on_device_loop: bool = True, on_step=None):
+             max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             acceptance_length: float | None = None, seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla",
+             stop_token: int | None = None, cache_dtype: str = "bf16", max_len: int | None = None,
+             on_device_loop: bool = True, on_step=None):
     """Speculative generation for a right-padded prompt batch. Returns (tokens [B, max_new_tokens], stats).
 
     on_device_loop: one jitted while_loop; otherwise a host loop over `step_jit`, calling on_step(i, state)
     after each step (benchmarks hook their timing there). Tokens after a stop token are not meaningful.
     """
-    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, float(temperature), acceptance_length, dtype,
-                      backend, stop_token)
+    sp = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, sp, acceptance_length, dtype, backend, stop_token,
+                      cache_dtype)
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     n_prompt_B = jnp.asarray(n_prompt_B, jnp.int32)
     max_len = max_len or prompt_BT.shape[1] + max_new_tokens + num_draft + 1

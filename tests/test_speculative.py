@@ -1,6 +1,7 @@
 """Speculative decoding: verify + accept + commit reproduce plain greedy decoding exactly; rejection sampling
 is lossless (statistical test); synthetic acceptance follows vLLM's minimum-variance schedule."""
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -13,6 +14,7 @@ from k3jax import model, speculative
 from k3jax.config import preset
 from k3jax.drafter import NgramDrafter, Proposal
 from k3jax.params import cast_params, init_params
+from k3jax.sampling import SamplingParams
 
 F32 = jnp.float32
 
@@ -140,13 +142,13 @@ def test_accept_greedy(rng):
         assert int(n[b]) == want and int(nxt[b]) == target[b, want]
 
 
-def _lossy(key, logits, drafts, q, temperature):
+def _lossy(key, logits, drafts, q, temperature=1.0):
     """A deliberately wrong sampler (on rejection, resample from p instead of the residual)."""
     n, _ = speculative.accept_rejection(key, logits, drafts, q, temperature)
     return n, jax.random.categorical(key, logits[jnp.arange(len(n)), n])
 
 
-def _simulate(key, P, Q, K, N, M, sampler=speculative.accept_rejection):
+def _simulate(key, P, Q, K, N, M, sampler):
     """Draft-and-verify rounds with position-dependent, context-free target P[t] and draft Q[t] until every
     one of N streams has M tokens. Returns the first M tokens of every stream [N, M]."""
     out = np.full((N, M + K + 1), -1)
@@ -157,7 +159,7 @@ def _simulate(key, P, Q, K, N, M, sampler=speculative.accept_rejection):
         rows = np.minimum(n[:, None] + np.arange(K + 1)[None], len(P) - 1)
         q = jnp.asarray(Q[rows[:, :K]])  # [N, K, V]
         drafts = jax.random.categorical(kd, jnp.log(q), axis=-1)
-        nacc, nxt = sampler(ka, jnp.asarray(logP[rows]), drafts, q, 1.0)
+        nacc, nxt = sampler(ka, jnp.asarray(logP[rows]), drafts, q)
         nacc, nxt, drafts = np.asarray(nacc), np.asarray(nxt), np.asarray(drafts)
         for i in range(K + 1):
             tok = np.where(i < nacc, drafts[:, min(i, K - 1)], nxt)
@@ -171,16 +173,24 @@ def _chi2_bound(dof, z=4.75):  # Wilson-Hilferty upper quantile at about p = 1e-
     return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
 
 
-def test_rejection_sampling_is_lossless(rng):
-    """The emitted stream must be distributed exactly as the target: joint of the first two tokens against
-    P[0] x P[1] (chi-square), for arbitrary q (including zeros where p is not, and vice versa)."""
-    V, K, N, M = 5, 3, 60000, 2
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_rejection_sampling_is_lossless(rng, top_k):
+    """The emitted stream must be distributed exactly as plain sampling from the target: joint of the first
+    two tokens against P[0] x P[1] (chi-square), for arbitrary q (including zeros where p is not, and vice
+    versa); with top_k, P is the temperature-scaled, top-k-filtered target."""
+    V, K, N, M = 6, 3, 60000, 2
     P = rng.dirichlet(np.ones(V), size=M + K + 1)
     Q = rng.dirichlet(np.ones(V) * 0.5, size=M + K + 1)
     P[:, 0], Q[:, 1] = 0.0, 0.0  # the target never emits 0; the draft never proposes 1
     P /= P.sum(1, keepdims=True)
     Q /= Q.sum(1, keepdims=True)
-    expect = N * np.outer(P[0], P[1]).reshape(-1)
+    sp = SamplingParams(temperature=0.7 if top_k else 1.0, top_k=top_k)
+    sampler = functools.partial(speculative.accept_rejection, sampling=sp)
+    want = P ** (1 / sp.temperature)
+    if top_k:
+        want[want < np.sort(want, axis=1)[:, -top_k:-top_k + 1]] = 0.0
+    want /= want.sum(1, keepdims=True)
+    expect = N * np.outer(want[0], want[1]).reshape(-1)
     cells = expect > 0
 
     def chi2(toks):
@@ -189,7 +199,7 @@ def test_rejection_sampling_is_lossless(rng):
         return float(np.sum((counts[cells] - expect[cells]) ** 2 / expect[cells]))
 
     bound = _chi2_bound(int(cells.sum()) - 1)
-    good = chi2(_simulate(jax.random.key(1234), P, Q, K, N, M))
+    good = chi2(_simulate(jax.random.key(1234), P, Q, K, N, M, sampler))
     print(f"chi2 = {good:.1f} (bound {bound:.1f})")
     assert good < bound
     with pytest.raises(AssertionError):  # the same test rejects a lossy sampler
