@@ -34,38 +34,52 @@ def logits_from_hidden(params, h_BTD, cfg: K3Config, comm: Comm = LOCAL):
     return comm.all_gather(logits, axis=-1, what="logits")
 
 
-def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL):
+def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL, record: dict | None = None):
     if not is_moe:
         return comm.all_reduce(ffn(x_BTD, p["gate"], p["up"], p["down"], cfg), "mlp_out")
     B, T, D = x_BTD.shape
-    return moe.moe(p, x_BTD.reshape(B * T, D), cfg, comm=comm).reshape(B, T, D)
+    y, sel = moe.moe(p, x_BTD.reshape(B * T, D), cfg, return_routing=True, comm=comm)
+    if record is not None:
+        record["experts"] = sel.reshape(B, T, -1)
+    return y.reshape(B, T, D)
 
 
-def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = (), comm: Comm = LOCAL):
-    """AttnRes decoder loop. Returns (final hidden after the output mix [B,T,D], {layer: P after it})."""
+def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = (), comm: Comm = LOCAL,
+          record: dict | None = None):
+    """AttnRes decoder loop. Returns (final hidden after the output mix [B,T,D], {layer: P after it}).
+
+    `record` (notebooks, debugging): a dict filled with per-layer AttnRes weights and expert choices."""
     eps = cfg.rms_norm_eps
+
+    def mix(sources, site, rec, key):
+        out = attn_res(jnp.stack(sources), site["norm"], site["proj"], eps, return_weights=rec is not None)
+        if rec is None:
+            return out
+        rec[key] = out[1]  # softmax weights over the sources [N, B, T]
+        return out[0]
+
     blocks: list[jax.Array] = []
     P = x_BTD
     tapped = {}
     for L, lp in enumerate(params["layers"]):
+        rec = None if record is None else record.setdefault(L, {})
         with jax.named_scope(f"layer{L}_{cfg.layer_kind(L)}"):
-            h = attn_res(jnp.stack(blocks + [P]), lp["attn_res"]["norm"], lp["attn_res"]["proj"], eps) \
-                if blocks else P
+            h = mix(blocks + [P], lp["attn_res"], rec, "attn_res") if blocks else P
             if cfg.is_block_boundary(L):
                 blocks.append(P)  # the ENTERING prefix, not the mix h
                 P = None
             a = attn(L, lp["attn"], rms_norm(h, lp["attn_norm"], eps))
             P = a if P is None else P + a
-            h = attn_res(jnp.stack(blocks + [P]), lp["mlp_res"]["norm"], lp["mlp_res"]["proj"], eps)
-            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L), comm)
+            h = mix(blocks + [P], lp["mlp_res"], rec, "mlp_res")
+            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L), comm, rec)
             if L in taps:
                 tapped[L] = P
-    h_out = attn_res(jnp.stack(blocks + [P]), params["out_res"]["norm"], params["out_res"]["proj"], eps)
+    h_out = mix(blocks + [P], params["out_res"], record, "out_res")
     return h_out, tapped
 
 
-def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = LOCAL):
-    """Full-sequence logits [B, T, V] (causal, from an empty state)."""
+def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = LOCAL, record: dict | None = None):
+    """Full-sequence logits [B, T, V] (causal, from an empty state). `record`: see `trunk`."""
     B, T = tokens_BT.shape
     zeros = jnp.zeros((B,), jnp.int32)
 
@@ -77,7 +91,7 @@ def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = L
         window = jnp.zeros((B, 3, cfg.kda_conv_size - 1, H, K), dtype)
         return kda.kda_prefill(p, x, cfg, zeros + T, state, window, comm=comm)[0]
 
-    h, _ = trunk(params, embed(params, tokens_BT, dtype, comm), cfg, attn, comm=comm)
+    h, _ = trunk(params, embed(params, tokens_BT, dtype, comm), cfg, attn, comm=comm, record=record)
     return logits_from_hidden(params, h, cfg, comm)
 
 
