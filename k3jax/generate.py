@@ -61,6 +61,12 @@ def parse_args(argv=None):
     ap.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
+    ap.add_argument("--spec", choices=("none", "dspark", "ngram", "synthetic"), default="none",
+                    help="speculative decoding: DSpark drafter, prompt-lookup n-grams, or synthetic acceptance")
+    ap.add_argument("--num-draft", type=int, default=7, help="draft tokens per step (speculative modes)")
+    ap.add_argument("--draft-checkpoint", help="HF DSpark drafter directory (--spec dspark)")
+    ap.add_argument("--acceptance-length", type=float, default=6.0,
+                    help="--spec synthetic: tokens per step counting the bonus (benchmark mode; text is meaningless)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)
 
@@ -105,6 +111,15 @@ def _run(args) -> int:
                 raise ValueError("no prompt: give --prompt, --prompt-file, --prompt-ids or text on stdin")
             text = "the quick brown fox"
             log(f"[demo] no prompt given; using {text!r}")
+    if args.spec != "none":
+        if not 1 <= args.num_draft <= 7:
+            raise ValueError(f"--num-draft must be in 1..7, got {args.num_draft}")
+        if args.spec == "dspark" and not args.draft_checkpoint:
+            raise ValueError("--spec dspark needs --draft-checkpoint DIR (an HF DSpark drafter directory)")
+        if args.spec == "synthetic" and not 1 <= args.acceptance_length <= args.num_draft + 1:
+            raise ValueError(f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}]")
+        if args.tp > 1:
+            raise ValueError("speculative decoding runs on one device for now: use --tp 1 with --spec")
     if args.coordinator or args.num_processes:
         from k3jax import distributed
 
@@ -149,9 +164,12 @@ def _run(args) -> int:
                  cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     prompts = [ids] * args.batch
-    progress = _progress(args, log, tok)
-    res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
-    if progress.bar is not None:
+    if args.spec != "none":
+        eng.check_request(prompts, args.max_new_tokens + args.num_draft + 1)
+        res = _speculative(args, cfg, params, prompts, sp, stop, dtype)
+    else:
+        progress = _progress(args, log, tok)
+        res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
         progress.bar.close()
     out = {
         "prompt_ids": ids,
@@ -163,6 +181,8 @@ def _run(args) -> int:
         "batch": args.batch,
         "decode_backend": args.decode_backend,
         "tp": args.tp,
+        "spec": args.spec,
+        **({"spec_stats": res.stats} if res.stats else {}),
     }
     if args.json:
         print(json.dumps(out))
@@ -173,6 +193,47 @@ def _run(args) -> int:
         log(f"TTFT {res.ttft_s * 1e3:.1f} ms (includes compilation on the first run); decode "
             f"{res.decode_tokens_per_s:.1f} tokens/s excluding prefill ({res.decode_tokens} tokens)")
     return 0
+
+
+def _speculative(args, cfg, params, prompts, sp, stop, dtype):
+    """Speculative generation (k3jax.speculative): the whole loop runs on device."""
+    import jax
+    import numpy as np
+
+    from k3jax import drafter as drafters
+    from k3jax import speculative
+    from k3jax.engine import Result
+
+    draft_params = None
+    if args.spec == "dspark":
+        from k3jax import drafter_params
+
+        dcfg, draft_params = drafter_params.load(args.draft_checkpoint, dtype=dtype)
+        drafter = drafters.DSparkDrafter(dcfg)
+    else:
+        drafter = drafters.NgramDrafter()
+    prompt = np.array(prompts, np.int32)
+    run = lambda: speculative.generate(  # noqa: E731
+        params, cfg, prompt, np.full((len(prompts),), prompt.shape[1]), drafter=drafter, draft_params=draft_params,
+        num_draft=args.num_draft, max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k,
+        top_p=sp.top_p, acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
+        seed=sp.seed, dtype=dtype, backend="xla" if args.decode_backend == "auto" else args.decode_backend,
+        stop_token=stop[0] if stop else None)
+    t0 = time.perf_counter()
+    toks, stats = run()
+    jax.block_until_ready(toks)
+    first = time.perf_counter() - t0  # includes compilation
+    t0 = time.perf_counter()
+    toks, stats = run()  # timed run, compiled
+    toks = np.asarray(toks)
+    dt = time.perf_counter() - t0
+    out = []
+    for row in toks.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+        out.append(row[:cut])
+    n = sum(len(r) for r in out)
+    stats = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in stats.items()}
+    return Result(out, [len(p) for p in prompts], first, dt, n, stats)
 
 
 def _round_up(n, m):
