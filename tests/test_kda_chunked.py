@@ -23,7 +23,7 @@ def _chunked(chunk):
     return jax.jit(functools.partial(kda.delta_rule_chunked, chunk=chunk))
 
 
-def _inputs(rng, T, g_of):
+def _inputs(rng, T, g_of, K=K):
     q = ref.l2_normalize(rng.standard_normal((B, T, H, K))) * K**-0.5
     k = ref.l2_normalize(rng.standard_normal((B, T, H, K)))
     v = rng.standard_normal((B, T, H, V))
@@ -32,8 +32,8 @@ def _inputs(rng, T, g_of):
     return q, k, v, g_of((B, T, H, K)), beta, state
 
 
-def _check(rng, T, chunk, g_of, tol=2e-6):
-    q, k, v, g, beta, state = _inputs(rng, T, g_of)
+def _check(rng, T, chunk, g_of, tol=2e-6, K=K):
+    q, k, v, g, beta, state = _inputs(rng, T, g_of, K)
     want = [ref.kda_recurrence(q[b], k[b], v[b], g[b], beta[b], state[b]) for b in range(B)]
     o, S = _chunked(chunk)(*(np.float32(a) for a in (q, k, v, g, beta, state)))
     o, S = np.asarray(o), np.asarray(S)
@@ -66,5 +66,6 @@ def test_strong_decay_near_the_bound_stays_finite(rng):
 
 
 def test_all_dims_at_the_bound(rng):
-    """Every dim at the bound: the state forgets within a few steps; still exact and finite."""
-    _check(rng, int(rng.integers(64, 97)), kda.CHUNK, lambda s: rng.uniform(-5.0, -4.99, s))
+    """Every dim at the bound: the state forgets within a few steps; still exact and finite. K = 64 gives the
+    small q/k entries (~1/K) of real heads, which a chunk-start factorisation flushes to zero at exp(-80)."""
+    _check(rng, int(rng.integers(64, 97)), kda.CHUNK, lambda s: rng.uniform(-5.0, -4.99, s), K=64)
