@@ -1,7 +1,8 @@
 """KDA decode step on one GPU: correctness at real shapes, then CUPTI device time of the fused Pallas kernel,
 the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the step must move.
 
-Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT
+Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT [FLA_JSON]
+(FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -113,30 +114,42 @@ def fla_case(fwd, args):
     return total / ITERS, err
 
 
-def main(out_dir):
+# Same kernel, other launch shapes: (v_chunk, tma). The api row is whatever tuning.json picks.
+VARIANTS = [(32, False), (128, False), (32, True), (64, True), (128, True)]
+
+
+def variant_name(v_chunk, tma):
+    return f"{'tma' if tma else 'ldg'} v{v_chunk}"
+
+
+def max_err(got, want):
+    return {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            for n, a, b in zip(("y", "state", "conv"), got, want, strict=True)}
+
+
+def main(out_dir, fla_from=None):
+    """fla_from: a previous kda_decode.json whose fla numbers are reused instead of re-running fla."""
     out_dir = pathlib.Path(out_dir)
     dev = jax.devices()[0]
     print(dev, dev.device_kind, dev.compute_capability)
     ref = jax.jit(reference.kda_decode)
     fused = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))
-    variants = {f"v_chunk={c}": jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=c,
-                                                           tile_layout=kernel.plgpu.Layout.WGMMA))
-                for c in (128, 64)}  # the api row is the tuned value (tuning.json)
+    variants = {variant_name(c, t): jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=c, tma=t,
+                                                               tile_layout=kernel.plgpu.Layout.WGMMA))
+                for c, t in VARIANTS}
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   hbm_peak_Bps=HBM_PEAK, iterations=ITERS, cases=[], correctness=[])
+                   hbm_peak_Bps=HBM_PEAK, iterations=ITERS, tuning=api_tuning(), cases=[], correctness=[])
 
-    # correctness at real shapes, both dtypes
+    # correctness of the api path at real shapes, both dtypes (every variant is checked per timed case below)
     for B, H in [(1, 6), (8, 12), (64, 6), (2, 96)]:
         for dtype in (jnp.bfloat16, jnp.float32):
             args = make_inputs(B * 1000 + H, B, H, dtype=dtype)
             want, got = ref(*args), fused(*args)
-            errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                    for n, a, b in zip(("y", "state", "conv"), got, want, strict=True)}
+            errs = max_err(got, want)
             rel_state = errs["state"] / float(jnp.max(jnp.abs(want[1])))
             results["correctness"].append(dict(B=B, H=H, dtype=jnp.dtype(dtype).name, max_abs_err=errs,
                                                state_rel_err=rel_state))
             print("check", B, H, jnp.dtype(dtype).name, errs, rel_state, flush=True)
-
 
     # XLA copy of a large buffer: the practical bandwidth ceiling on this machine
     big = jnp.ones((256 * 2**20,), jnp.float32)
@@ -146,52 +159,69 @@ def main(out_dir):
 
     for B, H in SHAPES:
         args = make_inputs(7, B, H)
-        outs = ref(*args)
-        nbytes = step_bytes(args, outs)
+        want = ref(*args)
+        nbytes = step_bytes(args, want)
         case = dict(B=B, H=H, bytes=nbytes, floor_us=nbytes / HBM_PEAK * 1e6)
         case["pallas_us"] = device_us(fused, *args)
         case["xla_us"] = device_us(ref, *args)
         case["xla_kernels"] = len(kernel_names(ref, *args))
         case["pallas_kernels"] = len(kernel_names(fused, *args))
-        case["variants_us"] = {}
+        case["variants_us"], case["variants_max_err"] = {}, {}
         for name, f in variants.items():
             try:
+                case["variants_max_err"][name] = max_err(f(*args), want)
                 case["variants_us"][name] = device_us(f, *args)
             except Exception as e:
-                case["variants_us"][name] = f"failed: {type(e).__name__}"
+                case["variants_us"][name] = f"failed: {type(e).__name__}: {e}"[:300]
         case["pallas_frac_of_peak"] = nbytes / (case["pallas_us"] * 1e-6) / HBM_PEAK
         case["speedup_vs_xla"] = case["xla_us"] / case["pallas_us"]
         print(case, flush=True)
         results["cases"].append(case)
 
-    # fla in its own process: torch's profiler and the Mosaic GPU profiler cannot both hold CUPTI.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    subprocess.run([sys.executable, __file__, "--fla", str(out_dir)], env=env, timeout=200, check=False)
-    fla_path = out_dir / "fla.json"
-    fla = json.loads(fla_path.read_text()) if fla_path.exists() else {"source": "failed to run"}
-    results["fla"] = fla.pop("source")
+    if fla_from:
+        old = {f"{c['B']}x{c['H']}": c for c in json.loads(pathlib.Path(fla_from).read_text())["cases"]}
+        results["fla"] = f"reused from {fla_from} (same machine kind, same shapes)"
+        fla = {k: {n: c[n] for n in ("fla_us", "fla_state_err") if n in c} for k, c in old.items()}
+    else:
+        # fla in its own process: torch's profiler and the Mosaic GPU profiler cannot both hold CUPTI.
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        subprocess.run([sys.executable, __file__, "--fla", str(out_dir)], env=env, timeout=200, check=False)
+        fla_path = out_dir / "fla.json"
+        fla = json.loads(fla_path.read_text()) if fla_path.exists() else {"source": "failed to run"}
+        results["fla"] = fla.pop("source")
     for case in results["cases"]:
         case.update(fla.get(f"{case['B']}x{case['H']}", {}))
     (out_dir / "kda_decode.json").write_text(json.dumps(results, indent=1))
+    write_table(results, out_dir / "kda_decode.md")
+
+
+def api_tuning():
+    return json.loads((pathlib.Path(kernel.__file__).parent / "tuning.json").read_text())
+
+
+def write_table(results, path):
+    names = list(results["cases"][0]["variants_us"])
     lines = [f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 ({results['device']})", "",
-             f"CUPTI device time, median of {ITERS}; floor = bytes / {HBM_PEAK / 1e12:.1f} TB/s. "
+             f"CUPTI device time, median of {results['iterations']}; floor = bytes / "
+             f"{results['hbm_peak_Bps'] / 1e12:.1f} TB/s. "
              f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
              f"fla: {results['fla']} (recurrence + gate + beta + L2 only: no conv, no gated norm).", "",
-             "Pallas = the api path (tuning.json); v_chunk columns = the same kernel, other column chunks.",
-             "",
-             "| B | H | MB moved | floor us | Pallas us | % of peak | v_chunk 128 / 64 us | XLA us (kernels) "
-             "| vs XLA | fla us | vs fla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Pallas = the api path (tuning.json sm90: {results['tuning']['sm90']}). Variant columns = the same "
+             "kernel, other launch shapes: ldg = state HBM <-> registers by ld/st.global in vN column chunks, "
+             "tma = whole tile staged through swizzled SMEM by TMA, processed in vN chunks.", "",
+             "| B | H | MB moved | floor us | Pallas us | % of peak | " + " | ".join(names)
+             + " | XLA us (kernels) | vs XLA | fla us | vs fla |",
+             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     for c in results["cases"]:
         fla = c.get("fla_us")
         vs_fla = f"{fla / c['pallas_us']:.2f}x" if isinstance(fla, float) else "-"
         fla = f"{fla:.2f}" if isinstance(fla, float) else "-"
-        var = " / ".join(f"{v:.2f}" if isinstance(v, float) else "x" for v in c["variants_us"].values())
+        var = " | ".join(f"{v:.2f}" if isinstance(v, float) else "x" for v in c["variants_us"].values())
         lines.append(f"| {c['B']} | {c['H']} | {c['bytes'] / 1e6:.2f} | {c['floor_us']:.2f} | "
                      f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {var} | "
                      f"{c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
                      f"{fla} | {vs_fla} |")
-    (out_dir / "kda_decode.md").write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -213,8 +243,19 @@ def main_fla(out_dir):
     (pathlib.Path(out_dir) / "fla.json").write_text(json.dumps(res, indent=1))
 
 
+def main_regs():
+    """Compile every variant once; run with MOSAIC_GPU_DUMP_PTXAS=1 to get ptxas register/spill counts."""
+    args = make_inputs(7, 8, 12)
+    for c, t in VARIANTS:
+        print("=== variant", variant_name(c, t), flush=True)
+        jax.block_until_ready(kernel.decode(*args, eps=1e-5, v_chunk=c, tma=t,
+                                            tile_layout=kernel.plgpu.Layout.WGMMA))
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--fla"]:
+    if sys.argv[1:2] == ["--regs"]:
+        main_regs()
+    elif sys.argv[1:2] == ["--fla"]:
         main_fla(sys.argv[2])
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else ".")
+        main(sys.argv[1] if len(sys.argv) > 1 else ".", sys.argv[2] if len(sys.argv) > 2 else None)

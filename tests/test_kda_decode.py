@@ -1,6 +1,7 @@
 """KDA decode step: reference vs float64 NumPy from K3_SPEC §4.2-4.6, verify/commit vs sequential decode,
 kernel bodies (interpret mode on CPU, real shapes on the GPU) vs the reference."""
 
+import functools
 import logging
 
 import jax
@@ -117,15 +118,27 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
+def _variant(arch, tma):
+    """A body's kernel with its tuned tile layout and a given staging (direct ld/st.global or TMA via SMEM)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import kernel
+    layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
+    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)
+
+
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-def test_kernel_interpret_matches_reference(arch, dtype):
+@pytest.mark.parametrize("tma", [False, True])
+def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype])
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu(arch):
-        got = _body(arch).kda_decode(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = _variant(arch, tma)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, **TOL[dtype], what=name)
@@ -133,13 +146,24 @@ def test_kernel_interpret_matches_reference(arch, dtype):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-def test_kernel_lowers_for_cuda(arch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_kernel_lowers_for_cuda(arch, tma):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        lowered = jax.jit(_body(arch).kda_decode).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(_variant(arch, tma)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
+
+
+def test_api_body_uses_tuning():
+    """The body passes tuning.json through unchanged (interpret mode, so it runs on CPU)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    x = make_inputs(rng(), 1, 2, 128, jnp.float32)
+    with abstract_gpu("sm90"):
+        got = _body("sm90").kda_decode(*args_of(x), interpret=plgpu.InterpretGPUParams())
+    for a, b in zip(got, reference.kda_decode(*args_of(x)), strict=True):
+        assert_close(a, b, **TOL["f32"])
 
 
 def test_kernel_refuses_unsupported_shapes():

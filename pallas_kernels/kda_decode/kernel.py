@@ -44,20 +44,25 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
 
 
 def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
-          y_ref, new_state_ref, new_conv_ref, vec_smem, *, tile_layout, v_chunk, eps, dtype):
+          y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch, tile_layout, v_chunk, eps, dtype):
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     K = vec_smem.shape[-1]
+    V = new_state_ref.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
 
-    V = new_state_ref.shape[-1]
+    if tma_scratch:  # the whole tile HBM -> SMEM by one TMA, issued first: in flight during the prologue
+        tile_smem, tile_bar = tma_scratch
+        plgpu.copy_gmem_to_smem(state_ref.at[b, h], tile_smem, tile_bar)
 
-    def load_state(c):  # columns [c*v_chunk, (c+1)*v_chunk): straight from HBM into registers (ld.global)
-        return plgpu.load(state_ref.at[b, h, :, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout,
-                          optimized=False)
+    def load_state(c):  # columns [c*v_chunk, (c+1)*v_chunk) into registers
+        cols = pl.ds(c * v_chunk, v_chunk)
+        if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
+            return plgpu.load(tile_smem.at[:, cols], layout=tile_layout)
+        return plgpu.load(state_ref.at[b, h, :, cols], layout=tile_layout, optimized=False)  # ld.global
 
-    # Issue the first state read before the O(K) prologue, which then hides its latency.
-    S_next = load_state(0)
+    # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
+    S_next = None if tma_scratch else load_state(0)
 
     # Short conv + SiLU for q, k, v (§4.2); thread t owns channel t.
     x = []
@@ -88,6 +93,9 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
         return plgpu.layout_cast(lax.broadcast_in_dim(vec, tile, (dim,)), tile_layout)
 
     kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
+    if tma_scratch:
+        plgpu.barrier_wait(tile_bar)
+        S_next = load_state(0)
 
     # Recurrence (§4.4) from one read of S, v_chunk columns at a time (columns are independent given k̂, q̂),
     # the next chunk's read in flight while this one is reduced and written.
@@ -98,25 +106,46 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
         cols = pl.ds(c * v_chunk, v_chunk)
         delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - jnp.sum(S_KC * kd, axis=0)
         o_C = jnp.sum(S_KC * qd, axis=0) + o_gain * delta_C
-        new_state_ref.at[b, h, :, cols][...] = S_KC * decay_r + bk * bcast(delta_C, 1)
+        S_new = S_KC * decay_r + bk * bcast(delta_C, 1)
+        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
+            tile_smem.at[:, cols][...] = S_new
+        else:
+            new_state_ref.at[b, h, :, cols][...] = S_new
         vec_smem.at[5, cols][...] = o_C.astype(dtype).astype(F32)
+    if tma_scratch:
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
 
     # Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding.
     o = vec_smem.at[5][...]
     n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
     y_ref.at[b, h][...] = (n * _sigmoid(gate_ref.at[b, h][...].astype(F32))).astype(dtype)
+    if tma_scratch:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads, not its writes
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "interpret"))
+# f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.
+_SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "interpret"))
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, interpret=None):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None):
+    """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
+    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers."""
     B, _, H, K = qkv_B3HK.shape
+    V = state_BHKV.shape[-1]
+    if V % v_chunk or v_chunk % (32 if tma else 8):
+        raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
     dtype = qkv_B3HK.dtype
+    scratch = [plgpu.SMEM((6, K), F32)]
+    if tma:
+        scratch += [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                   jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
-        scratch_types=[plgpu.SMEM((6, K), F32)],
+        scratch_types=scratch,
         grid=(B, H), grid_names=("b", "h"),
         compiler_params=_LANE, interpret=interpret,
     )

@@ -17,4 +17,4 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
     kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
     return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                          dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=getattr(plgpu.Layout, TUNING["layout"]),
-                         v_chunk=TUNING["v_chunk"], interpret=interpret)
+                         v_chunk=TUNING["v_chunk"], tma=TUNING["tma"], interpret=interpret)
