@@ -375,7 +375,7 @@ def _demo() -> K3Config:
         name="demo", hidden_size=128, num_hidden_layers=8, intermediate_size=256, attn_res_block_size=4,
         num_attention_heads=16, num_key_value_heads=16, kda_num_heads=16, kda_head_dim=16, q_lora_rank=64,
         kv_lora_rank=64, full_attn_layers=(4, 8), num_experts=16, num_experts_per_token=4, num_shared_experts=2,
-        moe_intermediate_size=512, routed_expert_hidden_size=128, max_position_embeddings=8192,
+        moe_intermediate_size=512, routed_expert_hidden_size=96, max_position_embeddings=8192,
     )
 
 

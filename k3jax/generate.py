@@ -7,6 +7,7 @@ convert/fake_hf.py, converted by the real converter and cached in the user's cac
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -26,13 +27,15 @@ def demo_checkpoint(log=print) -> str:
 
     root = os.environ.get("K3JAX_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3jax")
-    out = os.path.join(root, f"demo-v{TABLE_VERSION}")
+    cfg = preset("demo")
+    tag = hashlib.sha256(json.dumps([cfg.to_hf(), DEMO_SEED]).encode()).hexdigest()[:8]
+    out = os.path.join(root, f"demo-v{TABLE_VERSION}-{tag}")  # a changed demo config never reuses a stale one
     if os.path.exists(out):
         return out
     log(f"[demo] making the embedded demo model (tiny K3 architecture, random weights) in {out}")
     os.makedirs(root, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as hf:
-        write_fake_hf(hf, preset("demo"), seed=DEMO_SEED, shards=2, tokenizer=True)
+        write_fake_hf(hf, cfg, seed=DEMO_SEED, shards=2, tokenizer=True)
         convert(hf, out, Options(progress=False))
     return out
 
