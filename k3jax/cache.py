@@ -12,7 +12,6 @@ finite value), so every row uses e4m3's full range and no value saturates. Dequa
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from k3jax.config import K3Config

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import mxfp4
 from k3jax.config import MXFP4_GROUP, K3Config
 
 TABLE_VERSION = 1
