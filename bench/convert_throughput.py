@@ -45,18 +45,33 @@ def main():
         meta = convert(hf, out, Options(workers=w, progress=True))
         dt = time.perf_counter() - t0
         n = meta["source"]["tensors_read"]
-        runs.append({"workers": w, "seconds": round(dt, 2), "source_MB_per_s": round(info["bytes"] / dt / 1e6, 1),
-                     "tensors_per_s": round(n / dt), "projected_release_hours": round(RELEASE_BYTES / (info["bytes"] / dt) / 3600, 2)})
+        runs.append(
+            {
+                "workers": w,
+                "seconds": round(dt, 2),
+                "source_MB_per_s": round(info["bytes"] / dt / 1e6, 1),
+                "tensors_per_s": round(n / dt),
+                "projected_release_hours": round(RELEASE_BYTES / (info["bytes"] / dt) / 3600, 2),
+            }
+        )
         print(runs[-1])
     best = max(runs, key=lambda r: r["source_MB_per_s"])
     res = {
         "machine": f"{platform.node()} {os.cpu_count()} CPU cores, {platform.machine()}",
-        "checkpoint": {"config": "k3-narrow", "bytes": info["bytes"], "tensors": info["tensors"],
-                       "files": len(info["files"]), "generate_seconds": round(gen_s, 1)},
+        "checkpoint": {
+            "config": "k3-narrow",
+            "bytes": info["bytes"],
+            "tensors": info["tensors"],
+            "files": len(info["files"]),
+            "generate_seconds": round(gen_s, 1),
+        },
         "runs": runs,
-        "release_projection": {"bytes": RELEASE_BYTES, "tensors": RELEASE_TENSORS,
-                               "hours_at_measured_MB_per_s": best["projected_release_hours"],
-                               "per_tensor_overhead_bound_hours": round(RELEASE_TENSORS / best["tensors_per_s"] / 3600, 2)},
+        "release_projection": {
+            "bytes": RELEASE_BYTES,
+            "tensors": RELEASE_TENSORS,
+            "hours_at_measured_MB_per_s": best["projected_release_hours"],
+            "per_tensor_overhead_bound_hours": round(RELEASE_TENSORS / best["tensors_per_s"] / 3600, 2),
+        },
     }
     os.makedirs("bench/results", exist_ok=True)
     with open("bench/results/convert_throughput.json", "w") as f:
@@ -70,20 +85,31 @@ def main():
 
 def _markdown(r) -> str:
     c = r["checkpoint"]
-    lines = ["# Conversion throughput (k3jax-convert)", "",
-             f"Machine: {r['machine']}. Fake K3-format checkpoint `k3-narrow` (real names and structure, reduced "
-             f"widths): {c['bytes'] / 1e9:.2f} GB, {c['tensors']} tensors in {c['files']} shards "
-             f"(generated in {c['generate_seconds']} s). Produced by `bench/convert_throughput.py`.", "",
-             "| workers | seconds | source MB/s | tensors/s | projected 1.42 TB release (h) |", "|---|---|---|---|---|"]
+    lines = [
+        "# Conversion throughput (k3jax-convert)",
+        "",
+        f"Machine: {r['machine']}. Fake K3-format checkpoint `k3-narrow` (real names and structure, reduced "
+        f"widths): {c['bytes'] / 1e9:.2f} GB, {c['tensors']} tensors in {c['files']} shards "
+        f"(generated in {c['generate_seconds']} s). Produced by `bench/convert_throughput.py`.",
+        "",
+        "| workers | seconds | source MB/s | tensors/s | projected 1.42 TB release (h) |",
+        "|---|---|---|---|---|",
+    ]
     for x in r["runs"]:
-        lines.append(f"| {x['workers']} | {x['seconds']} | {x['source_MB_per_s']} | {x['tensors_per_s']} | "
-                     f"{x['projected_release_hours']} |")
+        lines.append(
+            f"| {x['workers']} | {x['seconds']} | {x['source_MB_per_s']} | {x['tensors_per_s']} | "
+            f"{x['projected_release_hours']} |"
+        )
     p = r["release_projection"]
-    lines += ["", f"Projection: 1.42 TB at the measured rate = **{p['hours_at_measured_MB_per_s']} h** on this "
-              f"2-core machine; the per-tensor overhead alone for 497,220 tensors would be "
-              f"{p['per_tensor_overhead_bound_hours']} h at the measured tensors/s (an upper bound: this checkpoint's "
-              "tensors are far smaller than the release's 2.9 MB mean, so its MB/s already includes proportionally "
-              "more per-tensor cost). A machine with more cores and NVMe scales with --workers.", ""]
+    lines += [
+        "",
+        f"Projection: 1.42 TB at the measured rate = **{p['hours_at_measured_MB_per_s']} h** on this "
+        f"2-core machine; the per-tensor overhead alone for 497,220 tensors would be "
+        f"{p['per_tensor_overhead_bound_hours']} h at the measured tensors/s (an upper bound: this checkpoint's "
+        "tensors are far smaller than the release's 2.9 MB mean, so its MB/s already includes proportionally "
+        "more per-tensor cost). A machine with more cores and NVMe scales with --workers.",
+        "",
+    ]
     return "\n".join(lines)
 
 

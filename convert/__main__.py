@@ -28,7 +28,7 @@ def main(argv=None) -> int:
         help="storage dtype of the bf16 trunk (fp32 tensors stay fp32, packed bytes stay packed)",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size hint (chunking; recorded)")
-    ap.add_argument("--workers", type=int, default=2, help="parallel reader/writer threads")
+    ap.add_argument("--workers", type=int, default=4, help="reader/writer threads (I/O-latency bound)")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     ap.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source")
     ap.add_argument(
