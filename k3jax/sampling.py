@@ -35,7 +35,7 @@ class SamplingParams:
 def filtered_logits(logits_BV, sp: SamplingParams):
     """fp32 logits / temperature with everything outside top-k / top-p set to -inf."""
     x = logits_BV.astype(jnp.float32) / sp.temperature
-    if sp.top_k:
+    if 0 < sp.top_k < x.shape[-1]:  # top_k >= vocab keeps everything (lax.top_k would refuse k > vocab)
         kth = jax.lax.top_k(x, sp.top_k)[0][:, -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
     if sp.top_p < 1.0:
