@@ -8,11 +8,11 @@ The demo model's tokenizer is the same class over a byte-level BPE (256 single-b
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 FILES = ("tiktoken.model", "tokenizer_config.json")
 
@@ -35,9 +35,16 @@ class TokenizerError(ValueError):
     pass
 
 
+def _read_ranks(path: str) -> dict[bytes, int]:
+    """`base64-token rank` lines. Not tiktoken.load_tiktoken_bpe: it caches local files by PATH in
+    /tmp/data-gym-cache, so a re-converted checkpoint (or the demo remade in place) would get stale ranks."""
+    with open(path, "rb") as f:
+        return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
+
+
 class Tokenizer:
     def __init__(self, model_path: str, config_path: str):
-        ranks = load_tiktoken_bpe(model_path)
+        ranks = _read_ranks(model_path)
         with open(config_path) as f:
             conf = json.load(f)
         added = {int(i): v["content"] for i, v in conf.get("added_tokens_decoder", {}).items()}
