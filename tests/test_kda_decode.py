@@ -156,8 +156,17 @@ def test_kernel_lowers_for_cuda(arch, tma):
     assert "mosaic_gpu" in text
 
 
-def test_api_body_uses_tuning():
-    """The body passes tuning.json through unchanged (interpret mode, so it runs on CPU)."""
+def test_pick_launch_takes_first_entry_covering_the_tiles():
+    from pallas_kernels.kda_decode import kernel
+    tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
+                                            {"max_tiles": None, "v_chunk": 64, "tma": False}]}
+    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (64, 96, (64, False))]:
+        got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
+        assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
+
+
+def test_api_body_runs_its_tuning():
+    """The sm90 body with tuning.json's launch for a small shape (interpret mode, so it runs on CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     with abstract_gpu("sm90"):

@@ -43,6 +43,13 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
+def pick_launch(tuning, qkv_B3HK):
+    """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
+    tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
+    entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
+    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"])
+
+
 def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
           y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch, tile_layout, v_chunk, eps, dtype):
     b = lax.axis_index("b")

@@ -5,8 +5,6 @@ measured on Blackwell) and its own tuning entry."""
 import json
 import pathlib
 
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from pallas_kernels.kda_decode import kernel
 
 TUNING = json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())["sm100"]
@@ -16,5 +14,5 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
                o_norm_w_K, *, eps=1e-5, interpret=None):
     kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
     return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                         dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=getattr(plgpu.Layout, TUNING["layout"]),
-                         v_chunk=TUNING["v_chunk"], tma=TUNING["tma"], interpret=interpret)
+                         dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
+                         **kernel.pick_launch(TUNING, qkv_B3HK))
