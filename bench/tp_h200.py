@@ -63,7 +63,8 @@ def rel(a, b):
     return dict(max_abs_rel=float(np.max(np.abs(a - b)) / np.max(np.abs(b))),
                 rms_rel=float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))),
                 argmax_agree=float(np.mean(a.argmax(-1) == b.argmax(-1))),
-                rms_rel_per_step=[float(np.sqrt(np.mean((x - y) ** 2) / np.mean(y ** 2))) for x, y in zip(a, b)])
+                rms_rel_per_step=[float(np.sqrt(np.mean((x - y) ** 2) / np.mean(y ** 2)))
+                                  for x, y in zip(a, b, strict=True)])
 
 
 def engine(cfg, params, tp, dtype):
