@@ -1,0 +1,601 @@
+"""TP16 rank-slice emulation on ONE GPU: exactly one tensor-parallel rank's share of every layer at real widths.
+
+Why: we cannot run 16 GB300s, but one rank's decode step is a fixed amount of local work (6 KDA heads, 6 MLA
+heads, 1/16 of every expert's intermediate, split latent projections and router, 1/16 of lm_head, the whole
+replicated MLA latent cache). Collectives are replaced by shape-preserving LOCAL no-ops (`StubComm`) and counted,
+so the collective term is added separately from bench/collectives.py measurements (bench/projection.py).
+
+- Weights: the tensor table with every tp-mapped axis divided by tp, generated on the GPU by one jitted
+  `params.init_tensor` program per layer kind (~97 GB for the release at tp=16).
+- Timing: CUPTI per-kernel device time of single decode steps (the cache is donated and threaded through, so
+  the MLA cache write is in place as in serving); kernels are attributed to layers through the optimised HLO
+  (fusion name -> the `layerL_kind` named_scope in its op_name; library kernels inherit their neighbour's).
+- Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read)
+  / 4.8 TB/s, and / the copy bandwidth measured here.
+
+Device: PYTHONPATH=. python3 bench/rank_slice.py --out $OUT [--layers 24] [--backends xla,latency_specialized]
+CPU check: python bench/rank_slice.py --preset demo --layers 4 --batches 1,2 --out /tmp/rs
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax import cache as cache_lib
+from k3jax import model
+from k3jax import params as params_lib
+from k3jax import sharding as sh
+from k3jax.comm import Comm
+from k3jax.config import K3Config, preset
+
+HBM_BW = 4.8e12  # H200 datasheet, bytes/s
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+# ---- the stub communicator --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StubComm(Comm):
+    """Acts as one rank of a `tp`-way group, but every collective is a local op with the real output shape.
+    all_reduce -> identity; all_gather -> the local block tiled tp times (a local write of the gathered size);
+    local_slice -> the first block; embed -> local lookup of clipped ids. `log` records (op, what, shape,
+    dtype) of every collective traced, for the projection's collective term."""
+
+    tp: int = 16
+    log: list = field(default_factory=list, compare=False, hash=False)
+
+    def _note(self, op, what, x):
+        self.counts[what] += 1
+        self.log.append((op, what, tuple(x.shape), str(x.dtype)))
+
+    def all_reduce(self, x, what: str = "all_reduce"):
+        self._note("all_reduce", what, x)
+        return x
+
+    def all_gather(self, x, axis: int, what: str = "all_gather"):
+        self._note("all_gather", what, x)
+        return jnp.concatenate([x] * self.tp, axis=axis % x.ndim)
+
+    def local_slice(self, x, axis: int, size: int):
+        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+
+    def embed(self, table_VD, tokens):
+        rows = table_VD[jnp.clip(tokens, 0, table_VD.shape[0] - 1)]
+        self._note("all_reduce", "embed", rows)
+        return rows
+
+
+# ---- one rank's parameters and decode state ------------------------------------------------------------------
+
+
+def truncate(cfg: K3Config, layers: int | None) -> K3Config:
+    """The first `layers` layers (the release's MLA-every-4th pattern keeps the kinds in proportion)."""
+    if not layers or layers >= cfg.num_hidden_layers:
+        return cfg
+    return cfg.replace(num_hidden_layers=layers, full_attn_layers=tuple(x for x in cfg.full_attn_layers
+                                                                        if x <= layers))
+
+
+def local_shape(spec: params_lib.TensorSpec, tp: int) -> tuple[int, ...]:
+    out = []
+    for n, axis in zip(spec.shape, spec.axes, strict=True):
+        if axis and sh.RULES.get(axis):
+            if n % tp:
+                raise ValueError(f"{spec.key}: axis {axis}={n} does not divide by tp={tp}")
+            n //= tp
+        out.append(n)
+    return tuple(out)
+
+
+def local_table(cfg: K3Config, tp: int) -> list[params_lib.TensorSpec]:
+    return [dataclasses.replace(s, shape=local_shape(s, tp)) for s in params_lib.tensor_table(cfg)]
+
+
+def local_cfg(cfg: K3Config, tp: int) -> K3Config:
+    """For the decode state only: KDA heads are split; the MLA latent cache is replicated (full width)."""
+    return cfg.replace(kda_num_heads=cfg.kda_num_heads // tp)
+
+
+def _gen(specs, key):
+    return params_lib.unflatten({s.path: params_lib.init_tensor(s, key) for s in specs})
+
+
+def init_local_params(cfg: K3Config, tp: int, seed: int = 0, progress=None, pool=None) -> dict:
+    """Random local parameters, generated on the device: one jitted program per layer kind (the layer index
+    enters through the key), one for the embedding/head tensors. The programs compile in `pool` if given."""
+    per_layer, top = defaultdict(list), []
+    for s in local_table(cfg, tp):
+        if s.path[0] == "layers":
+            per_layer[s.path[1]].append(dataclasses.replace(s, path=s.path[2:]))
+        else:
+            top.append(s)
+    base = jax.random.key(seed)
+    kinds = {tuple(v) for v in per_layer.values()} | {tuple(top)}
+    submit = pool.submit if pool else (lambda f, *a: _Done(f(*a)))
+    futures = {specs: submit(lambda sp: jax.jit(partial(_gen, sp)).lower(base).compile(), specs) for specs in kinds}
+    programs = {specs: f.result() for specs, f in futures.items()}
+    layers = []
+    for L in range(cfg.num_hidden_layers):
+        layers.append(programs[tuple(per_layer[L])](jax.random.fold_in(base, L)))
+        if progress:
+            progress(L)
+    out = programs[tuple(top)](jax.random.fold_in(base, 1 << 20))
+    out["layers"] = layers
+    return out
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def abstract_local_params(cfg: K3Config, tp: int) -> dict:
+    return params_lib.unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
+                                 for s in local_table(cfg, tp)})
+
+
+def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat16):
+    """A rank's decode state, `context` positions, with lengths near the end (the whole latent is read every
+    step whatever the length; the writes stay in range)."""
+    def make():
+        c = cache_lib.init_cache(local_cfg(cfg, tp), batch, context, dtype, "fp8")
+        c["lengths"] = jnp.full((batch,), max(context - 64, 0), jnp.int32)
+        return c
+    return jax.jit(make)()
+
+
+def make_step(cfg: K3Config, backend: str, comm: Comm, dtype=jnp.bfloat16):
+    """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache)."""
+    def step(params, tokens_B, cache):
+        logits, cache, _ = model.extend(params, tokens_B[:, None], jnp.ones_like(tokens_B), cache, cfg, dtype,
+                                        backend, comm=comm)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    return jax.jit(step, donate_argnums=(2,))
+
+
+# ---- bytes and the floor ----------------------------------------------------------------------------------
+
+
+def distinct_experts(cfg: K3Config, batch: int) -> float:
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    return E * (1 - (1 - k / E) ** batch)
+
+
+def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
+    """Bytes one rank must move for one decode step of `batch` sequences (each weight read once)."""
+    weights = 0.0
+    for s in local_table(cfg, tp):
+        if s.init == "embed":
+            continue  # B rows of the embedding: negligible
+        frac = distinct_experts(cfg, batch) / cfg.num_experts if s.active < 1 else 1.0
+        weights += s.nbytes * frac
+    lc = local_cfg(cfg, tp)
+    H, K = lc.kda_num_heads, lc.kda_head_dim
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    kda_state = 2 * n_kda * batch * (H * K * K * 4 + 3 * (cfg.kda_conv_size - 1) * H * K * 2)
+    mla_cache = n_mla * batch * context * (cfg.mla_cache_width + 8)  # fp8 row + two fp32 scales
+    total = weights + kda_state + mla_cache
+    return {"weights": int(weights), "kda_state_rw": kda_state, "mla_latent_read": mla_cache, "total": int(total)}
+
+
+# ---- CUPTI timing ------------------------------------------------------------------------------------------
+
+
+def _cupti():
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    return mosaic_gpu_lib._mosaic_gpu_ext
+
+
+def time_steps(step, params, tokens, cache, iters: int):
+    """CUPTI kernels of `iters` consecutive decode steps (cache threaded, as in serving) ->
+    (per-step kernel lists [(name, us)], tokens, cache). profiler.measure re-feeds the same arguments, which a
+    donated cache forbids, so this is its loop with the state threaded through."""
+    ext = _cupti()
+    ext._cupti_init()
+    try:
+        for _ in range(iters):
+            tokens, cache = step(params, tokens, cache)
+        jax.block_until_ready((tokens, cache))
+    finally:
+        timings = ext._cupti_get_timings(True)
+    n = len(timings) // iters
+    if n * iters != len(timings):
+        raise RuntimeError(f"{len(timings)} kernels over {iters} steps")
+    per_step = [[(name, 1e3 * ms) for name, ms in timings[i * n:(i + 1) * n]] for i in range(iters)]
+    return per_step, tokens, cache
+
+
+def wall_per_step_us(step, params, tokens, cache, iters: int):
+    """Wall time per step of `iters` steps dispatched back to back (steps are ms long, dispatch ~150 us, so
+    the queue stays full: this includes the gaps between kernels that CUPTI's kernel sum does not)."""
+    jax.block_until_ready((tokens, cache))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        tokens, cache = step(params, tokens, cache)
+    jax.block_until_ready((tokens, cache))
+    return 1e6 * (time.perf_counter() - t0) / iters, tokens, cache
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Achievable HBM bandwidth here: CUPTI time of x + 1 over `nbytes` of bf16 (read + write)."""
+    from jax.experimental.mosaic.gpu import profiler
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    _, ms = profiler.measure(f, iterations=5)(x)
+    return 2 * nbytes / (1e-3 * statistics.median(ms))
+
+
+# ---- attributing kernels to layers ----------------------------------------------------------------------------
+
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
+_SCOPE = re.compile(r"layer(\d+)_((?:kda|mla)_(?:moe|dense))")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, tuple[int | None, str]]:
+    """Instruction name (as kernels are named) -> (layer or None, op label without the layer scope)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, op = m.groups()
+        s = _SCOPE.search(op)
+        label = op[s.end() + 1:] if s else op.split("/", 1)[-1]
+        label = re.sub(r"\[.*?\]|\d+", "", label.replace("jit(step)/", "")) or op
+        out[_norm(name)] = (int(s.group(1)) if s else None, label)
+    return out
+
+
+def attribute(kernels, scopes, cfg: K3Config):
+    """-> one dict per kernel: name, us, layer (None: embed/head), kind, op. Library kernels (cuBLAS, Mosaic)
+    carry no HLO name: they take the layer of the previous named kernel (the next one at the start)."""
+    rows, last = [], None
+    for name, us in kernels:
+        hit = scopes.get(_norm(name))
+        rows.append({"name": name, "us": us, "layer": hit[0] if hit else None, "op": hit[1] if hit else name,
+                     "named": hit is not None})
+    for r in rows:  # forward fill, then backward fill the head
+        if r["named"]:
+            last = r["layer"]
+        elif last is not None:
+            r["layer"] = last
+    nxt = None
+    for r in reversed(rows):
+        if r["named"]:
+            nxt = r["layer"]
+        elif r["layer"] is None and nxt is not None and not any(x["named"] for x in rows[:rows.index(r)]):
+            r["layer"] = nxt
+    for r in rows:
+        r["kind"] = cfg.layer_kind(r["layer"]) if r["layer"] is not None else "embed/head"
+    return rows
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("gemm", "xmma", "nvjet", "cutlass", "cublas", "dot")):
+        return "gemm"
+    if "mosaic" in n:
+        return "pallas"
+    if "reduce" in n:
+        return "reduce fusion"
+    if "fusion" in n:
+        return "loop fusion"
+    return "other"
+
+
+def summarize(rows, cfg: K3Config) -> dict:
+    total = sum(r["us"] for r in rows)
+    layers_of = Counter(cfg.layer_kinds)
+    by_kind = defaultdict(lambda: [0.0, 0])
+    for r in rows:
+        by_kind[r["kind"]][0] += r["us"]
+        by_kind[r["kind"]][1] += 1
+    kinds = {}
+    for k, (us, n) in by_kind.items():
+        nl = layers_of.get(k, 1)
+        kinds[k] = {"layers": nl if k in layers_of else 0, "us_total": us, "us_per_layer": us / nl,
+                    "kernels_per_layer": n / nl}
+    ops = defaultdict(lambda: [0.0, 0, ""])
+    for r in rows:
+        key = (r["kind"], r["op"])
+        ops[key][0] += r["us"]
+        ops[key][1] += 1
+        ops[key][2] = ops[key][2] or r["name"]
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:15]
+    classes = defaultdict(lambda: [0.0, 0])
+    for r in rows:
+        c = classes[kernel_class(r["name"])]
+        c[0] += r["us"]
+        c[1] += 1
+    return {"us": total, "kernels": len(rows), "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
+            "by_kind": kinds,
+            "top_ops": [{"kind": k, "op": op, "us": v[0], "kernels": v[1], "example_kernel": v[2],
+                         "share": v[0] / total if total else 0.0} for (k, op), v in top],
+            "by_class": {c: {"us": v[0], "kernels": v[1]} for c, v in classes.items()}}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+
+def collective_calls(cfg: K3Config, tp: int, backend: str, batch: int, context: int) -> list:
+    """The collectives one decode step issues (traced abstractly, nothing runs)."""
+    comm = StubComm("tp", backend, tp=tp)
+    step = make_step(cfg, backend, comm)
+    cache = jax.eval_shape(lambda: new_cache(cfg, tp, batch, context))
+    jax.eval_shape(step, abstract_local_params(cfg, tp), jax.ShapeDtypeStruct((batch,), jnp.int32), cache)
+    return comm.log
+
+
+def machine() -> dict:
+    d = jax.devices()[0]
+    return {"device": d.device_kind, "platform": d.platform, "devices": jax.device_count(),
+            "host": platform.node(), "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def _plan(args) -> list[tuple[int, str, int]]:
+    """(layers, backend, batch) to measure, in priority order: the sweep at --layers, then --full-batches at
+    the full depth (one weight set serves both: a truncated model uses the first layers)."""
+    full = preset(args.preset).num_hidden_layers
+    layers = args.layers or full
+    batches = [int(b) for b in str(args.batches).split(",")]
+    order = sorted(batches, key=lambda B: (B not in (1, 64), B))
+    keys = [(layers, be, B) for B in order for be in args.backends.split(",")]
+    if layers != full and args.full_batches:
+        keys += [(full, be, int(B)) for B in str(args.full_batches).split(",") for be in args.backends.split(",")]
+    return keys
+
+
+def run(args, log=print) -> dict:
+    t_start = time.perf_counter()
+    base_cfg = preset(args.preset)
+    tp, ctx = args.tp, args.context
+    keys = _plan(args)
+    cfg = truncate(base_cfg, max(k[0] for k in keys))  # the weights cover the deepest program
+    on_gpu = jax.default_backend() == "gpu"
+    result = {"machine": machine(), "config": base_cfg.name, "preset": args.preset, "tp": tp,
+              "full_layers": base_cfg.num_hidden_layers, "context": ctx, "cache_dtype": "fp8", "dtype": "bfloat16",
+              "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
+              "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp), "runs": []}
+    log(f"rank slice: {args.preset} x {cfg.num_hidden_layers} layers, tp={tp}, context {ctx}, "
+        f"{result['local_weight_bytes'] / 1e9:.1f} GB local weights; plan {keys}")
+    result["copy_bw"] = copy_bandwidth() if on_gpu else None
+
+    # compile every program in threads (XLA compiles outside the GIL) while the weights are generated on the
+    # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
+    def compile_one(n, backend, B):
+        c = truncate(base_cfg, n)
+        comm = StubComm("tp", backend, tp=tp)
+        step = make_step(c, backend, comm)
+        cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
+        t = time.perf_counter()
+        exe = step.lower(abstract_local_params(c, tp), jax.ShapeDtypeStruct((B,), jnp.int32), cache).compile()
+        return comm, exe, time.perf_counter() - t
+
+    pool = cf.ThreadPoolExecutor(max_workers=args.compile_threads)
+    jobs = {k: pool.submit(compile_one, *k) for k in keys}
+    t = time.perf_counter()
+    bar = _bar(cfg.num_hidden_layers, "weights")
+    gen_pool = cf.ThreadPoolExecutor(max_workers=4)
+    params = init_local_params(cfg, tp, args.seed, progress=lambda L: bar.update(1), pool=gen_pool)
+    jax.block_until_ready(params)
+    bar.close()
+    gen_pool.shutdown()
+    result["weights_gen_s"] = time.perf_counter() - t
+    log(f"weights generated in {result['weights_gen_s']:.1f} s (t={time.perf_counter() - t_start:.0f} s)")
+
+    rng = np.random.default_rng(args.seed)
+    for key in keys:
+        n, backend, B = key
+        c = truncate(base_cfg, n)
+        p = dict(params, layers=params["layers"][:n])
+        left = args.budget_s - (time.perf_counter() - t_start)
+        try:
+            comm, exe, secs = jobs[key].result(timeout=max(left, 0.01))
+        except cf.TimeoutError:
+            log(f"budget reached waiting for {n} layers {backend} b{B}: skipped")
+            continue
+        except Exception as e:  # one program failing must not lose the others
+            log(f"compile failed for {n} layers {backend} b{B}: {e!r}")
+            result.setdefault("errors", []).append(f"L{n}/{backend}/b{B} compile: {e!r}"[:2000])
+            continue
+        result.setdefault("compile_s", {})[f"L{n}/{backend}/b{B}"] = secs
+        if time.perf_counter() - t_start > args.budget_s:
+            log(f"budget reached: skipping {n} layers {backend} b{B}")
+            continue
+        try:
+            entry = _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start)
+        except Exception as e:
+            log(f"run failed for {n} layers {backend} b{B}: {e!r}")
+            result.setdefault("errors", []).append(f"L{n}/{backend}/b{B} run: {e!r}"[:2000])
+            continue
+        result["runs"].append(entry)
+        del exe
+        jobs[key] = None
+        if args.out:
+            write(result, args.out, args.tag)
+    pool.shutdown(wait=False, cancel_futures=True)
+    result["total_s"] = time.perf_counter() - t_start
+    return result
+
+
+def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> dict:
+    n, backend, B = key
+    tp, ctx = args.tp, args.context
+    cache = new_cache(c, tp, B, ctx)
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, B), jnp.int32)
+    for _ in range(2):  # warm-up
+        tokens, cache = exe(p, tokens, cache)
+    jax.block_until_ready(cache)
+    entry = {"layers": n, "layer_kinds": dict(Counter(c.layer_kinds)), "backend": backend, "batch": B,
+             "collectives": dict(comm.counts), "collective_calls": [list(x) for x in comm.log]}
+    fb = floor_bytes(c, tp, B, ctx)
+    entry["floor_bytes"] = fb
+    entry["floor_us"] = 1e6 * fb["total"] / HBM_BW
+    if on_gpu:
+        per_step, tokens, cache = time_steps(exe, p, tokens, cache, args.iters)
+        sums = [sum(us for _, us in k) for k in per_step]
+        rows = attribute(per_step[0], hlo_scopes(exe.as_text()), c)
+        entry["step_us"] = statistics.median(sums)
+        entry["step_us_all"] = sums
+        entry["summary"] = summarize(rows, c)
+        entry["kernels"] = [[r["name"], round(r["us"], 3), r["layer"], r["op"]] for r in rows]
+        entry["wall_us_per_step"], tokens, cache = wall_per_step_us(exe, p, tokens, cache, args.iters)
+        entry["frac_floor"] = entry["floor_us"] / entry["step_us"]
+        if result["copy_bw"]:
+            entry["frac_copy_bw_floor"] = 1e6 * fb["total"] / result["copy_bw"] / entry["step_us"]
+        log(f"L{n} {backend:>20} b{B:<3} step {entry['step_us']:9.1f} us  wall {entry['wall_us_per_step']:9.1f}"
+            f" us  {entry['summary']['kernels']} kernels  floor {entry['floor_us']:.0f} us "
+            f"({100 * entry['frac_floor']:.1f}%)  named {entry['summary']['named_fraction']:.2f}"
+            f"  (t={time.perf_counter() - t_start:.0f} s)")
+    else:  # CPU: structure only (no CUPTI); wall time of one step for orientation
+        entry["wall_us_per_step"], tokens, cache = wall_per_step_us(exe, p, tokens, cache, 1)
+        entry["step_us"] = None
+    entry["full_estimate_us"] = full_model_estimate(result, entry)["step_us"] if on_gpu else None
+    del cache
+    return entry
+
+
+def _bar(total, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, file=sys.stderr, mininterval=2)
+    except ImportError:  # pragma: no cover
+        class _B:
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _B()
+
+
+def markdown(result: dict) -> str:
+    m, F = result["machine"], result["full_layers"]
+    runs = [r for r in result["runs"] if r.get("step_us") is not None]
+    lines = [f"# TP{result['tp']} rank slice on one {m['device']}: decode step device time (CUPTI)", "",
+             f"{result['preset']} config, one rank's share at tp={result['tp']}, MLA latent cache "
+             f"{result['context']} positions fp8 (read whole every step), bf16 activations, random weights generated "
+             f"on the device ({result['local_weight_bytes'] / 1e9:.1f} GB local). Collectives are local no-ops "
+             f"here (counted; their cost is in the projection). jax {m['jax']}, {m['date']}.", ""]
+    if result.get("copy_bw"):
+        lines += [f"Measured copy bandwidth (x+1 over 4 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
+                  f"{HBM_BW / 1e12:.1f} TB/s.", ""]
+    if any(r["layers"] != F for r in runs):
+        lines += [f"Rows with fewer than {F} layers are truncated models (the first N layers: the kinds in "
+                  f"proportion); 'est. {F}-layer' scales each kind's measured time per layer by its count in the "
+                  f"full model (embed/head once).", ""]
+    lines += [f"| layers | backend | batch | step us | wall us/step | kernels | floor us | % of floor | "
+              f"% of copy-bw floor | est. {F}-layer us | tok/s, no collectives |", "|---|" * 11 + ""]
+    lines[-1] = "|" + "---|" * 11
+    for r in runs:
+        est = r.get("full_estimate_us") or r["step_us"]
+        lines.append(f"| {r['layers']} | {r['backend']} | {r['batch']} | {r['step_us']:.0f} | "
+                     f"{r['wall_us_per_step']:.0f} | {r['summary']['kernels']} | {r['floor_us']:.0f} | "
+                     f"{100 * r['frac_floor']:.1f} | {100 * r.get('frac_copy_bw_floor', float('nan')):.1f} | "
+                     f"{est:.0f} | {r['batch'] / est * 1e6:.0f} |")
+    lines += ["", "Per layer kind: device time per layer / kernels per layer (kernels attributed through the HLO "
+              "named scopes; 'named' = share of kernels matched directly):", "",
+              "| layers | backend | batch | " + " | ".join(_KINDS) + " | named |", "|" + "---|" * (len(_KINDS) + 4)]
+    for r in runs:
+        bk = r["summary"]["by_kind"]
+        cells = [f"{bk[k]['us_per_layer']:.1f} us / {bk[k]['kernels_per_layer']:.1f}" if k in bk else "-"
+                 for k in _KINDS]
+        lines.append(f"| {r['layers']} | {r['backend']} | {r['batch']} | " + " | ".join(cells)
+                     + f" | {r['summary']['named_fraction']:.2f} |")
+    for r in runs:
+        if r["batch"] not in (1, 64) or r["layers"] != max(x["layers"] for x in runs):
+            continue
+        lines += ["", f"Top ops, {r['layers']} layers, {r['backend']}, batch {r['batch']}:", "",
+                  "| layer kind | op | us | kernels | share | e.g. kernel |", "|---|---|---|---|---|---|"]
+        for o in r["summary"]["top_ops"][:10]:
+            lines.append(f"| {o['kind']} | {o['op'][:60]} | {o['us']:.0f} | {o['kernels']} | "
+                         f"{100 * o['share']:.1f}% | {o['example_kernel'][:50]} |")
+        lines += ["", "By kernel class: " + ", ".join(f"{c} {v['us']:.0f} us in {v['kernels']}"
+                                                     for c, v in r["summary"]["by_class"].items())]
+    if result["runs"]:
+        r0 = result["runs"][0]
+        lines += ["", f"Collectives per step at {r0['layers']} layers (stubbed, counted): {r0['collectives']}"]
+    return "\n".join(lines) + "\n"
+
+
+_KINDS = ("kda_dense", "kda_moe", "mla_moe", "mla_dense", "embed/head")
+
+
+def full_model_estimate(result: dict, run_entry: dict) -> dict:
+    """Scale a truncated run to the full model: per-kind time per layer x the kind's count in the full model."""
+    full = preset(result["preset"])
+    if run_entry["layers"] == full.num_hidden_layers:
+        return {"step_us": run_entry["step_us"], "scaled": False}
+    bk = run_entry["summary"]["by_kind"]
+    us = bk.get("embed/head", {}).get("us_total", 0.0)
+    measured = [k for k in bk if k != "embed/head"]
+    for k, n in Counter(full.layer_kinds).items():
+        if k not in bk:  # a kind missing from the truncation: the same attention type, else any measured kind
+            k = next((x for x in measured if x.split("_")[0] == k.split("_")[0]), measured[0])
+        us += n * bk[k]["us_per_layer"]
+    return {"step_us": us, "scaled": True}
+
+
+def write(result: dict, out: str, tag: str = ""):
+    os.makedirs(out, exist_ok=True)
+    name = f"rank_slice{tag}"
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write(markdown(result))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="k3")
+    p.add_argument("--layers", type=int, default=None, help="truncate to the first N layers")
+    p.add_argument("--tp", type=int, default=16)
+    p.add_argument("--backends", "--backend", default="xla", help="comma list of xla,latency_specialized")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--full-batches", default="", help="also run these batches at the full depth (with --layers)")
+    p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-threads", type=int, default=8)
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining measurements after this")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = run(args)
+    if args.out:
+        write(result, args.out, args.tag)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
