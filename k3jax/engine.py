@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import jax
@@ -171,9 +171,10 @@ class Engine:
         n_gen = jnp.ones((B,), jnp.int32)
         done = jnp.isin(first, stop) | (n_gen >= max_new)
         last = first
-        # compile the decode program before the clock starts (decode tokens/s excludes compilation)
-        decode = self._decode.lower(self.params, cache, last, done, n_gen, max_new, key, stop, sp=sampling,
-                                    steps=self.steps_per_call).compile()
+        # compile the decode program before the clock starts (decode tokens/s excludes compilation); the seed
+        # only made `key`, so it is zeroed in the static params: one compiled loop serves every seed
+        decode = self._decode.lower(self.params, cache, last, done, n_gen, max_new, key, stop,
+                                    sp=replace(sampling, seed=0), steps=self.steps_per_call).compile()
         t1 = time.perf_counter()
         decode_tokens = 0
         while not bool(np.all(np.asarray(done))):
