@@ -1,0 +1,86 @@
+"""CPU smoke tests of the decode benchmark tools: structure of what they write, not timings."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from bench import decode, projection
+from bench import rank_slice as rs
+from k3jax import sharding as sh
+from k3jax.config import preset
+
+
+def test_engine_mode_writes_json_md_png(tmp_path):
+    rep = decode.run(decode.parse_args(["--preset", "demo", "--batches", "1,2", "--input-len", "5",
+                                        "--output-len", "3", "--steps-per-call", "2", "--out", str(tmp_path)]))
+    data = json.loads((tmp_path / "decode_demo_auto_tp1.json").read_text())
+    assert {"machine", "mode", "config", "tp", "decode_backend", "speculative", "input_len", "output_len",
+            "rows"} <= set(data)
+    assert data["machine"]["jax"] and data["machine"]["date"]
+    assert [r["batch"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        assert r["decode_tokens"] == 2 * r["batch"]  # output 3 = first token from prefill + 2 decode steps
+        assert r["ttft_s"] > 0 and r["tokens_per_s"] > 0
+    assert (tmp_path / "decode_demo_auto_tp1.png").stat().st_size > 0
+    assert "| 2 |" in (tmp_path / "decode_demo_auto_tp1.md").read_text()
+    assert rep["files"]
+
+
+def test_stub_comm_is_local_and_shape_preserving(rng):
+    comm = rs.StubComm("tp", "xla", tp=4)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(comm.all_reduce(jnp.asarray(x), "a")), x)
+    np.testing.assert_array_equal(np.asarray(comm.all_gather(jnp.asarray(x), -1, "g")), np.tile(x, (1, 4)))
+    np.testing.assert_array_equal(np.asarray(comm.local_slice(jnp.asarray(x), 1, 2)), x[:, :2])
+    table = rng.standard_normal((7, 2)).astype(np.float32)
+    ids = rng.integers(0, 30, (2, 3))
+    np.testing.assert_array_equal(np.asarray(comm.embed(jnp.asarray(table), jnp.asarray(ids))),
+                                  table[np.clip(ids, 0, 6)])
+    assert dict(comm.counts) == {"a": 1, "g": 1, "embed": 1}
+    assert [c[0] for c in comm.log] == ["all_reduce", "all_gather", "all_reduce"]
+
+
+def test_local_table_and_floor_match_sharding():
+    cfg = preset("demo")
+    for tp in (2, 16):
+        local = {s.path: s for s in rs.local_table(cfg, tp)}
+        for s in sh.params_lib.tensor_table(cfg):
+            split = any(sh.RULES.get(a) for a in s.axes if a)
+            assert local[s.path].nbytes * (tp if split else 1) == s.nbytes
+        fb = rs.floor_bytes(cfg, tp, 1, 64)
+        assert math.isclose(fb["weights"], sh.active_bytes_per_device(cfg, tp), rel_tol=1e-6)
+        assert rs.floor_bytes(cfg, tp, 8, 64)["weights"] > fb["weights"]  # more experts touched
+
+
+def _fake_rank_slice(rng):
+    cfg = preset("k3")
+    calls = rs.collective_calls(rs.truncate(cfg, 3), 16, "xla", 1, 16)
+    runs = []
+    for B in (1, 64):
+        step = float(rng.uniform(1e3, 1e4))
+        runs.append({"layers": 93, "backend": "xla", "batch": B, "step_us": step, "full_estimate_us": step,
+                     "wall_us_per_step": step * 1.1, "floor_us": step / 3, "frac_floor": 1 / 3,
+                     "summary": {"kernels": 100}, "collective_calls": calls})
+    return {"machine": {"device": "fake", "date": "now", "jax": "x"}, "full_layers": 93, "config": "k3",
+            "context": 16, "runs": runs}, calls
+
+
+def test_rank_slice_report_and_projection(tmp_path, rng):
+    res, calls = _fake_rank_slice(rng)
+    assert {c[1] for c in calls} >= {"attn_out", "router", "latent_z", "latent_sum", "moe_out", "logits", "embed"}
+    path = tmp_path / "rank_slice.json"
+    path.write_text(json.dumps(res))
+    decode.run(decode.parse_args(["--rank-slice", str(path), "--out", str(tmp_path), "--tag", "t"]))
+    data = json.loads((tmp_path / "decode_t.json").read_text())
+    assert data["mode"] == "rank_slice" and len(data["rows"]) == 2
+    table = projection.load_collectives()
+    for p in data["projection"]:
+        run = next(r for r in res["runs"] if r["batch"] == p["batch"])
+        mem = run["step_us"] * 4.8 / 8.0
+        assert math.isclose(p["memory_term_us"], mem)
+        assert p["collectives_per_step"] == len(calls)
+        assert p["collective_term_us"] >= len(calls) * min(min(v.values()) for v in table.values())
+        assert math.isclose(p["tokens_per_s"], p["batch"] * 1e6 / (mem + p["collective_term_us"]))
+    assert "PROJECTION" in (tmp_path / "decode_t.md").read_text()
