@@ -113,24 +113,7 @@ class Engine:
 
     # ---- host API ------------------------------------------------------------------------------------
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
-        if not prompts:
-            raise GenerationError("no prompts given")
-        if len(prompts) > self.max_batch:
-            raise GenerationError(f"{len(prompts)} sequences but the engine has {self.max_batch} slots; "
-                                  f"raise --batch/max_batch (<= {MAX_BATCH}) or send fewer prompts")
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise GenerationError(f"prompt {i} is empty: give at least one token")
-            if len(p) + max_new_tokens > self.max_len:
-                raise GenerationError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(p) + max_new_tokens} cache positions but the cache holds {self.max_len}: "
-                    f"shorten the prompt, lower --max-new-tokens or raise --max-len")
-            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
-            if bad:
-                raise GenerationError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        check_request(self.cfg, prompts, max_new_tokens, self.max_len, self.max_batch)
 
     def prefill(self, cache, prompts: Sequence[Sequence[int]]):
         """Chunked, ragged prefill. Returns (logits at each prompt's last token [B, V], cache)."""
@@ -188,6 +171,30 @@ class Engine:
                 on_tokens(toks, emitted)
         decode_s = time.perf_counter() - t1
         return Result(out, [len(p) for p in prompts], ttft, decode_s, decode_tokens)
+
+
+def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int,
+                  max_batch: int):
+    """Refuse a bad request with a message saying what to change. Needs only the config, so the CLI calls it
+    before reading a byte of weights."""
+    if not prompts:
+        raise GenerationError("no prompts given")
+    if len(prompts) > max_batch:
+        raise GenerationError(f"{len(prompts)} sequences but the engine has {max_batch} slots; "
+                              f"raise --batch/max_batch (<= {MAX_BATCH}) or send fewer prompts")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise GenerationError(f"prompt {i} is empty: give at least one token")
+        if len(p) + max_new_tokens > max_len:
+            raise GenerationError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(p) + max_new_tokens} cache positions but the cache holds {max_len}: "
+                f"shorten the prompt, lower --max-new-tokens or raise --max-len")
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
 
 
 def _experts(params) -> str:

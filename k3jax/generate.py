@@ -132,10 +132,12 @@ def _run(args) -> int:
     import jax.numpy as jnp
 
     from k3jax import checkpoint
-    from k3jax.engine import Engine
+    from k3jax.engine import MAX_BATCH, Engine, check_request
     from k3jax.sharding import make_mesh, validate_tp
     from k3jax.tokenizer import Tokenizer, TokenizerError
 
+    if not 1 <= args.batch <= MAX_BATCH:
+        raise ValueError(f"--batch must be in 1..{MAX_BATCH} (one cache slot per sequence), got {args.batch}")
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = demo_checkpoint(log)
@@ -154,7 +156,14 @@ def _run(args) -> int:
         ids = tok.chat_prompt(text) if args.chat else tok.encode(text)
         if not ids:
             raise ValueError("the prompt is empty: give some text or --prompt-ids")
-    max_len = args.max_len or _round_up(len(ids) + args.max_new_tokens, 64)
+    # speculative steps write up to num_draft + 1 positions past the last kept token
+    need = args.max_new_tokens + (args.num_draft + 1 if args.spec != "none" else 0)
+    max_len = args.max_len or _round_up(len(ids) + need, 64)
+    prompts = [ids] * args.batch
+    check_request(cfg, prompts, need, max_len, args.batch)  # before reading a byte of weights
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-len {max_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     if dtype == jnp.float32:
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -163,12 +172,10 @@ def _run(args) -> int:
     cfg, params = checkpoint.load(ckpt, mesh=mesh, dtype=dtype)
     log(f"loaded {ckpt} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}) in "
         f"{time.perf_counter() - t0:.1f}s on {args.tp} device(s) [{jax.devices()[0].platform}]")
-    eng = Engine(cfg, params, max_len=max_len, max_batch=max(args.batch, 1), dtype=dtype,
+    eng = Engine(cfg, params, max_len=max_len, max_batch=args.batch, dtype=dtype,
                  cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
-    prompts = [ids] * args.batch
     if args.spec != "none":
-        eng.check_request(prompts, args.max_new_tokens + args.num_draft + 1)
         res = _speculative(args, cfg, params, prompts, sp, stop, dtype)
     else:
         progress = _progress(args, log, tok)
