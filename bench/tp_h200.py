@@ -109,8 +109,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=300, help="skip the float32 check past this wall time")
+    ap.add_argument("--extra", action="store_true", help="only: every kernel name of a TP2 step, float32 at B=2")
     args = ap.parse_args()
     jax.config.update("jax_default_prng_impl", "rbg")
+    if args.extra:
+        return extra(args.out)
     cfg = config()
     res = dict(machine=str(jax.devices()), config=dict(layers=cfg.layer_kinds, hidden=cfg.hidden_size,
                                                        experts=cfg.num_experts, expert_quant=cfg.expert_quant),
@@ -150,6 +153,32 @@ def main():
         res["numerics"]["float32"] = "skipped: wall-time budget"
     save()
     write_md(res, os.path.join(args.out, "tp2_h200.md"))
+
+
+def extra(out_dir):
+    """Second pass: the full kernel list of one TP2 batch-1 step (to attribute collectives by name) and the
+    float32 TP2-vs-TP1 check at batch 2 (batch 8 in fp32 ran GPU 0 out of memory next to both weight copies)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    cfg = config()
+    p1 = init_on(cfg, jax.devices()[0])
+    p2 = jax.device_put(p1, sh.param_shardings(cfg, sh.make_mesh(2)))
+    res = {}
+    e2 = engine(cfg, p2, 2, jnp.bfloat16)
+    cache = {**e2.new_cache(1), "lengths": jnp.full((1,), CONTEXT, jnp.int32)}
+    _, run = profiler.measure(jax.jit(e2._extend), aggregate=False)(p2, jnp.ones((1, 1), jnp.int32),
+                                                                    jnp.ones(1, jnp.int32), cache)
+    res["tp2_b1_kernels"] = [(n[:100], t * 1e3) for n, t in run]
+    with open(os.path.join(out_dir, "tp2_h200_extra.json"), "w") as f:
+        json.dump(res, f, indent=0)
+    del e2, cache
+    cast = jax.jit(partial(params_lib.cast_params, dtype=jnp.float32))
+    e32 = {tp: engine(cfg, cast(p), tp, jnp.float32) for tp, p in ((1, p1), (2, p2))}
+    out = {tp: feed_logits(e, jax.jit(e._extend), 2, 2) for tp, e in e32.items()}
+    res["float32_b2"] = rel(out[2], out[1])
+    print("float32", res["float32_b2"], flush=True)
+    with open(os.path.join(out_dir, "tp2_h200_extra.json"), "w") as f:
+        json.dump(res, f, indent=0)
 
 
 def write_md(res, path):
