@@ -33,7 +33,8 @@ from k3jax import sharding as sh  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine import Engine  # noqa: E402
 
-COLLECTIVE = re.compile(r"nccl|all_?reduce|all_?gather|allreduce|allgather|reduce_scatter|collective", re.I)
+# XLA names its own one-shot all-reduce kernels after the op ("psum_84_0_fusion_1"); all-gathers go to NCCL
+COLLECTIVE = re.compile(r"psum|nccl|all_?reduce|all_?gather|allreduce|allgather|reduce_scatter|collective", re.I)
 CONTEXT, MAX_LEN, FEED_STEPS, ITERS = 1024, 2048, 6, 5
 T0 = time.time()
 
