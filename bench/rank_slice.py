@@ -286,25 +286,33 @@ def hlo_scopes(hlo_text: str) -> dict[str, tuple[int | None, str]]:
 
 
 def attribute(kernels, scopes, cfg: K3Config):
-    """-> one dict per kernel: name, us, layer (None: embed/head), kind, op. Library kernels (cuBLAS, Mosaic)
-    carry no HLO name: they take the layer of the previous named kernel (the next one at the start)."""
-    rows, last = [], None
+    """-> one dict per kernel: name, us, layer (None: embed/head), kind, op.
+
+    XLA reuses one compiled kernel for identical fusions, under the name of the FIRST fusion: a name maps to
+    the earliest layer that has it. Layers run in order, so the layer is the running maximum of the mapped
+    layers (each layer starts with a kernel of its own: the AttnRes stack over a new number of sources).
+    Library kernels (cuBLAS, Mosaic) carry no HLO name and belong to the running layer; kernels with no layer
+    scope are embed/head only before the first and after the last layer-mapped kernel."""
+    rows = []
     for name, us in kernels:
         hit = scopes.get(_norm(name))
         rows.append({"name": name, "us": us, "layer": hit[0] if hit else None, "op": hit[1] if hit else name,
                      "named": hit is not None})
-    for r in rows:  # forward fill, then backward fill the head
-        if r["named"]:
-            last = r["layer"]
-        elif last is not None:
-            r["layer"] = last
-    nxt = None
-    for r in reversed(rows):
-        if r["named"]:
-            nxt = r["layer"]
-        elif r["layer"] is None and nxt is not None and not any(x["named"] for x in rows[:rows.index(r)]):
-            r["layer"] = nxt
-    for r in rows:
+    return relayer(rows, cfg)
+
+
+def relayer(rows, cfg: K3Config):
+    mapped = [i for i, r in enumerate(rows) if r["named"] and r["layer"] is not None]
+    first, last = (mapped[0], mapped[-1]) if mapped else (len(rows), -1)
+    running = None
+    for i, r in enumerate(rows):
+        if r["named"] and r["layer"] is not None:
+            running = r["layer"] if running is None else max(running, r["layer"])
+            r["layer"] = running
+        elif r["named"]:
+            r["layer"] = None if (i < first or i > last) else running
+        else:
+            r["layer"] = running if i > first else None
         r["kind"] = cfg.layer_kind(r["layer"]) if r["layer"] is not None else "embed/head"
     return rows
 
@@ -607,12 +615,29 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining measurements after this")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="")
+    p.add_argument("--resummarize", default=None, help="recompute summaries of a saved rank_slice JSON")
     return p.parse_args(argv)
+
+
+def resummarize(path: str) -> dict:
+    """Recompute attribution and summaries of a saved result (kernel lists are kept in the JSON)."""
+    with open(path) as f:
+        result = json.load(f)
+    for r in result["runs"]:
+        if not r.get("kernels"):
+            continue
+        c = truncate(preset(result["preset"]), r["layers"])
+        rows = relayer([{"name": n, "us": us, "layer": L, "op": op, "named": True} for n, us, L, op in r["kernels"]],
+                       c)
+        r["summary"] = summarize(rows, c)
+        r["kernels"] = [[x["name"], x["us"], x["layer"], x["op"]] for x in rows]
+        r["full_estimate_us"] = full_model_estimate(result, r)["step_us"]
+    return result
 
 
 def main(argv=None):
     args = parse_args(argv)
-    result = run(args)
+    result = resummarize(args.resummarize) if args.resummarize else run(args)
     if args.out:
         write(result, args.out, args.tag)
     print(markdown(result))
