@@ -184,7 +184,9 @@ def plot(rep: dict, path: str):
     ax.set_yscale("log")
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("aggregate decode tokens/s")
-    ax.set_title(f"{rep['config']} decode, {rep['machine']['device']}, jax {rep['machine']['jax']}", fontsize=9)
+    m = rep.get("rank_slice_machine") or rep["machine"]
+    what = "TP16 rank slice (est. 93 layers) + PROJECTION" if rep["mode"] == "rank_slice" else "engine"
+    ax.set_title(f"{rep['config']} decode, {what}, measured on {m['device']}, jax {m['jax']}", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
