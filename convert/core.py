@@ -206,7 +206,8 @@ class _Job:
         if spec.stack is not None:
             for i, name in enumerate(names):
                 a, c, n = self._read(name)
-                yield (i,), transforms.from_hf(spec, [a], [c])[0], n
+                one = np.take(transforms.from_hf(spec, [a], [c]), 0, axis=spec.stack_axis)
+                yield (slice(None),) * spec.stack_axis + (i,), one, n
             return
         e = self.src.entries[names[0]]
         step, shape = self.chunks[self.axis], spec.shape

@@ -17,7 +17,7 @@ CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) aro
 
 def project(p, x_BTD):
     """x -> (qkv_BT3HK pre-conv, f_BTHK pre dt_bias, beta_BTH logits, gate_BTHK logits)."""
-    qkvg = linear(x_BTD, p["qkvg"], "btd,sdhk->btshk")
+    qkvg = linear(x_BTD, p["qkvg"], "btd,dshk->btshk")
     f = linear(linear(x_BTD, p["f_a"], "btd,dr->btr"), p["f_b"], "btr,rhk->bthk")
     beta = linear(x_BTD, p["b"], "btd,dh->bth")
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
