@@ -135,8 +135,8 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
 
     def add(path, hf, shape, axes, transform="copy", hf_shape=None, init="linear", fan_in=1):
         t.append(TensorSpec(tuple(path), hf, tuple(shape), "bfloat16", tuple(axes), transform,
-                            tuple(hf_shape if hf_shape is not None else shape), ("bfloat16", "float32"), None,
-                            init, fan_in))
+                            tuple(hf_shape if hf_shape is not None else shape), ("bfloat16", "float32"),
+                            init=init, fan_in=fan_in))
 
     def lin(path, hf, fan_in, out_shape, axes):  # HF [out, in] -> ours [in, *out]
         add(path, hf, (fan_in,) + out_shape, axes, "T", (math.prod(out_shape), fan_in), fan_in=fan_in)
