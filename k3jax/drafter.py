@@ -3,6 +3,10 @@
 A drafter is a frozen dataclass (hashable: a static jit argument) holding only static settings; its weights
 (`draft_params`, any pytree or None) and its per-sequence state are passed explicitly, so every method is a
 pure function that runs inside the jitted speculative step.
+
+Under tensor parallelism the methods run inside the step's shard_map: `target_params` are this rank's shards
+(embedding and lm_head split by vocab), so anything read from them goes through `comm` (k3jax.comm). The
+drafter's own weights and state are replicated on every rank, and proposals must come out replicated.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import cache as cache_lib
+from k3jax import model
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS
 from k3jax.drafter_params import DSparkConfig, yarn_inv_freq, yarn_mscale
 from k3jax.layers import mla
@@ -32,12 +38,13 @@ class Drafter(Protocol):
     def init_state(self, batch: int, max_len: int, dtype) -> Any:
         """Empty per-sequence state for `batch` slots of up to `max_len` target positions."""
 
-    def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps: dict) -> Any:
+    def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps: dict,
+                comm: Comm = LOCAL) -> Any:
         """tokens_BT[b, :n_B[b]] are now committed at target positions start_B[b] + t; taps[L] [B,T,D] is
         the target's P after layer L at those rows (rows past n_B are junk and must be ignored)."""
 
     def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft: int, key,
-                temperature: float) -> Proposal:
+                temperature: float, comm: Comm = LOCAL) -> Proposal:
         """Draft num_draft tokens following anchor_B, which sits at target position pos_B."""
 
 
@@ -55,14 +62,15 @@ class NgramDrafter:
     def init_state(self, batch, max_len, dtype):
         return jnp.full((batch, max_len), -1, jnp.int32)  # token history by position (-1: none yet)
 
-    def observe(self, draft_params, target_params, hist_BS, tokens_BT, n_B, start_B, taps):
+    def observe(self, draft_params, target_params, hist_BS, tokens_BT, n_B, start_B, taps, comm=LOCAL):
         T = tokens_BT.shape[1]
         t = jnp.arange(T)[None]
         pos = jnp.where(t < n_B[:, None], start_B[:, None] + t, hist_BS.shape[1])
         b = jnp.arange(hist_BS.shape[0])[:, None]
         return hist_BS.at[b, pos].set(tokens_BT.astype(jnp.int32), mode="drop")
 
-    def propose(self, draft_params, target_params, hist_BS, anchor_B, pos_B, num_draft, key, temperature):
+    def propose(self, draft_params, target_params, hist_BS, anchor_B, pos_B, num_draft, key, temperature,
+                comm=LOCAL):
         B, S = hist_BS.shape
         b = jnp.arange(B)
         hist = hist_BS.at[b, pos_B].set(anchor_B.astype(jnp.int32), mode="drop")
@@ -136,23 +144,26 @@ def dspark_context(dp, taps: dict, c: DSparkConfig, dtype):
     return rms_norm(linear(cat, dp["context_proj"], "btc,cd->btd"), dp["context_norm"], c.rms_norm_eps)
 
 
-def dspark_block(dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft: int, c: DSparkConfig, dtype):
-    """Draft layers over [anchor, mask, ...] -> (post-final_norm hidden [B,K,D], base logits U [B,K,V])."""
+def dspark_block(dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft: int, c: DSparkConfig, dtype,
+                 comm: Comm = LOCAL):
+    """Draft layers over [anchor, mask, ...] -> (post-final_norm hidden [B,K,D], base logits U [B,K,V]).
+    The target's vocab-split embedding and lm_head go through comm; U comes back gathered (whole vocab)."""
     B, eps = anchor_B.shape[0], c.rms_norm_eps
     masks = jnp.full((B, num_draft - 1), c.mask_token_id, anchor_B.dtype)
     ids = jnp.concatenate([anchor_B[:, None], masks], axis=1)
     pos_BT = pos_B[:, None] + jnp.arange(num_draft)[None]
-    x = target_params["embed"][ids].astype(dtype)
+    x = model.embed(target_params, ids, dtype, comm)
     for lp, rows_j in zip(dp["layers"], rows, strict=True):
         x = x + _attention(lp["attn"], rms_norm(x, lp["attn_norm"], eps), pos_BT, rows_j, ctx_len_B, c)
         x = x + _ffn(lp["ffn"], rms_norm(x, lp["mlp_norm"], eps), c)
     h = rms_norm(x, dp["final_norm"], eps)
-    return h, linear(h, target_params["lm_head"], "btd,dv->btv")
+    return h, comm.all_gather(linear(h, target_params["lm_head"], "btd,dv->btv"), axis=-1, what="draft_logits")
 
 
 @dataclass(frozen=True)
 class DSparkDrafter:
-    """DSpark: context KV from tapped target states, one non-causal block pass, sequential Markov head."""
+    """DSpark: context KV from tapped target states, one non-causal block pass, sequential Markov head.
+    Under tp its own weights stay replicated for now (2.39 B parameters at release, ~4.8 GB bf16 per rank)."""
     config: DSparkConfig
 
     @property
@@ -164,7 +175,7 @@ class DSparkDrafter:
         return {"rows": [jnp.zeros((batch, max_len, C), dtype) for _ in range(self.config.num_hidden_layers)],
                 "lengths": jnp.zeros((batch,), jnp.int32)}
 
-    def observe(self, dp, target_params, state, tokens_BT, n_B, start_B, taps):
+    def observe(self, dp, target_params, state, tokens_BT, n_B, start_B, taps, comm=LOCAL):
         """Context KV injection (§9.3 step 2): the context only passes through each layer's kv_a + norm."""
         c = self.config
         dtype = state["rows"][0].dtype
@@ -178,10 +189,10 @@ class DSparkDrafter:
             rows.append(cache_lib.write_rows({"rows": r}, new, pos_BT, valid_BT, c.kv_lora_rank)["rows"])
         return {"rows": rows, "lengths": jnp.maximum(state["lengths"], start_B + n_B)}
 
-    def propose(self, dp, target_params, state, anchor_B, pos_B, num_draft, key, temperature):
+    def propose(self, dp, target_params, state, anchor_B, pos_B, num_draft, key, temperature, comm=LOCAL):
         c = self.config
         dtype = state["rows"][0].dtype
-        h, U = dspark_block(dp, target_params, state["rows"], pos_B, anchor_B, pos_B, num_draft, c, dtype)
+        h, U = dspark_block(dp, target_params, state["rows"], pos_B, anchor_B, pos_B, num_draft, c, dtype, comm)
         prev, drafts, qs, confs = anchor_B, [], [], []
         for i in range(num_draft):  # the serial part: row i's logits + the Markov bias of its predecessor
             e = dp["markov_w1"][prev].astype(dtype)

@@ -9,21 +9,33 @@ One step, per sequence b with `len_b` tokens in the target cache and an `anchor_
   4. `commit` makes the anchor + the n_acc accepted drafts part of the state: lengths += n_acc + 1 (later MLA
      rows stay invisible and are overwritten), KDA state and conv window advance by exactly n_acc + 1 tokens.
 The next token becomes the new anchor. `generate` runs the whole loop in one jitted while_loop.
+
+Tensor parallelism (SpecConfig.mesh): prefill, step and loop each run as ONE `jax.shard_map` program over the
+"tp" axis, with the target's collectives (k3jax.comm) inside. Only the KDA state and conv windows are split
+(by heads, as k3jax.sharding.cache_specs); the MLA cache, the drafter's weights and state, tokens, keys and
+counters are replicated, and the verify logits are all-gathered, so acceptance runs identically on every
+rank. verify's pending commit data (split by heads) never leave the step program.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from k3jax import cache as cache_lib
 from k3jax import model
 from k3jax import sampling as sampling_lib
+from k3jax import sharding as sh
+from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
+from k3jax.engine import _experts as expert_format
 from k3jax.layers import kda, mla
 from k3jax.layers.common import linear
 from k3jax.sampling import SamplingParams
@@ -33,8 +45,9 @@ from pallas_kernels.kda_decode import api as kda_api
 
 
 def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
-           taps: tuple[int, ...] = ()):
-    """Target forward over the block at positions len..len+T-1 of every sequence.
+           taps: tuple[int, ...] = (), comm: Comm = LOCAL):
+    """Target forward over the block at positions len..len+T-1 of every sequence (this rank's shards under
+    tp: the logits come back gathered, commit data hold this rank's KDA heads).
 
     Returns (logits [B,T,V], pending, taps {layer: P [B,T,D]}). `pending` is the cache with the block's MLA
     rows written but lengths unchanged, plus per-KDA-layer commit data: pass it to `commit`.
@@ -52,15 +65,15 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, all_valid, R)
             layers[L] = entry
             rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)  # causal inside the block
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1, comm)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)
         y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
                                                p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
                                                backend=backend)
-        return linear(y, p["o"], "bthk,hkd->btd")
+        return comm.all_reduce(linear(y, p["o"], "bthk,hkd->btd"), "attn_out")
 
-    h, tapped = model.trunk(params, model.embed(params, block_BT, dtype), cfg, attn, taps)
-    logits = model.logits_from_hidden(params, h, cfg)
+    h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
+    logits = model.logits_from_hidden(params, h, cfg, comm)
     pending = {"lengths": cache["lengths"], "layers": layers, "kda_commit": commit_data}
     return logits, pending, tapped
 
@@ -168,6 +181,11 @@ class SpecConfig(NamedTuple):
     backend: str = "xla"
     stop_token: int | None = None
     cache_dtype: str = "bf16"  # the target's MLA cache: "bf16" (the compute dtype) or "fp8"
+    mesh: Mesh | None = None  # tensor parallelism over its "tp" axis (params sharded as k3jax.sharding)
+
+    @property
+    def comm(self) -> Comm:
+        return Comm(sh.AXIS if self.mesh is not None else None, self.backend)
 
 
 class SpecState(NamedTuple):
@@ -182,39 +200,36 @@ class SpecState(NamedTuple):
     accepted_SB: jax.Array  # per step and sequence: accepted drafts (-1 once the sequence is finished)
 
 
-def prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, max_len: int) -> SpecState:
-    """Target prefill of right-padded prompts; the first generated token becomes the anchor."""
+def _prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, cache, dstate) -> SpecState:
     cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
-    cache = cache_lib.init_cache(cfg, B, max_len, spec.dtype, spec.cache_dtype)
     logits, cache, taps = model.extend(params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend,
-                                       taps=spec.drafter.taps)
+                                       taps=spec.drafter.taps, comm=spec.comm)
     key, k_tok = jax.random.split(key)
     anchor = sampling_lib.sample(logits, k_tok, spec.sampling)
-    dstate = spec.drafter.init_state(B, max_len, spec.dtype)
     dstate = spec.drafter.observe(draft_params, params, dstate, prompt_BT, n_prompt_B,
-                                  jnp.zeros_like(n_prompt_B), taps)
+                                  jnp.zeros_like(n_prompt_B), taps, comm=spec.comm)
     out = jnp.zeros((B, spec.max_new_tokens + K + 1), jnp.int32).at[:, 0].set(anchor)
     done = anchor == spec.stop_token if spec.stop_token is not None else jnp.zeros((B,), bool)
     return SpecState(cache, dstate, anchor, out, jnp.ones((B,), jnp.int32), done, key,
                      jnp.zeros((), jnp.int32), jnp.full((spec.max_new_tokens, B), -1, jnp.int32))
 
 
-def step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
-    """One draft -> verify -> accept -> commit round for the whole batch (finished sequences stay frozen)."""
-    K = spec.num_draft
+def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
+    K, comm = spec.num_draft, spec.comm
     key, k_draft, k_acc = jax.random.split(st.key, 3)
     start_B = st.cache["lengths"]
     prop = spec.drafter.propose(draft_params, params, st.draft_state, st.anchor_B, start_B, K, k_draft,
-                                spec.sampling.temperature)
+                                spec.sampling.temperature, comm=comm)
     drafts = prop.drafts_BK.astype(jnp.int32)
     block = jnp.concatenate([st.anchor_B[:, None], drafts], axis=1)
     logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend,
-                                   spec.drafter.taps)
+                                   spec.drafter.taps, comm)
     n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.sampling, spec.acceptance_length)
     active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
     n_commit = jnp.where(active, n_acc + 1, 0)
     cache = commit(pending, n_commit)
-    dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps)
+    dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps,
+                                  comm=comm)
 
     i = jnp.arange(K + 1)[None]
     emitted = jnp.where(i < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), nxt[:, None])
@@ -234,9 +249,45 @@ def _running(spec: SpecConfig, st: SpecState):
     return jnp.any((st.n_out_B < spec.max_new_tokens) & ~st.done_B) & (st.step < spec.max_new_tokens)
 
 
+def _loop(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
+    return jax.lax.while_loop(lambda s: _running(spec, s), lambda s: _step(spec, params, draft_params, s), st)
+
+
+def _state_specs(cache) -> SpecState:
+    """KDA state/conv split by heads; everything else (MLA cache, drafter state, tokens, keys) replicated."""
+    return SpecState(sh.cache_specs(cache), *([P()] * (len(SpecState._fields) - 1)))
+
+
+def _on_mesh(spec: SpecConfig, body, params, state_specs, out_specs):
+    """`body(params, draft_params, *state)` as is on one device, else under shard_map over "tp": params
+    split as the tensor table says, the drafter's weights replicated (they are small next to the target)."""
+    if spec.mesh is None:
+        return body
+    pspec = sh.param_specs(spec.cfg, expert_format(params))
+    return jax.shard_map(body, mesh=spec.mesh, in_specs=(pspec, P(), *state_specs), out_specs=out_specs,
+                         check_vma=False)
+
+
+def prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, max_len: int) -> SpecState:
+    """Target prefill of right-padded prompts; the first generated token becomes the anchor."""
+    B = prompt_BT.shape[0]
+    cache = cache_lib.init_cache(spec.cfg, B, max_len, spec.dtype, spec.cache_dtype)  # global shapes
+    dstate = spec.drafter.init_state(B, max_len, spec.dtype)
+    cspec = sh.cache_specs(cache)
+    run = _on_mesh(spec, partial(_prefill, spec), params, (P(), P(), P(), cspec, P()), _state_specs(cache))
+    return run(params, draft_params, prompt_BT, n_prompt_B, key, cache, dstate)
+
+
+def step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
+    """One draft -> verify -> accept -> commit round for the whole batch (finished sequences stay frozen)."""
+    specs = _state_specs(st.cache)
+    return _on_mesh(spec, partial(_step, spec), params, (specs,), specs)(params, draft_params, st)
+
+
 def loop(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     """All steps on device (one dispatch for the whole generation)."""
-    return jax.lax.while_loop(lambda s: _running(spec, s), lambda s: step(spec, params, draft_params, s), st)
+    specs = _state_specs(st.cache)
+    return _on_mesh(spec, partial(_loop, spec), params, (specs,), specs)(params, draft_params, st)
 
 
 prefill_jit = jax.jit(prefill, static_argnums=(0, 6))
@@ -244,28 +295,39 @@ step_jit = jax.jit(step, static_argnums=0, donate_argnums=3)  # the verify step,
 loop_jit = jax.jit(loop, static_argnums=0, donate_argnums=3)
 
 
-def stats(st: SpecState) -> dict:
-    """Host-side acceptance statistics (accepted drafts per step; acceptance length counts the bonus)."""
+def stats(st: SpecState, num_draft: int | None = None) -> dict:
+    """Host-side acceptance statistics (accepted drafts per step; acceptance length counts the bonus).
+    With num_draft: per-position acceptance rates, rate i = fraction of live (sequence, step) pairs that
+    accepted draft i (hence drafts 1..i), the quantity synthetic acceptance fixes."""
     acc = np.asarray(st.accepted_SB)[: int(st.step)]
     live = acc[acc >= 0]
     K1 = None if live.size == 0 else float(np.mean(live + 1))
-    return {"steps": int(st.step), "accepted_per_step": acc, "mean_acceptance_length": K1,
-            "tokens_generated": np.asarray(st.n_out_B)}
+    out = {"steps": int(st.step), "accepted_per_step": acc, "mean_acceptance_length": K1,
+           "tokens_generated": np.asarray(st.n_out_B)}
+    if num_draft is not None:
+        out["position_acceptance_rates"] = ([float(np.mean(live >= i)) for i in range(1, num_draft + 1)]
+                                            if live.size else None)
+    return out
 
 
 def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_params=None, num_draft: int = 7,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              acceptance_length: float | None = None, seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla",
              stop_token: int | None = None, cache_dtype: str = "bf16", max_len: int | None = None,
-             on_device_loop: bool = True, on_step=None):
+             on_device_loop: bool = True, on_step=None, mesh: Mesh | None = None):
     """Speculative generation for a right-padded prompt batch. Returns (tokens [B, max_new_tokens], stats).
+
+    mesh: tensor parallelism over its "tp" axis; `params` should already be placed with
+    k3jax.sharding.param_shardings (otherwise every call reshards them).
 
     on_device_loop: one jitted while_loop; otherwise a host loop over `step_jit`, calling on_step(i, state)
     after each step (benchmarks hook their timing there). Tokens after a stop token are not meaningful.
     """
     sp = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    if mesh is not None:
+        sh.validate_tp(cfg, mesh.shape[sh.AXIS])
     spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, sp, acceptance_length, dtype, backend, stop_token,
-                      cache_dtype)
+                      cache_dtype, mesh)
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     n_prompt_B = jnp.asarray(n_prompt_B, jnp.int32)
     max_len = max_len or prompt_BT.shape[1] + max_new_tokens + num_draft + 1
@@ -277,7 +339,7 @@ def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_par
             st = step_jit(spec, params, draft_params, st)
             if on_step is not None:
                 on_step(int(st.step), st)
-    return st.out_BN[:, :max_new_tokens], stats(st)
+    return st.out_BN[:, :max_new_tokens], stats(st, num_draft)
 
 
 speculative_generate = generate  # the name bench/decode.py imports

@@ -37,10 +37,11 @@ class TableDrafter:
     def init_state(self, batch, max_len, dtype):
         return ()
 
-    def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps):
+    def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps, comm=None):
         return state
 
-    def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft, key, temperature):
+    def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft, key, temperature,
+                comm=None):
         ref = draft_params["ref"]
         idx = jnp.minimum(pos_B[:, None] + 1 + jnp.arange(num_draft)[None], ref.shape[1] - 1)
         right = jnp.take_along_axis(ref, idx, axis=1)
