@@ -121,8 +121,6 @@ def _run(args) -> int:
             raise ValueError("--spec dspark needs --draft-checkpoint DIR (an HF DSpark drafter directory)")
         if args.spec == "synthetic" and not 1 <= args.acceptance_length <= args.num_draft + 1:
             raise ValueError(f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}]")
-        if args.tp > 1:
-            raise ValueError("speculative decoding runs on one device for now: use --tp 1 with --spec")
     if args.coordinator or args.num_processes:
         from k3jax import distributed
 
@@ -176,7 +174,7 @@ def _run(args) -> int:
                  cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     if args.spec != "none":
-        res = _speculative(args, cfg, params, prompts, sp, stop, dtype)
+        res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh)
     else:
         progress = _progress(args, log, tok)
         res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
@@ -205,8 +203,8 @@ def _run(args) -> int:
     return 0
 
 
-def _speculative(args, cfg, params, prompts, sp, stop, dtype):
-    """Speculative generation (k3jax.speculative): the whole loop runs on device."""
+def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh):
+    """Speculative generation (k3jax.speculative): the whole loop runs on device (sharded over `mesh`)."""
     import jax
     import numpy as np
 
@@ -228,7 +226,7 @@ def _speculative(args, cfg, params, prompts, sp, stop, dtype):
         num_draft=args.num_draft, max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k,
         top_p=sp.top_p, acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
         seed=sp.seed, dtype=dtype, backend="xla" if args.decode_backend == "auto" else args.decode_backend,
-        stop_token=stop[0] if stop else None)
+        stop_token=stop[0] if stop else None, cache_dtype=args.cache_dtype, mesh=mesh)
     t0 = time.perf_counter()
     toks, stats = run()
     jax.block_until_ready(toks)
