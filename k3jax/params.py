@@ -39,17 +39,17 @@ HF_PREFIX = "language_model."
 class TensorSpec:
     path: tuple[Any, ...]  # our pytree path, e.g. ("layers", 3, "attn", "q_a")
     hf: str  # HF name below "language_model."; "{s}" is replaced by each entry of `stack`
-    shape: tuple[int, ...]  # our shape (including the stack axis first, when stacked)
+    shape: tuple[int, ...]  # our shape (including the stack axis, when stacked)
     dtype: str  # our storage dtype: bfloat16 | float32 | uint8
     axes: tuple[str | None, ...]  # logical axis names, one per dim of `shape`
     transform: str = "copy"
     hf_shape: tuple[int, ...] = ()  # shape of ONE HF tensor
     hf_dtypes: tuple[str, ...] = ("bfloat16",)  # accepted HF dtypes (the release's small tensors may be F32)
     stack: tuple[str, ...] | None = None  # values substituted into "{s}", stacked on `stack_axis`
-    stack_axis: int = 0
     init: str = "linear"  # how init_params draws it: linear | norm | ones | alog | dt_bias | conv | codes | scales
     fan_in: int = 1
     active: float = 1.0  # fraction of this tensor read per token (routed experts: top_k / E)
+    stack_axis: int = 0
 
     @property
     def key(self) -> str:
@@ -89,7 +89,7 @@ def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
         t.append(TensorSpec(tuple(path), hf, tuple(shape), dtype, tuple(axes), transform,
                             tuple(hf_shape if hf_shape is not None else shape),
                             hf_dtypes or ((dtype,) if dtype != "float32" else ("float32", "bfloat16")),
-                            stack, stack_axis, init, fan_in, active))
+                            stack, init, fan_in, active, stack_axis))
 
     def norm(path, hf, n, axis="embed"):
         add(path, hf, (n,), (axis,), init="norm")
