@@ -23,7 +23,7 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS
 from k3jax.drafter_params import DSparkConfig, yarn_inv_freq, yarn_mscale
 from k3jax.layers import mla
-from k3jax.layers.common import F32, linear, rms_norm
+from k3jax.layers.common import F32, dot, linear, rms_norm
 
 
 class Proposal(NamedTuple):
@@ -119,13 +119,12 @@ def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
     q_pe = rope_interleaved(q[..., N:], pos_BT[:, :, None], c)
     rows = jnp.concatenate([ctx_rows_BSC.astype(x_BTD.dtype), _latent_rows(p, x_BTD, pos_BT, c)], axis=1)
     lat, k_pe = rows[..., :R], rows[..., R:]
-    s = (jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=F32)
-         + jnp.einsum("bthe,bse->bhts", q_pe, k_pe, preferred_element_type=F32)) * c.softmax_scale
+    s = (dot("bthr,bsr->bhts", q_lat, lat) + dot("bthe,bse->bhts", q_pe, k_pe)) * c.softmax_scale
     S, T = ctx_rows_BSC.shape[1], x_BTD.shape[1]
     ctx_visible = jnp.arange(S)[None] < ctx_len_B[:, None]
     visible = jnp.concatenate([ctx_visible, jnp.ones((x_BTD.shape[0], T), bool)], axis=1)
     probs = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1).astype(x_BTD.dtype)
-    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat, preferred_element_type=F32).astype(x_BTD.dtype)
+    o_lat = dot("bhts,bsr->bthr", probs, lat).astype(x_BTD.dtype)
     return linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,hvd->btd")
 
 

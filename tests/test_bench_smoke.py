@@ -28,6 +28,25 @@ def test_engine_mode_writes_json_md_png(tmp_path):
     assert rep["files"]
 
 
+def test_speculative_synthetic_mode(tmp_path):
+    """Synthetic acceptance with L=6, K=7 is deterministic: every step accepts exactly 5 drafts + the bonus."""
+    L, K, out_len = 6, 7, 13  # 12 decode tokens after the prefill's first one: exactly 2 steps of 6
+    decode.run(decode.parse_args(["--preset", "demo", "--batches", "2", "--input-len", "5", "--output-len",
+                                  str(out_len), "--speculative", "synthetic", "--acceptance-length", str(L),
+                                  "--num-draft", str(K), "--out", str(tmp_path)]))
+    data = json.loads((tmp_path / "decode_demo_auto_tp1_spec-synthetic.json").read_text())
+    assert data["speculative"] == "synthetic" and data["num_draft"] == K and data["acceptance_length"] == L
+    (r,) = data["rows"]
+    assert r["batch"] == 2 and r["decode_tokens"] == 2 * (out_len - 1)
+    assert r["mean_acceptance_length"] == L
+    assert r["position_acceptance_rates"] == [1.0] * (L - 1) + [0.0] * (K - L + 1)
+    assert r["decode_steps"] == math.ceil((out_len - 1) / L)
+    assert r["ttft_s"] > 0 and r["decode_s"] > 0 and r["step_us"] > 0
+    assert math.isclose(r["tokens_per_s"], r["decode_tokens"] / r["decode_s"])
+    assert math.isclose(r["step_us"], 1e6 * r["decode_s"] / r["decode_steps"])
+    assert "| 6.00 |" in (tmp_path / "decode_demo_auto_tp1_spec-synthetic.md").read_text()
+
+
 def test_stub_comm_is_local_and_shape_preserving(rng):
     comm = rs.StubComm("tp", "xla", tp=4)
     x = rng.standard_normal((3, 5)).astype(np.float32)
