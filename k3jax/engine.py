@@ -23,6 +23,7 @@ from k3jax import model
 from k3jax import sharding as sh
 from k3jax.comm import Comm
 from k3jax.config import K3Config
+from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams, sample
 
 MAX_BATCH = 64
@@ -74,7 +75,7 @@ class Engine:
         if self.mesh is not None:
             sh.validate_tp(self.cfg, self.mesh.shape[sh.AXIS])
             abstract = jax.eval_shape(lambda: cache_lib.init_cache(self.cfg, 1, 1, self.dtype, self.cache_dtype))
-            pspec, cspec = sh.param_specs(self.cfg, _experts(self.params)), sh.cache_specs(abstract)
+            pspec, cspec = sh.param_specs(self.cfg, experts_format(self.params)), sh.cache_specs(abstract)
 
             def body(params, tokens, n_new, cache):
                 logits, cache, _ = ext(params, tokens, n_new, cache)
@@ -196,9 +197,3 @@ def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_token
         if bad:
             raise GenerationError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
 
-
-def _experts(params) -> str:
-    for layer in params["layers"]:
-        if "experts" in layer["ffn"]:
-            return "mxfp4" if "w1_codes" in layer["ffn"]["experts"] else "bf16"
-    return "mxfp4"

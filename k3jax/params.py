@@ -295,6 +295,14 @@ def init_params(cfg: K3Config, seed: int = 0, experts: str | None = None) -> dic
     return unflatten({s.path: init_tensor(s, key) for s in tensor_table(cfg, experts)})
 
 
+def experts_format(params) -> str:
+    """'mxfp4' or 'bf16': which routed-expert layout a parameter tree holds."""
+    for layer in params["layers"]:
+        if "experts" in layer["ffn"]:
+            return "mxfp4" if "w1_codes" in layer["ffn"]["experts"] else "bf16"
+    return "mxfp4"
+
+
 def cast_params(params, dtype) -> dict:
     """Cast the bf16 trunk to the compute dtype; fp32 tensors and packed uint8 experts stay as they are."""
     dtype = jnp.dtype(dtype)

@@ -35,9 +35,9 @@ from k3jax import sampling as sampling_lib
 from k3jax import sharding as sh
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
-from k3jax.engine import _experts as expert_format
 from k3jax.layers import kda, mla
 from k3jax.layers.common import linear
+from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
 
@@ -263,7 +263,7 @@ def _on_mesh(spec: SpecConfig, body, params, state_specs, out_specs):
     split as the tensor table says, the drafter's weights replicated (they are small next to the target)."""
     if spec.mesh is None:
         return body
-    pspec = sh.param_specs(spec.cfg, expert_format(params))
+    pspec = sh.param_specs(spec.cfg, experts_format(params))
     return jax.shard_map(body, mesh=spec.mesh, in_specs=(pspec, P(), *state_specs), out_specs=out_specs,
                          check_vma=False)
 
