@@ -17,3 +17,11 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    """A fresh seed per test module for fake checkpoints (printed so a failure can be replayed)."""
+    s = int.from_bytes(os.urandom(3), "little")
+    print(f"fake checkpoint seed {s}")
+    return s

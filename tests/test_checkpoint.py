@@ -25,13 +25,6 @@ TP2 = preset("tiny").replace(name="tiny-tp2", moe_intermediate_size=64)  # every
 
 
 @pytest.fixture(scope="module")
-def seed():
-    s = int.from_bytes(os.urandom(3), "little")
-    print(f"fake checkpoint seed {s}")
-    return s
-
-
-@pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, seed):
     d = tmp_path_factory.mktemp("ck")
     write_fake_hf(str(d / "hf"), TP2, seed, shards=2)

@@ -25,13 +25,6 @@ QUIET = Options(progress=False)
 
 
 @pytest.fixture(scope="module")
-def seed():
-    s = int.from_bytes(os.urandom(3), "little")
-    print(f"fake checkpoint seed {s}")
-    return s
-
-
-@pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory, seed):
     d = str(tmp_path_factory.mktemp("hf") / "tiny")
     write_fake_hf(d, preset("tiny"), seed, shards=3, vision=True, tokenizer=True)
