@@ -90,8 +90,8 @@ def reset_slots(cache: dict, slots_mask_B) -> dict:
     """Zero the lengths and recurrent state of the masked slots (a new sequence takes the slot)."""
     keep = ~slots_mask_B
 
-    def z(x):
-        return x * keep.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+    def z(x):  # where, not multiply: a slot's old state may hold inf/nan, which must not survive
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
     layers = [{k: (z(v) if k in ("state", "conv") else v) for k, v in e.items()} for e in cache["layers"]]
     return {"lengths": jnp.where(slots_mask_B, 0, cache["lengths"]), "layers": layers}

@@ -86,6 +86,7 @@ class Engine:
         else:
             self._extend = lambda params, tokens, n_new, cache: ext(params, tokens, n_new, cache)[:2]
         self._prefill = jax.jit(self._extend, donate_argnums=(3,))
+        self._reset = jax.jit(cache_lib.reset_slots, donate_argnums=(0,))
         self._decode = jax.jit(self._decode_steps, static_argnames=("sp", "steps"), donate_argnames=("cache",))
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -172,6 +173,64 @@ class Engine:
                 on_tokens(toks, emitted)
         decode_s = time.perf_counter() - t1
         return Result(out, [len(p) for p in prompts], ttft, decode_s, decode_tokens)
+
+    def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,
+              stop_ids: Sequence[int] | None = None,
+              on_finish: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+        """Continuous batching: any number of prompts through the engine's `max_batch` slots. Between decode
+        chunks, each finished sequence's slot is reset and refilled from the queue; only the new prompts are
+        prefilled (the running slots get n_new = 0 and are left bit for bit as they were).
+        `on_finish(index, tokens)` is called as each request completes. Returns tokens per prompt, in order."""
+        for i in range(0, len(prompts), self.max_batch):
+            check_request(self.cfg, prompts[i: i + self.max_batch], max_new_tokens, self.max_len, self.max_batch)
+        B = self.max_batch
+        stop = jnp.asarray(list(stop_ids) if stop_ids is not None else [self.cfg.eos_token_id], jnp.int32)
+        key = jax.random.key(sampling.seed)
+        cache = self.new_cache(B)
+        queue = list(enumerate(prompts))
+        out: list[list[int]] = [[] for _ in prompts]
+        owner = [-1] * B  # request index held by each slot
+        last = jnp.zeros((B,), jnp.int32)
+        done = jnp.ones((B,), bool)
+        n_gen = jnp.zeros((B,), jnp.int32)
+        max_new = jnp.full((B,), max_new_tokens, jnp.int32)
+        decode = None
+        while queue or any(o >= 0 for o in owner):
+            take = [b for b in range(B) if owner[b] < 0][: len(queue)]
+            if take:
+                mask = np.zeros(B, bool)
+                slot_prompts: list[Sequence[int]] = [[] for _ in range(B)]
+                for b in take:
+                    owner[b], slot_prompts[b] = queue.pop(0)
+                    mask[b] = True
+                cache = self._reset(cache, jnp.asarray(mask))
+                logits, cache = self.prefill(cache, slot_prompts)
+                key, sub = jax.random.split(key)
+                first = sample(logits, sub, sampling)
+                m = jnp.asarray(mask)
+                last = jnp.where(m, first, last)
+                n_gen = jnp.where(m, 1, n_gen)
+                done = jnp.where(m, jnp.isin(first, stop) | (max_new <= 1), done)
+                first_np = np.asarray(first)
+                for b in take:
+                    out[owner[b]].append(int(first_np[b]))
+            if not bool(np.all(np.asarray(done))):
+                if decode is None:
+                    decode = self._decode.lower(self.params, cache, last, done, n_gen, max_new, key, stop,
+                                                sp=replace(sampling, seed=0), steps=self.steps_per_call).compile()
+                cache, last, done, n_gen, key, toks, emitted = decode(self.params, cache, last, done, n_gen,
+                                                                      max_new, key, stop)
+                toks, emitted = np.asarray(toks), np.asarray(emitted)
+                for b in range(B):
+                    if owner[b] >= 0:
+                        out[owner[b]].extend(int(t) for t in toks[emitted[:, b], b])
+            done_np = np.asarray(done)
+            for b in range(B):
+                if owner[b] >= 0 and done_np[b]:
+                    if on_finish:
+                        on_finish(owner[b], out[owner[b]])
+                    owner[b] = -1
+        return out
 
 
 def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int,
