@@ -192,6 +192,8 @@ def _run(args) -> int:
         "spec": args.spec,
         **({"spec_stats": res.stats} if res.stats else {}),
     }
+    if jax.process_index() != 0:  # multi-host: every process ran the same program; one of them reports
+        return 0
     if args.json:
         print(json.dumps(out))
     else:
