@@ -54,6 +54,8 @@ def short_conv(u_BT3HK, window_B3WHK, conv_w_3HKW, lengths_B):
 def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk=CHUNK):
     """Chunked delta rule (§4.5). q,k already L2-normalised (q scaled). Positions past a sequence's end must
     carry g = 0 and beta = 0 so they leave the state unchanged. Returns (o [B,T,H,V] fp32, final state)."""
+    if not 1 <= chunk <= 32:  # factors reach exp(5 * chunk / 2): past 32 they leave fp32's range
+        raise ValueError(f"KDA chunk must be in 1..32 for the fp32 factorisation, got {chunk}")
     B, T, H, K = k_BTHK.shape
     Vd = v_BTHV.shape[-1]
     n = -(-T // chunk)
