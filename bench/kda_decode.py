@@ -201,7 +201,8 @@ def api_tuning():
 
 def write_table(results, path):
     names = list(results["cases"][0]["variants_us"])
-    lines = [f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 ({results['device']})", "",
+    lines = [f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 "
+             f"({results['device']}, jax {results['jax']})", "",
              f"CUPTI device time, median of {results['iterations']}; floor = bytes / "
              f"{results['hbm_peak_Bps'] / 1e12:.1f} TB/s. "
              f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
