@@ -101,9 +101,10 @@ def test_sampling_frequencies_match_softmax(rng, top_k, top_p):
     ids = np.asarray(sample(jnp.tile(jnp.asarray(logits), (N, 1)), jax.random.key(sp.seed), sp))
     counts = np.bincount(ids, minlength=V)
     want = np_probs(logits[None], T, top_k, top_p)[0]
-    stat, df = _chi2(counts, want)
-    print(f"T={T:.2f} chi2={stat:.1f} df={df} bound={_bound(df):.1f}")
-    assert stat < _bound(df)
+    stat, df = _chi2(counts, want)  # asserts nothing outside the kept set was sampled
+    if df > 0:  # with a sharp distribution top-p may keep a single token (df = 0): then every draw is it
+        print(f"T={T:.2f} chi2={stat:.1f} df={df} bound={_bound(df):.1f}")
+        assert stat < _bound(df)
     # the test has power: the same counts are far outside the bound for the untempered distribution
     wrong = np_probs(logits[None], 1.0, 0, 1.0)[0]
     assert ((counts - wrong * N) ** 2 / (wrong * N)).sum() > 10 * _bound(V - 1)
