@@ -1,7 +1,5 @@
 """Small helpers shared by the Pallas kernels: which GPU we are on, and logging a fallback once."""
 
-import contextlib
-import contextvars
 import functools
 import logging
 
@@ -40,22 +38,3 @@ def gpu_arch() -> tuple[int, int] | None:
 def log_once(op: str, reason: str) -> None:
     """Log one fallback reason per (op, reason): decode steps are traced many times, the log stays short."""
     logger.warning("%s: Pallas kernel not used, falling back to the XLA reference: %s", op, reason)
-
-
-_INTERPRET = contextvars.ContextVar("k3jax_pallas_interpret", default=None)
-
-
-@contextlib.contextmanager
-def interpret(params):
-    """Run the Pallas bodies that the apis dispatch to in interpret mode (e.g. plgpu.InterpretGPUParams()), so
-    CPU tests can check a whole model with `latency_specialized` kernels against the XLA path. Pair it with an
-    abstract GPU device (jax.sharding.use_abstract_mesh) so dispatch picks a body."""
-    token = _INTERPRET.set(params)
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
-
-
-def interpret_params():
-    return _INTERPRET.get()

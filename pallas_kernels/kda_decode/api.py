@@ -32,7 +32,7 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "latency_specialized":
         try:
-            return _kernel_decode()(*args, eps=eps, interpret=common.interpret_params())
+            return _kernel_decode()(*args, eps=eps)
         except NotImplementedError as e:
             common.log_once("kda_decode", str(e))
     return reference.kda_decode(*args, eps=eps)
