@@ -1,0 +1,249 @@
+"""Speculative verify and commit of KDA decode as two Mosaic GPU kernels: the maths of reference.kda_verify and
+reference.kda_commit, with kernel.py's one-read algebra of a step.
+
+verify: T = 1..8 new tokens. One CTA (one warpgroup) per (b, h), like kernel.py. The state tile is read from
+HBM once and never written. First the O(K) vectors of every token are formed, one channel per thread, and
+parked in SMEM. Then the tile comes to registers v_chunk columns at a time (columns are independent given those
+vectors), and all T steps run on each piece there; the running state S_1..S_{T-1} never leaves the chip.
+Per step, on the running S (kernel.py's rearrangement, one pass over S):
+    delta_t = v_t - Sᵀ (e_t ⊙ k̂_t),   o_t = Sᵀ (e_t ⊙ q̂_t) + beta_t (k̂_t · q̂_t) delta_t,
+    S      <- diag(e_t) S + beta_t k̂_t delta_tᵀ
+It returns y for every position plus reference.kda_verify's commit data: per token k̂, decay, beta and delta,
+O(T (K + V)) per head instead of T states.
+
+commit: each state tile read once, the first accepted_B[b] rank-1 updates S <- diag(decay_t) S + beta_t k̂_t
+delta_tᵀ replayed in registers (a loop of dynamic length: rejected tokens cost nothing), the tile written once;
+the conv window slides by the accepted inputs.
+
+Both keep kernel.py's launch choices: the tile straight HBM <-> registers by ld/st.global (the next piece's read
+in flight), or (tma=True) staged whole through 64 KiB of swizzled SMEM by one TMA load issued at kernel start.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda_decode import kernel
+from pallas_kernels.kda_decode.kernel import _CONV_TAPS, _LANE, _SWIZZLED, F32, _sigmoid
+
+MAX_T = 8  # SMEM holds 7 vectors per token; the speculative block is anchor + up to 7 drafts
+_W = _CONV_TAPS - 1  # cached pre-conv inputs
+
+
+def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
+    if qkv_BT3HK.ndim != 5 or not 1 <= qkv_BT3HK.shape[1] <= MAX_T:
+        raise NotImplementedError(f"verify kernel needs qkv [B, T<={MAX_T}, 3, H, K], got {qkv_BT3HK.shape}")
+    B, _, three, H, K = qkv_BT3HK.shape
+    kernel.check_supported(jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype), state_BHKV, conv_B3WHK)
+
+
+def pick_launch(tuning, qkv_BT3HK):
+    """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are)."""
+    B, _, three, H, K = qkv_BT3HK.shape
+    return kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
+
+
+def _tile_reader(state_ref_KV, tma_scratch, tile_layout, v_chunk):
+    """-> (load(c): columns [c*v_chunk, (c+1)*v_chunk) in registers, wait(): call once before the first load).
+
+    With TMA the whole tile's load is issued here, so it is in flight during the O(K) prologue."""
+    if tma_scratch:
+        tile_smem, tile_bar = tma_scratch
+        plgpu.copy_gmem_to_smem(state_ref_KV, tile_smem, tile_bar)
+        return (lambda c: plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout),
+                lambda: plgpu.barrier_wait(tile_bar))
+    return (lambda c: plgpu.load(state_ref_KV.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout,
+                                 optimized=False),
+            lambda: None)
+
+
+def _bcaster(tile_layout, K, v_chunk):
+    def bcast(vec, dim):  # layout_cast tells the lowering which tile layout the broadcast must produce
+        return plgpu.layout_cast(lax.broadcast_in_dim(vec, (K, v_chunk), (dim,)), tile_layout)
+    return bcast
+
+
+# vec_smem rows per token of the verify kernel: the four the tile steps broadcast along key rows, then
+# v (read per column piece), o and delta (written per column piece).
+_KD, _QD, _DECAY, _BK, _V, _O, _DELTA = range(7)
+
+
+def _verify_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
+                 y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, vec_smem, gain_smem, *tma_scratch,
+                 tile_layout, v_chunk, eps, dtype):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    T, _, K = vec_smem.shape
+    V = state_ref.shape[-1]
+    row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
+    load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
+    S_next = None if tma_scratch else load_state(0)  # the first ld.global read hides behind the prologue
+
+    # O(K) work of every token (§4.2, §4.3), thread t owning channel t. Token t convolves the 3 pre-conv
+    # inputs before it: the cached window, then the new tokens themselves.
+    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
+    inputs = [[conv_ref.at[b, i, j, h][...] for j in range(_W)] for i in range(3)]  # oldest first
+    for t in range(T):
+        x = []
+        for i in range(3):
+            inputs[i].append(qkv_ref.at[b, t, i, h][...])
+            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t:], strict=True))
+            x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
+        q, k, v = x
+        g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_ref.at[b, t, h][...].astype(F32) + dtb_ref.at[h][...]))
+        beta = _sigmoid(beta_ref[b, t, h].astype(F32))
+        qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
+        kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+        decay = jnp.exp(g)
+        kn_ref.at[b, t, h][...] = kn
+        decay_ref.at[b, t, h][...] = decay
+        beta_out_ref[b, t, h] = beta
+        vec_smem.at[t, _KD][...] = decay * kn
+        vec_smem.at[t, _QD][...] = decay * qn
+        vec_smem.at[t, _DECAY][...] = decay
+        vec_smem.at[t, _BK][...] = beta * kn
+        vec_smem.at[t, _V][...] = v
+        gain_smem[t] = beta * jnp.sum(kn * qn)
+
+    bcast = _bcaster(tile_layout, K, v_chunk)
+
+    def rows(t, i):
+        return bcast(plgpu.load(vec_smem.at[t, i], layout=row_layout), 0)
+
+    def step(cols, t, S_KC):  # token t on one column piece of the running state
+        delta_C = plgpu.load(vec_smem.at[t, _V, cols], layout=col_layout) - jnp.sum(S_KC * rows(t, _KD), 0)
+        o_C = jnp.sum(S_KC * rows(t, _QD), axis=0) + gain_smem[t] * delta_C
+        vec_smem.at[t, _O, cols][...] = o_C.astype(dtype).astype(F32)
+        vec_smem.at[t, _DELTA, cols][...] = delta_C
+        return S_KC * rows(t, _DECAY) + rows(t, _BK) * bcast(delta_C, 1)  # unused after the last token
+
+    # The T steps (§4.4) on each column piece of the tile, the next piece's read in flight meanwhile. A loop
+    # over tokens, not unrolled: the code stays the size of the decode kernel's.
+    wait_state()
+    if tma_scratch:
+        S_next = load_state(0)
+    for c in range(V // v_chunk):
+        S_KC = S_next
+        if c + 1 < V // v_chunk:
+            S_next = load_state(c + 1)
+        lax.fori_loop(0, T, functools.partial(step, pl.ds(c * v_chunk, v_chunk)), S_KC)
+
+    # Gated RMSNorm (§4.6) per token, and delta out as whole coalesced rows.
+    for t in range(T):
+        o = vec_smem.at[t, _O][...]
+        n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
+        y_ref.at[b, t, h][...] = (n * _sigmoid(gate_ref.at[b, t, h][...].astype(F32))).astype(dtype)
+        delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
+
+
+def _tma_scratch(tma, K, V):  # the whole tile in 128-byte swizzled SMEM + its load barrier
+    return [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()] if tma else []
+
+
+def _check_chunk(V, v_chunk, tma):
+    if V % v_chunk or v_chunk % (32 if tma else 8):
+        raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "interpret"))
+def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
+           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, interpret=None):
+    """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read."""
+    B, T, _, H, K = qkv_BT3HK.shape
+    V = state_BHKV.shape[-1]
+    _check_chunk(V, v_chunk, tma)
+    dtype = qkv_BT3HK.dtype
+    kernel_fn = plgpu.kernel(
+        functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
+        out_type=(jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
+                  jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
+                  jax.ShapeDtypeStruct((B, T, H, V), F32)),
+        scratch_types=[plgpu.SMEM((T, 7, K), F32), plgpu.SMEM((T,), F32), *_tma_scratch(tma, K, V)],
+        grid=(B, H), grid_names=("b", "h"),
+        compiler_params=_LANE, interpret=interpret,
+    )
+    y, kn, decay, beta, delta = kernel_fn(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
+                                          conv_w_3HKW.astype(F32), A_log_H.astype(F32),
+                                          dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
+    return y, dict(kn_BTHK=kn, decay_BTHK=decay, beta_BTH=beta, delta_BTHV=delta, new_inputs_BT3HK=qkv_BT3HK)
+
+
+def _commit_body(accepted_ref, state_ref, conv_ref, qkv_ref, kn_ref, decay_ref, beta_ref, delta_ref,
+                 new_state_ref, new_conv_ref, vec_smem, window_smem, *tma_scratch, tile_layout, v_chunk):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    T, _, K = vec_smem.shape
+    V = state_ref.shape[-1]
+    row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
+    load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
+    S_next = None if tma_scratch else load_state(0)
+    n = jnp.minimum(accepted_ref[b], T)
+
+    # All T tokens' vectors, unrolled so their reads overlap (a loop to n would chain T HBM latencies).
+    for t in range(T):
+        vec_smem.at[t, 0][...] = decay_ref.at[b, t, h][...]
+        vec_smem.at[t, 1][...] = beta_ref[b, t, h] * kn_ref.at[b, t, h][...]
+        vec_smem.at[t, 2][...] = delta_ref.at[b, t, h][...]
+
+    # Conv window: the last 3 of (old window + n accepted inputs), i.e. positions n..n+2 of the W + T
+    # pre-conv inputs; SMEM makes the dynamic position an index (each thread reads back its own channel).
+    for i in range(3):
+        for j in range(_W):
+            window_smem.at[i, j][...] = conv_ref.at[b, i, j, h][...]
+        for t in range(T):
+            window_smem.at[i, _W + t][...] = qkv_ref.at[b, t, i, h][...]
+        for j in range(_W):
+            new_conv_ref.at[b, i, j, h][...] = window_smem.at[i, n + j][...]
+
+    bcast = _bcaster(tile_layout, K, v_chunk)
+
+    def step(cols, t, S_KC):  # S <- diag(decay_t) S + (beta_t k̂_t) delta_tᵀ on one column piece
+        decay_r = bcast(plgpu.load(vec_smem.at[t, 0], layout=row_layout), 0)
+        bk = bcast(plgpu.load(vec_smem.at[t, 1], layout=row_layout), 0)
+        delta_C = plgpu.load(vec_smem.at[t, 2, cols], layout=col_layout)
+        return S_KC * decay_r + bk * bcast(delta_C, 1)
+
+    wait_state()
+    if tma_scratch:
+        S_next = load_state(0)
+    tile_smem = tma_scratch[0] if tma_scratch else None
+    for c in range(V // v_chunk):
+        S_KC = S_next
+        if c + 1 < V // v_chunk:
+            S_next = load_state(c + 1)
+        cols = pl.ds(c * v_chunk, v_chunk)
+        S_KC = lax.fori_loop(0, n, functools.partial(step, cols), S_KC)
+        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
+            tile_smem.at[:, cols][...] = S_KC
+        else:
+            new_state_ref.at[b, h, :, cols][...] = S_KC
+    if tma_scratch:
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
+
+
+@functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "tma", "interpret"))
+def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, tma=False,
+           interpret=None):
+    """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens."""
+    qkv_BT3HK = commit_data["new_inputs_BT3HK"]
+    B, T, _, H, K = qkv_BT3HK.shape
+    V = state_BHKV.shape[-1]
+    _check_chunk(V, v_chunk, tma)
+    kernel_fn = plgpu.kernel(
+        functools.partial(_commit_body, tile_layout=tile_layout, v_chunk=v_chunk),
+        out_type=(jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+                  jax.ShapeDtypeStruct(conv_B3WHK.shape, conv_B3WHK.dtype)),
+        scratch_types=[plgpu.SMEM((T, 3, K), F32), plgpu.SMEM((3, _W + T, K), conv_B3WHK.dtype),
+                       *_tma_scratch(tma, K, V)],
+        grid=(B, H), grid_names=("b", "h"),
+        compiler_params=_LANE, interpret=interpret,
+    )
+    return kernel_fn(accepted_B.astype(jnp.int32), state_BHKV, conv_B3WHK, qkv_BT3HK.astype(conv_B3WHK.dtype),
+                     commit_data["kn_BTHK"], commit_data["decay_BTHK"], commit_data["beta_BTH"],
+                     commit_data["delta_BTHV"])
