@@ -1,4 +1,5 @@
-"""Dispatch for the KDA decode step: Pallas Mosaic GPU body by compute capability, XLA reference otherwise.
+"""Dispatch for the KDA decode step, speculative verify and commit: Pallas Mosaic GPU body by compute
+capability, XLA reference otherwise.
 
 A body raises NotImplementedError for what it does not handle (no GPU, shape, dtype); the api then runs the
 reference and logs the reason once on logger "k3jax.backends".
@@ -10,48 +11,49 @@ from pallas_kernels.kda_decode import reference
 BACKENDS = ("xla", "latency_specialized")
 
 
-def _kernel_decode():
+def _kernel_body():
+    """The sm90 or sm100 body module for the GPU we compile for."""
     arch = common.gpu_arch()
     if arch is None:
         raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
     if arch[0] == 9:
         from pallas_kernels.kda_decode import sm90
-        return sm90.kda_decode
+        return sm90
     if arch[0] == 10:
         from pallas_kernels.kda_decode import sm100
-        return sm100.kda_decode
+        return sm100
     raise NotImplementedError(f"no KDA decode body for compute capability {arch}")
+
+
+def _dispatch(op, backend, args, kwargs):
+    """The body's `op` for backend="latency_specialized" where it handles the call, else the reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "latency_specialized":
+        try:
+            return getattr(_kernel_body(), op)(*args, **kwargs)
+        except NotImplementedError as e:
+            common.log_once(op, str(e))
+    return getattr(reference, op)(*args, **kwargs)
 
 
 def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
                o_norm_w_K, *, eps=1e-5, backend="xla"):
     """One KDA decode step -> (y_BHK, new_state_BHKV, new_conv_B3WHK). See reference.py for the maths."""
-    args = (qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-            o_norm_w_K)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "latency_specialized":
-        try:
-            return _kernel_decode()(*args, eps=eps)
-        except NotImplementedError as e:
-            common.log_once("kda_decode", str(e))
-    return reference.kda_decode(*args, eps=eps)
+    return _dispatch("kda_decode", backend, (qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK,
+                                             conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K), dict(eps=eps))
 
 
 def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
     """Speculative verify of T new tokens -> (y_BTHK, commit_data); the state is left untouched.
 
-    Only the XLA form exists yet: T <= 8 unrolled steps fuse into few kernels, and the state is read once.
+    The kernel reads the state once and keeps the running state on chip; the XLA form unrolls T <= 8 steps.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "latency_specialized":
-        common.log_once("kda_verify", "no Pallas verify kernel yet")
-    return reference.kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                                A_log_H, dt_bias_HK, o_norm_w_K, eps=eps)
+    return _dispatch("kda_verify", backend, (qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
+                                             conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K), dict(eps=eps))
 
 
-def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B):
+def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, backend="xla"):
     """Advance state and conv window by accepted_B[b] in [0, T] tokens -> (new_state, new_conv)."""
-    return reference.kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B)
+    return _dispatch("kda_commit", backend, (state_BHKV, conv_B3WHK, commit_data, accepted_B), {})
