@@ -150,3 +150,98 @@ def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, 
       x_partial.reshape(-1, q, LANES), residual.reshape(-1, q, LANES), norm_w.reshape(q, LANES), eps,
       axis_name=axis_name, n=n, skip_barrier=skip_barrier)
   return new.reshape(shape), normed.reshape(shape)
+
+
+# ------------------------------------------------------------------ projection fused with its all-reduce
+PROJ_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+PROJ_MAX_TOKENS = 64  # one WGMMA M tile of tokens
+PROJ_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA; the rest for barriers and Mosaic's own scratch
+H100_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjPlan:
+  algorithm: str  # "fused" | "xla"
+  tile_d: int = 0
+  reason: str = ""
+
+
+def plan_proj_all_reduce(x_shape, x_dtype, w_shape, w_dtype, res_shape, res_dtype, n, platform, arch,
+                         num_sms=H100_SMS, tile_d=None):
+  """Whether the fused projection + all-reduce kernel takes these per-rank operands (pure: tested on CPU).
+
+  x_shape (..., K), w_shape (K, D), res_shape (..., D) or None; arch is (major, minor) or None.
+  """
+  from pallas_kernels.collectives import fused_projection as fp
+
+  def xla(reason):
+    return ProjPlan("xla", reason=reason)
+
+  if platform != "gpu":
+    return xla(f"platform {platform}")
+  if arch is None or arch[0] != 9:
+    return xla(f"compute capability {arch}: the kernel is WGMMA (sm90) only")
+  if n < 2:
+    return xla("axis size 1")
+  if jnp.dtype(x_dtype) not in PROJ_DTYPES or jnp.dtype(w_dtype) != jnp.dtype(x_dtype):
+    return xla(f"dtypes x {x_dtype} w {w_dtype}")
+  if len(w_shape) != 2 or not x_shape or x_shape[-1] != w_shape[0]:
+    return xla(f"shapes x{tuple(x_shape)} w{tuple(w_shape)}")
+  K, D = w_shape
+  B = math.prod(x_shape[:-1])
+  if res_shape is not None:
+    if tuple(res_shape) != (*x_shape[:-1], D):
+      return xla(f"residual shape {tuple(res_shape)} for output {(*x_shape[:-1], D)}")
+    if jnp.dtype(res_dtype) not in DTYPES:
+      return xla(f"residual dtype {res_dtype}")
+  if not 1 <= B <= PROJ_MAX_TOKENS:
+    return xla(f"{B} tokens (1..{PROJ_MAX_TOKENS})")
+  tk = fp.tile_k_for(K)
+  if tk is None or K // tk < 2:
+    return xla(f"K = {K} (a multiple of 32, at least 2 tiles)")
+  # CTA j waits for CTA j of every peer, so the whole grid must be resident at once (one wave).
+  choices = [tile_d] if tile_d else [64, 128, 192, 256]
+  tile_d = next((t for t in choices if D % t == 0 and t % tk == 0 and D // t <= num_sms), None)
+  if tile_d is None:
+    return xla(f"D = {D}: no column tile gives one wave on {num_sms} SMs")
+  res_itemsize = jnp.dtype(res_dtype).itemsize if res_shape is not None else jnp.dtype(x_dtype).itemsize
+  smem = fp.smem_bytes(B, K, D, n, tile_d, itemsize=jnp.dtype(x_dtype).itemsize, res_itemsize=res_itemsize)
+  if smem > PROJ_SMEM_BUDGET:
+    return xla(f"{smem} B of SMEM per CTA (n = {n}, tile_d = {tile_d})")
+  return ProjPlan("fused", tile_d)
+
+
+def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xla", tile_d=None,
+                    max_stages=None, skip_barrier=False):
+  """sum over `axis_name` of x_BK @ w_KD (FP32 accumulation and sum) + residual_BD, rounded once.
+
+  Row-parallel projection: x_BK is this rank's slice of the activation (..., K), w_KD this rank's rows of
+  the weight (K, D); the result (..., D) is the same on every rank, in residual_BD's dtype (x's without
+  one). backend="latency_specialized" runs the fused Pallas kernel (fused_projection.py) when eligible and
+  the XLA reference (dot + psum + add) otherwise, logging the reason once.
+  """
+  if backend == "xla":
+    return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
+  if backend != "latency_specialized":
+    raise ValueError(f"unknown backend {backend}")
+  from pallas_kernels import common
+
+  n = lax.axis_size(axis_name)
+  plan = plan_proj_all_reduce(
+      x_BK.shape, x_BK.dtype, w_KD.shape, w_KD.dtype,
+      None if residual_BD is None else residual_BD.shape, None if residual_BD is None else residual_BD.dtype,
+      n, _platform(), common.gpu_arch(), _num_sms(), tile_d)
+  if plan.algorithm == "xla":
+    common.log_once("proj_all_reduce", plan.reason)
+    return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
+  from pallas_kernels.collectives import fused_projection as fp
+
+  lead, (K, D) = x_BK.shape[:-1], w_KD.shape
+  res = None if residual_BD is None else residual_BD.reshape(-1, D)
+  y = fp.proj_all_reduce(x_BK.reshape(-1, K), w_KD, res, axis_name=axis_name, n=n, tile_d=plan.tile_d,
+                         max_stages=max_stages or fp.MAX_STAGES, skip_barrier=skip_barrier)
+  return y.reshape(*lead, D)
+
+
+def _num_sms():
+  return getattr(jax.devices()[0], "core_count", None) or H100_SMS

@@ -26,3 +26,12 @@ def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp"):
   """(residual + psum(x_partial), RMSNorm(that) * w); the sum is kept in fp32 until the residual add."""
   s = jax.lax.psum(x_partial.astype(jnp.float32), axis_name)
   return add_rmsnorm(s, residual, norm_w, eps)
+
+
+def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp"):
+  """Row-parallel projection + all-reduce (+ residual): the local GEMM in FP32, psum of the FP32 partials,
+  the residual added in FP32, one rounding to residual's dtype (x's without a residual)."""
+  s = jax.lax.psum(jnp.dot(x_BK, w_KD, preferred_element_type=jnp.float32), axis_name)
+  if residual_BD is None:
+    return s.astype(x_BK.dtype)
+  return (residual_BD.astype(jnp.float32) + s).astype(residual_BD.dtype)
