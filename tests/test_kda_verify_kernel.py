@@ -1,0 +1,193 @@
+"""KDA speculative verify + commit kernels (pallas_kernels/kda_decode/verify_kernel.py): interpret mode on CPU
+against the XLA reference and against T' sequential float64 decode steps (K3_SPEC §4.2-4.6), the real CUDA
+lowering at a real shape, and real shapes on the GPU."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_testbase import abstract_gpu, assert_close, cpu_only, gpu_only, rng
+from test_kda_decode import DTYPES, TOL, args_of, make_inputs, numpy_decode
+
+from pallas_kernels.kda_decode import api, reference
+
+COMMIT_KEYS = ("kn_BTHK", "decay_BTHK", "beta_BTH", "delta_BTHV", "new_inputs_BT3HK")
+
+
+def _layout(arch):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import sm90, sm100
+    return getattr(plgpu.Layout, {"sm90": sm90, "sm100": sm100}[arch].TUNING["layout"])
+
+
+def _kernels(arch, tma, interpret=None):
+    from pallas_kernels.kda_decode import verify_kernel
+    kw = dict(tile_layout=_layout(arch), v_chunk=32, tma=tma, interpret=interpret)
+    return functools.partial(verify_kernel.verify, eps=1e-5, **kw), functools.partial(verify_kernel.commit, **kw)
+
+
+def numpy_steps(x, T):
+    """T sequential float64 decode steps -> (y per step, state and conv window after 0..T steps)."""
+    ys, states, convs = [], [x["state"]], [x["conv"]]
+    for t in range(T):
+        tok = {n: x[n][:, t] for n in ("qkv", "f", "beta", "gate")}
+        y, S, conv = numpy_decode(dict(x, **tok, state=states[-1], conv=convs[-1]))
+        ys.append(y)
+        states.append(S)
+        convs.append(conv)
+    return ys, states, convs
+
+
+def assert_commit_data_close(got, want, dtype):
+    assert set(got) == set(want) == set(COMMIT_KEYS)
+    for name in COMMIT_KEYS:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert_close(got[name], want[name], **TOL[dtype], what=name)
+
+
+# (arch, staging, dtype): each body with both staging paths, each dtype twice.
+VARIANTS = [("sm90", False, "f32"), ("sm90", True, "bf16"), ("sm100", False, "bf16"), ("sm100", True, "f32")]
+
+
+@cpu_only
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("arch,tma,dtype", VARIANTS)
+def test_verify_then_commit_interpret_equals_sequential_decode(arch, tma, dtype, T):
+    """verify kernel == XLA verify; commit kernel of the kernel's commit data == T' float64 decode steps, for
+    T' = 0 and T and random T' per sequence."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    r = rng()
+    x = make_inputs(r, 2, 2, 128, DTYPES[dtype], T=T)
+    verify, commit = _kernels(arch, tma, plgpu.InterpretGPUParams(detect_races=True))
+    with abstract_gpu(arch):
+        y, data = verify(*args_of(x))
+    assert not get_races().races_found
+    y_want, data_want = reference.kda_verify(*args_of(x))
+    assert y.dtype == y_want.dtype and y.shape == y_want.shape
+    assert_close(y, y_want, **TOL[dtype], what="y vs XLA")
+    assert_commit_data_close(data, data_want, dtype)
+
+    ys, states, convs = numpy_steps(x, T)
+    assert_close(y, np.stack(ys, axis=1), **TOL[dtype], what="y vs float64 decode steps")
+    for accepted in (np.array([0, T]), r.integers(0, T + 1, 2)):
+        with abstract_gpu(arch):
+            state, conv = commit(x["state"], x["conv"], data, jnp.asarray(accepted, jnp.int32))
+        assert not get_races().races_found
+        assert state.dtype == jnp.float32 and conv.dtype == x["conv"].dtype
+        for b, a in enumerate(accepted):
+            assert_close(state[b], states[a][b], **TOL[dtype], what=f"state b={b} accepted={a}")
+            assert_close(conv[b], convs[a][b], atol=0, rtol=0, what=f"conv b={b} accepted={a}")
+
+
+@cpu_only
+def test_commit_interpret_every_prefix():
+    """Commit kernel == XLA commit for every accepted count 0..T at once (sequence b accepts b tokens)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    T = 8
+    x = make_inputs(rng(), T + 1, 1, 128, jnp.bfloat16, T=T)
+    _, data = reference.kda_verify(*args_of(x))
+    accepted = jnp.arange(T + 1, dtype=jnp.int32)
+    _, commit = _kernels("sm90", False, plgpu.InterpretGPUParams(detect_races=True))
+    with abstract_gpu("sm90"):
+        got = commit(x["state"], x["conv"], data, accepted)
+    assert not get_races().races_found
+    for name, a, b in zip(("state", "conv"), got, reference.kda_commit(x["state"], x["conv"], data, accepted),
+                          strict=True):
+        assert_close(a, b, atol=1e-6, rtol=1e-6, what=name)
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_bodies_run_their_tuning(arch):
+    """sm90.py / sm100.py entry points (launch from tuning.json) in interpret mode."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import sm90, sm100
+    body = {"sm90": sm90, "sm100": sm100}[arch]
+    r = rng()
+    x = make_inputs(r, 1, 2, 128, jnp.float32, T=3)
+    accepted = jnp.asarray(r.integers(0, 4, 1), jnp.int32)
+    with abstract_gpu(arch):
+        y, data = body.kda_verify(*args_of(x), interpret=plgpu.InterpretGPUParams())
+        got = body.kda_commit(x["state"], x["conv"], data, accepted, interpret=plgpu.InterpretGPUParams())
+    y_want, data_want = reference.kda_verify(*args_of(x))
+    assert_close(y, y_want, **TOL["f32"], what="y")
+    assert_commit_data_close(data, data_want, "f32")
+    for a, b in zip(got, reference.kda_commit(x["state"], x["conv"], data_want, accepted), strict=True):
+        assert_close(a, b, **TOL["f32"])
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_kernels_lower_for_cuda(arch, tma):
+    """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU."""
+    r = rng()
+    x = make_inputs(r, 8, 12, 128, jnp.bfloat16, T=8)
+    _, data = reference.kda_verify(*args_of(x))
+    accepted = jnp.asarray(r.integers(0, 9, 8), jnp.int32)
+    verify, commit = _kernels(arch, tma)
+    with abstract_gpu(arch):
+        texts = [jax.jit(verify).trace(*args_of(x)).lower(lowering_platforms=("cuda",)).as_text(),
+                 jax.jit(commit).trace(x["state"], x["conv"], data, accepted)
+                 .lower(lowering_platforms=("cuda",)).as_text()]
+    assert all("mosaic_gpu" in t for t in texts)
+
+
+def test_kernels_refuse_unsupported_shapes():
+    from pallas_kernels.kda_decode import sm90
+    for B, H, K, T in [(1, 2, 16, 2), (1, 2, 128, 9)]:
+        x = make_inputs(rng(), B, H, K, jnp.float32, T=T)
+        with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
+            sm90.kda_verify(*args_of(x))
+
+
+def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
+    from pallas_kernels import common
+    common.log_once.cache_clear()
+    r = rng()
+    x = make_inputs(r, 2, 2, 16, jnp.float32, T=3)  # K=16: the kernels refuse it on a GPU too
+    accepted = jnp.asarray(r.integers(0, 4, 2), jnp.int32)
+    y_want, data_want = reference.kda_verify(*args_of(x))
+    with caplog.at_level(logging.WARNING, logger="k3jax.backends"):
+        for _ in range(2):
+            y, data = api.kda_verify(*args_of(x), backend="latency_specialized")
+            got = api.kda_commit(x["state"], x["conv"], data, accepted, backend="latency_specialized")
+    assert_close(y, y_want, atol=0, rtol=0)
+    for name in COMMIT_KEYS:
+        assert_close(data[name], data_want[name], atol=0, rtol=0, what=name)
+    for a, b in zip(got, reference.kda_commit(x["state"], x["conv"], data_want, accepted), strict=True):
+        assert_close(a, b, atol=0, rtol=0)
+    for op in ("kda_verify", "kda_commit"):  # the kernels refuse K=16 on a GPU too, with another reason
+        assert sum(m.startswith(op) for m in caplog.messages) == 1, caplog.messages
+    for f, args in ((api.kda_verify, args_of(x)), (api.kda_commit, (x["state"], x["conv"], data, accepted))):
+        with pytest.raises(ValueError):
+            f(*args, backend="cuda")
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("T", [1, 4, 8])
+@pytest.mark.parametrize("H", [6, 12])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_kernels_on_gpu_match_reference(B, H, T, dtype):
+    r = rng()
+    x = make_inputs(r, B, H, 128, DTYPES[dtype], T=T)
+    accepted = r.integers(0, T + 1, B)
+    accepted[:2] = [T, 0][:B]  # all and none accepted, the rest at random
+    accepted = jnp.asarray(accepted, jnp.int32)
+    y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
+    y, data = jax.jit(lambda *a: api.kda_verify(*a, backend="latency_specialized"))(*args_of(x))
+    assert_close(y, y_want, **TOL[dtype], what="y")
+    assert_commit_data_close(data, data_want, dtype)
+    want = jax.jit(reference.kda_commit)(x["state"], x["conv"], data_want, accepted)
+    got = jax.jit(lambda *a: api.kda_commit(*a, backend="latency_specialized"))(x["state"], x["conv"], data,
+                                                                                 accepted)
+    for name, a, b in zip(("state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL[dtype], what=name)
