@@ -181,7 +181,7 @@ def _commit_body(accepted_ref, state_ref, conv_ref, qkv_ref, kn_ref, decay_ref, 
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
     S_next = None if tma_scratch else load_state(0)
-    n = jnp.minimum(accepted_ref[b], T)
+    n = jnp.maximum(jnp.minimum(accepted_ref[b], T), 0)  # also keeps the window index in range
 
     # All T tokens' vectors, unrolled so their reads overlap (a loop to n would chain T HBM latencies).
     for t in range(T):
