@@ -59,11 +59,19 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
         cfg, params = checkpoint.load(args.checkpoint, mesh=mesh)
     else:
         cfg = load_config(args.preset)
+        if args.layers:  # the first N layers (keeps the MLA-every-4th pattern of the release)
+            cfg = cfg.replace(num_hidden_layers=args.layers,
+                              full_attn_layers=tuple(x for x in cfg.full_attn_layers if x <= args.layers))
         mesh = sh.make_mesh(args.tp) if args.tp > 1 else None
-        params = params_lib.init_params(cfg, args.seed)
+        if jax.default_backend() == "gpu":  # real widths: threefry draws of ~50 GB take minutes, rbg seconds
+            from bench import tp_h200
+            jax.config.update("jax_default_prng_impl", "rbg")
+            params = tp_h200.init_on(cfg, jax.devices()[0], args.seed)
+        else:
+            params = params_lib.init_params(cfg, args.seed)
         if mesh is not None:
             params = jax.device_put(params, sh.param_shardings(cfg, mesh))
-    meta = {"config": cfg.name, "layers": cfg.num_hidden_layers}
+    meta = {"config": cfg.name, "layers": cfg.num_hidden_layers, "layer_kinds": list(cfg.layer_kinds)}
     rng = np.random.default_rng(args.seed)
     rows = []
     steps = max(1, min(args.steps_per_call, args.output_len - 1))
@@ -296,6 +304,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="demo", help="preset name or config path (engine mode)")
     p.add_argument("--checkpoint", default=None, help="k3jax checkpoint directory (engine mode)")
+    p.add_argument("--layers", type=int, default=None, help="engine mode: truncate the preset to its first N layers")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)

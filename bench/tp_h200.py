@@ -43,9 +43,9 @@ def config():
     return preset("k3").replace(num_hidden_layers=4, full_attn_layers=(4,))
 
 
-def init_on(cfg, device):
+def init_on(cfg, device, seed=0):
     """Random weights on one GPU, one jit per layer (bounds the transient memory of the expert draws)."""
-    key = jax.random.key(0)
+    key = jax.random.key(seed)
     table = params_lib.tensor_table(cfg)
     groups = {}
     for s in table:
