@@ -163,11 +163,12 @@ H100_SMS = 132
 class ProjPlan:
   algorithm: str  # "fused" | "xla"
   tile_d: int = 0
+  stages: int = 0  # weight tiles in flight per CTA
   reason: str = ""
 
 
 def plan_proj_all_reduce(x_shape, x_dtype, w_shape, w_dtype, res_shape, res_dtype, n, platform, arch,
-                         num_sms=H100_SMS, tile_d=None):
+                         num_sms=H100_SMS, tile_d=None, max_stages=None):
   """Whether the fused projection + all-reduce kernel takes these per-rank operands (pure: tested on CPU).
 
   x_shape (..., K), w_shape (K, D), res_shape (..., D) or None; arch is (major, minor) or None.
@@ -204,11 +205,13 @@ def plan_proj_all_reduce(x_shape, x_dtype, w_shape, w_dtype, res_shape, res_dtyp
   tile_d = next((t for t in choices if D % t == 0 and t % tk == 0 and D // t <= num_sms), None)
   if tile_d is None:
     return xla(f"D = {D}: no column tile gives one wave on {num_sms} SMs")
+  # As many weight tiles in flight as SMEM takes (bytes in flight are what a GEMV's bandwidth needs).
   res_itemsize = jnp.dtype(res_dtype).itemsize if res_shape is not None else jnp.dtype(x_dtype).itemsize
-  smem = fp.smem_bytes(B, K, D, n, tile_d, itemsize=jnp.dtype(x_dtype).itemsize, res_itemsize=res_itemsize)
-  if smem > PROJ_SMEM_BUDGET:
-    return xla(f"{smem} B of SMEM per CTA (n = {n}, tile_d = {tile_d})")
-  return ProjPlan("fused", tile_d)
+  smem = lambda s: fp.smem_bytes(K, n, tile_d, s, jnp.dtype(x_dtype).itemsize, res_itemsize)
+  stages = next((s for s in range(max_stages or fp.MAX_STAGES, 1, -1) if smem(s) <= PROJ_SMEM_BUDGET), None)
+  if stages is None:
+    return xla(f"{smem(2)} B of SMEM per CTA (n = {n}, tile_d = {tile_d})")
+  return ProjPlan("fused", tile_d, stages)
 
 
 def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xla", tile_d=None,
@@ -230,7 +233,7 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xl
   plan = plan_proj_all_reduce(
       x_BK.shape, x_BK.dtype, w_KD.shape, w_KD.dtype,
       None if residual_BD is None else residual_BD.shape, None if residual_BD is None else residual_BD.dtype,
-      n, _platform(), common.gpu_arch(), _num_sms(), tile_d)
+      n, _platform(), common.gpu_arch(), _num_sms(), tile_d, max_stages)
   if plan.algorithm == "xla":
     common.log_once("proj_all_reduce", plan.reason)
     return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
@@ -239,7 +242,7 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xl
   lead, (K, D) = x_BK.shape[:-1], w_KD.shape
   res = None if residual_BD is None else residual_BD.reshape(-1, D)
   y = fp.proj_all_reduce(x_BK.reshape(-1, K), w_KD, res, axis_name=axis_name, n=n, tile_d=plan.tile_d,
-                         max_stages=max_stages or fp.MAX_STAGES, skip_barrier=skip_barrier)
+                         max_stages=plan.stages, skip_barrier=skip_barrier)
   return y.reshape(*lead, D)
 
 

@@ -43,11 +43,11 @@ def tile_k_for(K):
   return next((t for t in (64, 32) if K % t == 0), None)
 
 
-def smem_bytes(B, K, D, n, tile_d=TILE_D, max_stages=MAX_STAGES, itemsize=2, res_itemsize=2):
+def smem_bytes(K, n, tile_d=TILE_D, max_stages=MAX_STAGES, itemsize=2, res_itemsize=2):
   """SMEM one CTA allocates: the GEMM pipeline and the exchange scratch are sequential scopes (they reuse the
   same bytes); the residual buffer lives across both so its load overlaps the GEMM."""
   tk = tile_k_for(K)
-  stages = min(max_stages, K // tk)
+  stages = max(2, min(max_stages, K // tk))
   pipeline = stages * (M_PAD * tk + tk * tile_d) * itemsize
   exchange = n * M_PAD * tile_d * 4 + M_PAD * tile_d * max(itemsize, res_itemsize)
   return max(pipeline, exchange) + M_PAD * tile_d * res_itemsize
