@@ -12,7 +12,8 @@ It returns y for every position plus reference.kda_verify's commit data: per tok
 O(T (K + V)) per head instead of T states.
 
 commit: each state tile read once, the first accepted_B[b] rank-1 updates S <- diag(decay_t) S + beta_t k̂_t
-delta_tᵀ replayed in registers (a loop of dynamic length: rejected tokens cost nothing), the tile written once;
+delta_tᵀ replayed in registers (a loop of dynamic length: rejected tokens cost no FMAs, only their O(K)
+vectors are read), the tile written once;
 the conv window slides by the accepted inputs.
 
 Both keep kernel.py's launch choices: the tile straight HBM <-> registers by ld/st.global (the next piece's read
