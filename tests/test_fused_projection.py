@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from bench import fused_projection as bench_fp
 from bench.fused_projection import draw, oracle, proj_bad, run_proj, stress
 from pallas_kernels.collectives import api, fused_projection, reference
 
@@ -163,8 +164,8 @@ def test_kernel_interpret_one_rank(rng, b, k, d, res_dtype, max_stages):
 
 # ------------------------------------------------- CPU: the two-rank kernel lowered for CUDA (not run)
 @cpu_only
-@pytest.mark.parametrize("b, k, d, residual", [(1, 768, 7168, True), (8, 768, 7168, False),
-                                                (64, 1536, 7168, True), (4, 224, 3584, True)])
+@pytest.mark.parametrize("b, k, d, residual", [(1, 768, 7168, jnp.bfloat16), (8, 768, 7168, None),
+                                                (64, 1536, 7168, jnp.bfloat16), (4, 224, 3584, jnp.float32)])
 def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, b, k, d, residual):
   """api dispatch -> the fused kernel inside shard_map on an abstract 2 x H100 mesh, lowered for CUDA: layout
   and lowering errors of the real exchange kernel show on CPU, and no XLA all-reduce is left."""
@@ -175,11 +176,11 @@ def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, b, k, d, residual):
   spec = jax.sharding.NamedSharding(mesh, P("tp"))
   args = [jax.ShapeDtypeStruct((2, b, k), jnp.bfloat16, sharding=spec),
           jax.ShapeDtypeStruct((2, k, d), jnp.bfloat16, sharding=spec)]
-  if residual:
-    args.append(jax.ShapeDtypeStruct((2, b, d), jnp.bfloat16, sharding=spec))
+  if residual is not None:
+    args.append(jax.ShapeDtypeStruct((2, b, d), residual, sharding=spec))
 
   def per_rank(*a):
-    return api.proj_all_reduce(*(v[0] for v in a), *(() if residual else (None,)), "tp",
+    return api.proj_all_reduce(*(v[0] for v in a), *(() if residual is not None else (None,)), "tp",
                                backend="latency_specialized")[None]
 
   f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=P("tp"),
@@ -209,6 +210,24 @@ def test_stress_harness_on_the_fallback():
   """The GPU stress loop's checking logic, run on CPU through the fallback (few steps)."""
   report = stress(_mesh(2), steps=3, seed=int(np.random.default_rng().integers(2**31)))
   assert report["bad_calls"] == 0 and report["residual_ranks_identical"], report
+
+
+@pytest.mark.parametrize("name", ["xla_f32", "xla_bf16", "dot+ar", "fused", "fused@d128", "fused@s4"])
+def test_bench_chains_compute_the_sum(rng, name):
+  """Every timed variant computes the same chained result (its own rounding aside): the bench times the
+  right thing. On CPU the Pallas variants run their fallback; on GPUs the kernels."""
+  mesh = _mesh(2)
+  b, k, d = 2, 128, 256
+  xs = rng.standard_normal((2, bench_fp.CHAIN, b, k)).astype(BF16)
+  ws = (rng.standard_normal((2, bench_fp.CHAIN, k, d)) / np.sqrt(2 * k)).astype(BF16)
+  r = np.broadcast_to(rng.standard_normal((1, b, d)).astype(BF16), (2, b, d)).copy()
+  f, put = bench_fp.build_chain(mesh, name)
+  y = np.asarray(f(*put(xs, ws, r)), np.float64)
+  want = r[0].astype(np.float64)
+  for c in range(bench_fp.CHAIN):
+    want = want + sum(xs[i, c].astype(np.float64) @ ws[i, c].astype(np.float64) for i in range(2))
+  np.testing.assert_allclose(y[0], want, rtol=0.05, atol=0.05 * np.abs(want).max())
+  np.testing.assert_array_equal(y[1], y[0])
 
 
 # --------------------------------------------------------------------------------- GPU: the kernel
