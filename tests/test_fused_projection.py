@@ -164,20 +164,21 @@ def test_kernel_interpret_one_rank(rng, b, k, d, res_dtype, max_stages):
 
 # ------------------------------------------------- CPU: the two-rank kernel lowered for CUDA (not run)
 @cpu_only
-@pytest.mark.parametrize("b, k, d, residual", [(1, 768, 7168, jnp.bfloat16), (8, 768, 7168, None),
-                                                (64, 1536, 7168, jnp.bfloat16), (4, 224, 3584, jnp.float32)])
-def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, b, k, d, residual):
-  """api dispatch -> the fused kernel inside shard_map on an abstract 2 x H100 mesh, lowered for CUDA: layout
+@pytest.mark.parametrize("n, b, k, d, residual", [
+    (2, 1, 768, 7168, jnp.bfloat16), (2, 8, 768, 7168, None), (2, 64, 1536, 7168, jnp.bfloat16),
+    (2, 4, 224, 3584, jnp.float32), (4, 8, 768, 7168, jnp.bfloat16)])
+def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, n, b, k, d, residual):
+  """api dispatch -> the fused kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA: layout
   and lowering errors of the real exchange kernel show on CPU, and no XLA all-reduce is left."""
   monkeypatch.setattr(api, "_platform", lambda: "gpu")
   monkeypatch.setattr(api, "_num_sms", lambda: 132)
-  mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
+  mesh = jax.sharding.AbstractMesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
                                    abstract_device=H100)
   spec = jax.sharding.NamedSharding(mesh, P("tp"))
-  args = [jax.ShapeDtypeStruct((2, b, k), jnp.bfloat16, sharding=spec),
-          jax.ShapeDtypeStruct((2, k, d), jnp.bfloat16, sharding=spec)]
+  args = [jax.ShapeDtypeStruct((n, b, k), jnp.bfloat16, sharding=spec),
+          jax.ShapeDtypeStruct((n, k, d), jnp.bfloat16, sharding=spec)]
   if residual is not None:
-    args.append(jax.ShapeDtypeStruct((2, b, d), residual, sharding=spec))
+    args.append(jax.ShapeDtypeStruct((n, b, d), residual, sharding=spec))
 
   def per_rank(*a):
     return api.proj_all_reduce(*(v[0] for v in a), *(() if residual is not None else (None,)), "tp",
