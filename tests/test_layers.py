@@ -178,6 +178,22 @@ def test_moe(rng, tiny):
     _check(got, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}")
 
 
+def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):
+    """The routed experts gather at most GATHER_BUDGET_BYTES of expert copies per token chunk."""
+    cfg, params, hf, tc = tiny
+    L = next(L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L))
+    experts, k = params["layers"][L]["ffn"]["experts"], cfg.num_experts_per_token
+    packed = "w1_codes" in experts  # two e2m1 codes per byte
+    per_token = k * 4 * sum(int(np.prod(experts[m + "_codes" if packed else m].shape[1:])) * (2 if packed else 1)
+                            for m in ("w1", "w3", "w2"))
+    chunk = int(rng.integers(2, 6))
+    monkeypatch.setattr(moe, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
+    assert moe.gather_token_chunk(experts, k, F32) == chunk
+    x = _x(rng, 4 * chunk + 1, cfg.hidden_size)  # 5 chunks, the last one padded
+    _check(moe.moe(params["layers"][L]["ffn"], F32(x), cfg), ref.moe(hf, L, tc, x.astype(np.float32)),
+           f"moe in chunks of {chunk}")
+
+
 def test_router_bias_changes_the_choice_not_the_weights(rng):
     """The correction bias picks experts but the weights are the renormalised UNBIASED sigmoid scores."""
     cfg = preset("tiny").replace(routed_scaling_factor=2.5)

@@ -4,6 +4,8 @@ routed_expert_norm on the weighted latent sum, up projection, plus shared expert
 XLA reference path: gather each token's selected expert weights (dequantising MXFP4 exactly) and run them.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,9 +36,26 @@ def _expert_weight(experts, name, sel, dtype):
     return mxfp4.dequantize(experts[name + "_codes"][sel], experts[name + "_scales"][sel], dtype)
 
 
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int = 64):
+# Bound on the expert copies one token chunk gathers: a release expert is ~46 M weights (~92 MB in bf16 at
+# TP1), so a fixed 64-token chunk gathered 94 GB at real width and a 128-token prefill ran the H200 out of memory.
+GATHER_BUDGET_BYTES = 8 << 30
+
+
+def gather_token_chunk(experts, k: int, dtype, max_chunk: int = 64) -> int:
+    """Tokens per chunk so that chunk x k gathered experts (w1, w3, w2 in `dtype`) fit GATHER_BUDGET_BYTES."""
+    elems = 0
+    for name in ("w1", "w3", "w2"):
+        if name in experts:
+            elems += math.prod(experts[name].shape[1:])
+        else:  # packed: two e2m1 codes per byte
+            elems += 2 * math.prod(experts[name + "_codes"].shape[1:])
+    per_token = k * elems * jnp.dtype(dtype).itemsize
+    return max(1, min(max_chunk, GATHER_BUDGET_BYTES // per_token))
+
+
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int | None = None):
     """Weighted sum over each token's experts in the latent width, fp32 combine rounded once. Tokens are
-    processed in chunks so the gathered weights stay bounded."""
+    processed in chunks (lax.map) so the gathered weights stay within GATHER_BUDGET_BYTES."""
 
     def run(args):
         z, sel, w = args
@@ -50,6 +69,8 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
         y = dot("tki,tkli->tkl", h, w2).astype(dt)
         return jnp.einsum("tkl,tk->tl", y.astype(F32), w, precision=jax.lax.Precision.HIGHEST).astype(dt)
 
+    if token_chunk is None:
+        token_chunk = gather_token_chunk(experts, sel_Tk.shape[-1], z_TL.dtype)
     T = z_TL.shape[0]
     if T <= token_chunk:
         return run((z_TL, sel_Tk, w_Tk))
