@@ -175,7 +175,7 @@ def rank_slice_rows(args, log=print) -> tuple[dict, list[dict], list[dict], dict
     full = result["full_layers"]
     table = projection.load_collectives(args.collectives)
     rows, proj = [], []
-    for r in result["runs"]:
+    for r in sorted(result["runs"], key=lambda r: (r["layers"] == full, r["backend"], r["batch"])):
         if r.get("step_us") is None:
             continue
         est = r.get("full_estimate_us") or r["step_us"]
