@@ -36,6 +36,24 @@ class Comm:
             return api.all_reduce(x, self.axis, backend=self.backend)
         return jax.lax.psum(x, self.axis)
 
+    def project_all_reduce(self, x, w, what: str):
+        """Row-parallel projection summed over tp: x [..., *c] @ w [*c, D], the c trailing axes contracted.
+
+        XLA: the GEMM (output rounded to x's dtype, as each rank writes it) then all_reduce. latency_specialized:
+        one Pallas kernel that GEMMs a column tile, pushes it to the peers and sums the fp32 partials in rank
+        order (pallas_kernels/collectives/fused_projection.py), so the per-rank rounding before the sum goes.
+        """
+        from k3jax.layers.common import linear
+
+        c = w.ndim - 1
+        x_BK, w_KD = x.reshape(*x.shape[:x.ndim - c], -1), w.reshape(-1, w.shape[-1])
+        if self.sharded and self.backend == "latency_specialized":
+            from pallas_kernels.collectives import api
+
+            self.counts[what] += 1
+            return api.proj_all_reduce(x_BK, w_KD.astype(x.dtype), axis_name=self.axis, backend=self.backend)
+        return self.all_reduce(linear(x_BK, w_KD, "...k,kd->...d"), what)
+
     def all_gather(self, x, axis: int, what: str = "all_gather"):
         if not self.sharded:
             return x

@@ -18,7 +18,7 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla, moe
 from k3jax.layers.attn_res import attn_res
-from k3jax.layers.common import ffn, linear, rms_norm
+from k3jax.layers.common import ffn_hidden, linear, rms_norm
 
 # Sublayer callbacks: attn(L, params, normed x [B,T,D]) -> [B,T,D]
 AttnFn = Callable[[int, dict, jax.Array], jax.Array]
@@ -36,7 +36,7 @@ def logits_from_hidden(params, h_BTD, cfg: K3Config, comm: Comm = LOCAL):
 
 def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL, record: dict | None = None):
     if not is_moe:
-        return comm.all_reduce(ffn(x_BTD, p["gate"], p["up"], p["down"], cfg), "mlp_out")
+        return comm.project_all_reduce(ffn_hidden(x_BTD, p["gate"], p["up"], cfg), p["down"], "mlp_out")
     B, T, D = x_BTD.shape
     y, sel = moe.moe(p, x_BTD.reshape(B * T, D), cfg, return_routing=True, comm=comm)
     if record is not None:

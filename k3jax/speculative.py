@@ -36,7 +36,6 @@ from k3jax import sharding as sh
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla
-from k3jax.layers.common import linear
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
@@ -70,7 +69,7 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
         y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
                                                p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
                                                backend=backend)
-        return comm.all_reduce(linear(y, p["o"], "bthk,hkd->btd"), "attn_out")
+        return comm.project_all_reduce(y, p["o"], "attn_out")
 
     h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
     logits = model.logits_from_hidden(params, h, cfg, comm)
@@ -78,11 +77,12 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
     return logits, pending, tapped
 
 
-def commit(pending: dict, n_commit_B) -> dict:
+def commit(pending: dict, n_commit_B, backend: str = "xla") -> dict:
     """Advance every sequence by n_commit_B[b] block tokens (anchor + accepted drafts; 0 = unchanged)."""
     layers = list(pending["layers"])
     for L, data in pending["kda_commit"].items():
-        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B)
+        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B,
+                                         backend=backend)
         layers[L] = {"state": state, "conv": conv}
     return {"lengths": pending["lengths"] + n_commit_B, "layers": layers}
 
@@ -227,7 +227,7 @@ def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.sampling, spec.acceptance_length)
     active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
     n_commit = jnp.where(active, n_acc + 1, 0)
-    cache = commit(pending, n_commit)
+    cache = commit(pending, n_commit, spec.backend)
     dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps,
                                   comm=comm)
 

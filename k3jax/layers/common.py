@@ -43,6 +43,10 @@ def situ_glu(g, u, beta1: float, beta2: float | None):
 def ffn(x, gate_w, up_w, down_w, cfg):
     """Dense SiTU-GLU MLP on [..., D] (layer 0 and the shared experts). Under tensor parallelism the weights are
     split along the intermediate, so this returns this rank's partial sum: the caller all-reduces."""
-    h = situ_glu(linear(x, gate_w, "...d,df->...f"), linear(x, up_w, "...d,df->...f"),
-                 cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    return linear(h, down_w, "...f,fd->...d")
+    return linear(ffn_hidden(x, gate_w, up_w, cfg), down_w, "...f,fd->...d")
+
+
+def ffn_hidden(x, gate_w, up_w, cfg):
+    """SiTU-GLU hidden [..., F] of the dense MLP: what its row-parallel down projection consumes."""
+    return situ_glu(linear(x, gate_w, "...d,df->...f"), linear(x, up_w, "...d,df->...f"),
+                    cfg.activation_situ_beta, cfg.activation_situ_linear_beta)

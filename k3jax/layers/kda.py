@@ -126,7 +126,7 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     beta = jax.nn.sigmoid(beta_logit.astype(F32)) * valid[..., None]
     o, state = delta_rule_chunked(q, k, v, g, beta, state_BHKV, chunk)
     y = gated_norm(o.astype(x_BTD.dtype), gate, p["o_norm"], cfg.rms_norm_eps)
-    return comm.all_reduce(linear(y, p["o"], "bthk,hkd->btd"), "attn_out"), state, new_window
+    return comm.project_all_reduce(y, p["o"], "attn_out"), state, new_window
 
 
 def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", comm: Comm = LOCAL):
@@ -135,4 +135,4 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", 
     y, state, window = kda_api.kda_decode(
         qkv[:, 0], f[:, 0], beta_logit[:, 0], gate[:, 0], state_BHKV, window_B3WHK, p["conv"], p["A_log"],
         p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps, backend=backend)
-    return comm.all_reduce(linear(y, p["o"], "bhk,hkd->bd"), "attn_out"), state, window
+    return comm.project_all_reduce(y, p["o"], "attn_out"), state, window

@@ -29,7 +29,7 @@ def latent_rows(p, x_BTD, cfg: K3Config):
 def _gate_out(p, o_BTHV, x_BTD, comm: Comm):
     """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then o_proj (row-parallel)."""
     gate = jax.nn.sigmoid(linear(x_BTD, p["g"], "btd,dhv->bthv"))
-    return comm.all_reduce(linear(o_BTHV * gate, p["o"], "bthv,hvd->btd"), "attn_out")
+    return comm.project_all_reduce(o_BTHV * gate, p["o"], "attn_out")
 
 
 def _softmax_probs(s, mask, dtype):
