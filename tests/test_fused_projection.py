@@ -86,7 +86,8 @@ def test_plan_takes_the_k3_shapes():
         assert d % plan.tile_d == 0 and d // plan.tile_d <= api.H100_SMS
   assert (_plan(1, 768, 7168).tile_d, _plan(1, 768, 7168).stages) == (64, 8)  # 112 CTAs: one wave
   wide = _plan(1, 768, 7168, num_sms=100)  # 128-wide tiles: fewer weight tiles fit in SMEM
-  assert (wide.tile_d, wide.stages) == (128, 7)
+  fits = [s for s in range(2, 9) if fused_projection.smem_bytes(768, 2, 128, s) <= api.PROJ_SMEM_BUDGET]
+  assert (wide.tile_d, wide.stages) == (128, max(fits))
 
 
 @pytest.mark.parametrize("why, kwargs", [
@@ -145,6 +146,7 @@ def test_unknown_backend_raises():
     (1, 256, 128, BF16, 2),  # B = 1: 63 rows of TMA zero fill; 4 K steps through a 2-slot ring
     (5, 96, 192, None, 8),  # odd B, tile_k 32 (64-byte swizzle), no residual
     (64, 192, 128, np.float32, 8),  # a full M tile, FP32 residual and output
+    (13, 128, 128, BF16, 4),  # B > 8 and not a multiple of 8: padded to 16 rows (TMA box rule), sliced back
 ])
 def test_kernel_interpret_one_rank(rng, b, k, d, res_dtype, max_stages):
   """The kernel's GEMM, padding and epilogue, executed on CPU (n = 1 has no exchange)."""
