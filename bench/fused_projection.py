@@ -285,6 +285,7 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
   ap.add_argument("--deadline-s", type=int, default=540)
   a = ap.parse_args()
+  os.environ[api.FUSED_PROJECTION_ENV] = "1"  # this bench measures the (opt-in) fused kernel itself
   faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a deadlocked kernel must not eat the budget
   os.makedirs(a.out, exist_ok=True)
   mesh = make_mesh(2)

@@ -25,6 +25,12 @@ H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform
 SM90 = (9, 0)
 
 
+@pytest.fixture(autouse=True)
+def _opt_in(monkeypatch):
+  """This file tests the kernel itself, which the api only dispatches to when opted in (see api.py)."""
+  monkeypatch.setenv(api.FUSED_PROJECTION_ENV, "1")
+
+
 def _mesh(n):
   if len(jax.devices()) < n:
     pytest.skip(f"needs {n} devices")
@@ -194,6 +200,29 @@ def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, n, b, k, d, residual):
 
 
 @cpu_only
+def test_fused_kernel_is_opt_in(monkeypatch, caplog):
+  """Without K3JAX_FUSED_PROJECTION=1 an eligible GPU call lowers to GEMM + XLA all-reduce and says why."""
+  import logging
+
+  from pallas_kernels import common
+  monkeypatch.delenv(api.FUSED_PROJECTION_ENV)
+  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+  monkeypatch.setattr(common, "gpu_arch", lambda: SM90)
+  mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                   abstract_device=H100)
+  spec = jax.sharding.NamedSharding(mesh, P("tp"))
+  args = [jax.ShapeDtypeStruct((2, 8, 768), jnp.bfloat16, sharding=spec),
+          jax.ShapeDtypeStruct((2, 768, 7168), jnp.bfloat16, sharding=spec)]
+  per_rank = lambda x, w: api.proj_all_reduce(x[0], w[0], None, "tp", backend="latency_specialized")[None]  # noqa: E731
+  f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * 2, out_specs=P("tp"), check_vma=False))
+  common.log_once.cache_clear()  # the reason may have been logged by an earlier test
+  with caplog.at_level(logging.WARNING), jax.sharding.use_abstract_mesh(mesh):
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" not in text and "all_reduce" in text
+  assert any(api.FUSED_PROJECTION_ENV in r.getMessage() for r in caplog.records)
+
+
+@cpu_only
 def test_fallback_logs_the_reason_once(rng, caplog):
   """On CPU latency_specialized falls back to the reference and says why."""
   import logging
@@ -295,6 +324,8 @@ def test_pallas_fp32_residual(rng):
 
 @gpu2
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="known bug: calls without a residual come out wrong back to back on 2 H200 "
+                                        "(298 of 300); the api keeps the kernel opt-in until it is fixed")
 def test_pallas_back_to_back_stress(rng):
   """300 loop steps x 2 different fused calls back to back on fresh device-drawn data, all checked."""
   report = stress(_mesh(2), steps=300, seed=int(rng.integers(2**31)))
