@@ -148,6 +148,25 @@ def test_kernels_refuse_unsupported_shapes():
             sm90.kda_verify(*args_of(x))
 
 
+@cpu_only
+def test_api_commit_follows_the_tuning(caplog):
+    """sm90's tuning.json says commit = xla (XLA's fused commit measured faster): the api runs the reference
+    and says why, without touching the kernel."""
+    from pallas_kernels import common
+    from pallas_kernels.kda_decode import sm90
+    assert sm90.TUNING.get("commit") == "xla"
+    common.log_once.cache_clear()
+    r = rng()
+    x = make_inputs(r, 2, 2, 128, jnp.float32, T=3)
+    _, data = reference.kda_verify(*args_of(x))
+    accepted = jnp.asarray(r.integers(0, 4, 2), jnp.int32)
+    with caplog.at_level(logging.WARNING, logger="k3jax.backends"), abstract_gpu("sm90"):
+        got = api.kda_commit(x["state"], x["conv"], data, accepted, backend="latency_specialized")
+    for a, b in zip(got, reference.kda_commit(x["state"], x["conv"], data, accepted), strict=True):
+        assert_close(a, b, atol=0, rtol=0)
+    assert any("kda_commit" in m and "tuning.json" in m for m in caplog.messages), caplog.messages
+
+
 def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
     from pallas_kernels import common
     common.log_once.cache_clear()
