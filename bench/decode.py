@@ -213,6 +213,8 @@ def markdown(rep: dict) -> str:
              f"Machine: {m['device']} x {m['devices']} ({m['platform']}), jax {m['jax']}, {m['date']}. "
              f"Input {rep['input_len']} tokens, output {rep['output_len']}, speculative {rep['speculative']}"
              + (f" ({rep['drafter']}, {rep['num_draft']} drafts)" if rep.get("drafter") else "") + ".", ""]
+    if rep["mode"] == "engine" and rep.get("layer_kinds"):
+        lines += [f"Model: {rep['layers']} layers ({', '.join(rep['layer_kinds'])}), random weights.", ""]
     if rep["mode"] == "rank_slice":
         rm = rep["rank_slice_machine"]
         lines += [f"Rank-slice run on {rm['device']} ({rm['date']}): one TP16 rank's share of every layer, "
