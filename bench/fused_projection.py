@@ -107,15 +107,17 @@ def check(mesh, rng):
   return rows
 
 
-def stress(mesh, steps=300, seed=0):
-  """`steps` loop iterations on device, each two different fused calls back to back on fresh random data.
+PAIR = ((4, 768, 7168, True), (1, 1536, 3584, False))  # (B, K, D, residual) of the two calls per step
+
+
+def stress(mesh, steps=300, seed=0, calls=PAIR):
+  """`steps` loop iterations on device, each running `calls` back to back on fresh random data.
 
   Data is drawn on device inside the loop (per step and rank), and the only other kernels between the
   Pallas calls are the RNG and the local XLA dots the host check needs (no NCCL, no host sync), so a rank
   that reads a stale signal or a peer's previous buffer gives a wrong sum, which the host check counts.
   """
   n = mesh.size
-  (b1, k1, d1), (b2, k2, d2) = (4, 768, 7168), (1, 1536, 3584)
 
   def normal(key, shape, std):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(jnp.bfloat16)
@@ -126,40 +128,52 @@ def stress(mesh, steps=300, seed=0):
 
     def body(i, out):
       step_key = jax.random.fold_in(key, i)
-      kr, k_me = jax.random.split(step_key)
-      kx1, kw1, kx2, kw2 = jax.random.split(jax.random.fold_in(k_me, me), 4)
-      x1, w1 = normal(kx1, (b1, k1), 1.0), normal(kw1, (k1, d1), (k1 * n) ** -0.5)
-      x2, w2 = normal(kx2, (b2, k2), 1.0), normal(kw2, (k2, d2), (k2 * n) ** -0.5)
-      r1 = normal(kr, (b1, d1), 1.0)  # same key on every rank: a replicated residual
-      y1 = api.proj_all_reduce(x1, w1, r1, "tp", backend=LS)
-      y2 = api.proj_all_reduce(x2, w2, None, "tp", backend=LS)
-      f32 = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                                 precision=jax.lax.Precision.HIGHEST)
-      new = (y1, y2, r1, f32(x1, w1), f32(jnp.abs(x1), jnp.abs(w1)),
-             f32(x2, w2), f32(jnp.abs(x2), jnp.abs(w2)))
+      new = []
+      for c, (b, k, d, has_res) in enumerate(calls):
+        kr, k_me = jax.random.split(jax.random.fold_in(step_key, c))
+        kx, kw = jax.random.split(jax.random.fold_in(k_me, me))
+        x, w = normal(kx, (b, k), 1.0), normal(kw, (k, d), (k * n) ** -0.5)
+        r = normal(kr, (b, d), 1.0) if has_res else None  # same key on every rank: a replicated residual
+        y = api.proj_all_reduce(x, w, r, "tp", backend=LS)
+        f32 = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),  # noqa: E731
+                                   precision=jax.lax.Precision.HIGHEST)
+        new += [y, jnp.zeros((b, d), jnp.bfloat16) if r is None else r, f32(x, w), f32(jnp.abs(x), jnp.abs(w))]
       return tuple(o.at[i].set(v) for o, v in zip(out, new, strict=True))
 
-    shapes = [((b1, d1), jnp.bfloat16), ((b2, d2), jnp.bfloat16), ((b1, d1), jnp.bfloat16)] + [
-        ((b1, d1), jnp.float32)] * 2 + [((b2, d2), jnp.float32)] * 2
+    shapes = []
+    for b, _, d, _ in calls:
+      shapes += [((b, d), jnp.bfloat16)] * 2 + [((b, d), jnp.float32)] * 2
     init = tuple(jnp.zeros((steps, *s), dt) for s, dt in shapes)
     return jax.lax.fori_loop(0, steps, body, init)
 
   keys = np.broadcast_to(np.asarray(jax.random.key_data(jax.random.key(seed))), (n, 2)).copy()
   f, put = sharded(mesh, loop, 1)
   t0 = time.perf_counter()
-  y1, y2, r1, p1, a1, p2, a2 = (np.asarray(v) for v in f(*put(keys)))
+  outs = [np.asarray(v) for v in f(*put(keys))]
   wall = time.perf_counter() - t0
-  # Host oracle: the FP32 local products summed over ranks in float64 (+ the residual).
-  ref1 = p1.astype(np.float64).sum(0) + r1[0].astype(np.float64)
-  ref2 = p2.astype(np.float64).sum(0)
-  scale1 = a1.astype(np.float64).sum(0) + np.abs(r1[0].astype(np.float64))
-  scale2 = a2.astype(np.float64).sum(0)
-  bad1 = proj_bad(y1, ref1, scale1, axis=(1, 2))
-  bad2 = proj_bad(y2, ref2, scale2, axis=(1, 2))
-  return dict(steps=steps, calls=2 * steps, bad_calls=int(bad1.sum() + bad2.sum()),
-              bad_with_residual=int(bad1.sum()), bad_no_residual=int(bad2.sum()),
-              residual_ranks_identical=bool(np.all(r1 == r1[:1])),
-              max_rel_err=max(max_rel_err(y1[0], ref1), max_rel_err(y2[0], ref2)), wall_s_incl_compile=wall)
+  report = dict(steps=steps, calls=len(calls) * steps, bad_calls=0, per_call=[], residual_ranks_identical=True,
+                wall_s_incl_compile=wall)
+  for c, (b, k, d, has_res) in enumerate(calls):
+    y, r, p, a = outs[4 * c:4 * c + 4]
+    # Host oracle: the FP32 local products summed over ranks in float64 (+ the residual).
+    ref = p.astype(np.float64).sum(0) + r[0].astype(np.float64)
+    scale = a.astype(np.float64).sum(0) + np.abs(r[0].astype(np.float64))
+    bad = int(proj_bad(y, ref, scale, axis=(1, 2)).sum())
+    report["bad_calls"] += bad
+    report["residual_ranks_identical"] &= bool(np.all(r == r[:1]))
+    report["per_call"].append(dict(B=b, K=k, D=d, residual=has_res, bad=bad, max_rel_err=max_rel_err(y[0], ref)))
+  return report
+
+
+# Isolate what the back-to-back failure depends on (residual or not, shape, being one of two calls).
+DIAGNOSE = {
+    "pair (as the stress test)": PAIR,
+    "pair, residuals swapped": ((4, 768, 7168, False), (1, 1536, 3584, True)),
+    "small call alone, no residual": ((1, 1536, 3584, False),),
+    "small call alone, residual": ((1, 1536, 3584, True),),
+    "large call alone, no residual": ((4, 768, 7168, False),),
+    "two no-residual calls": ((4, 768, 7168, False), (4, 768, 7168, False)),
+}
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -282,6 +296,7 @@ def main():
   ap.add_argument("--check", action="store_true")
   ap.add_argument("--bench", action="store_true")
   ap.add_argument("--stress-steps", type=int, default=300)
+  ap.add_argument("--diagnose", action="store_true", help="the stress loop over the DIAGNOSE call sets")
   ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
   ap.add_argument("--deadline-s", type=int, default=540)
   a = ap.parse_args()
@@ -303,6 +318,12 @@ def main():
     results["stress"] = stress(mesh, a.stress_steps, seed=int(np.random.default_rng().integers(2**31)))
     print("stress", results["stress"], flush=True)
     save()
+  if a.diagnose:
+    results["diagnose"] = {}
+    for name, calls in DIAGNOSE.items():
+      results["diagnose"][name] = stress(mesh, min(a.stress_steps, 100), seed=1, calls=calls)
+      print(name, results["diagnose"][name]["per_call"], flush=True)
+      save()
   if a.bench:
     results["bench"] = []
     bench(mesh, results["bench"], save)

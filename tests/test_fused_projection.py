@@ -238,10 +238,17 @@ def test_fallback_logs_the_reason_once(rng, caplog):
 
 
 @cpu_only
-def test_stress_harness_on_the_fallback():
-  """The GPU stress loop's checking logic, run on CPU through the fallback (few steps)."""
-  report = stress(_mesh(2), steps=3, seed=int(np.random.default_rng().integers(2**31)))
+@pytest.mark.parametrize("calls", [bench_fp.PAIR, bench_fp.DIAGNOSE["two no-residual calls"]])
+def test_stress_harness_on_the_fallback(monkeypatch, calls):
+  """The GPU stress loop's checking logic, run on CPU through the fallback (few steps): clean on the right
+  sum, and every call counted bad when the result is 5% off."""
+  seed = int(np.random.default_rng().integers(2**31))
+  report = stress(_mesh(2), steps=3, seed=seed, calls=calls)
   assert report["bad_calls"] == 0 and report["residual_ranks_identical"], report
+  off = lambda x, w, r, axis, **kw: reference.proj_all_reduce(x, w, r, axis) * 1.05  # noqa: E731
+  monkeypatch.setattr(api, "proj_all_reduce", off)
+  report = stress(_mesh(2), steps=3, seed=seed, calls=calls)
+  assert report["bad_calls"] == 3 * len(calls), report
 
 
 @pytest.mark.parametrize("name", ["xla_f32", "xla_bf16", "dot+ar", "fused", "fused@d128", "fused@s4"])
