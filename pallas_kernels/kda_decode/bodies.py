@@ -1,0 +1,42 @@
+"""What a body (sm90.py, sm100.py) gives the api: the three ops, launched by that body's tuning.json entry.
+
+The kernels are shared (kernel.py: decode; verify_kernel.py: verify and commit); a body differs only in its
+tile register layout and launch table, which is data.
+"""
+
+import json
+import pathlib
+
+from pallas_kernels.kda_decode import kernel, verify_kernel
+
+
+def load_tuning(arch: str) -> dict:
+    return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())[arch]
+
+
+def entry_points(tuning: dict):
+    """-> (kda_decode, kda_verify, kda_commit) with the api's signatures (plus `interpret` for CPU tests)."""
+
+    def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                   dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+        kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
+        return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                             dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
+                             **kernel.pick_launch(tuning, qkv_B3HK))
+
+    def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                   dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+        """The decode launch table: same tiles, and the state is still the traffic."""
+        verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
+        return verify_kernel.verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
+                                    conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
+                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK))
+
+    def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, interpret=None):
+        """Reads and writes each tile once, like a decode step: the decode launch table applies as is."""
+        qkv_BT3HK = commit_data["new_inputs_BT3HK"]
+        verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
+        return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
+                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK))
+
+    return kda_decode, kda_verify, kda_commit
