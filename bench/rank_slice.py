@@ -395,6 +395,8 @@ def _plan(args) -> list[tuple[int, str, int]]:
 
 def run(args, log=print) -> dict:
     t_start = time.perf_counter()
+    from k3jax.layers import moe
+    os.environ[moe.MOE_IMPL_ENV] = args.moe_impl  # read when the programs are traced
     base_cfg = preset(args.preset)
     tp, ctx = args.tp, args.context
     keys = _plan(args)
@@ -402,6 +404,7 @@ def run(args, log=print) -> dict:
     on_gpu = jax.default_backend() == "gpu"
     result = {"machine": machine(), "config": base_cfg.name, "preset": args.preset, "tp": tp,
               "full_layers": base_cfg.num_hidden_layers, "context": ctx, "cache_dtype": "fp8", "dtype": "bfloat16",
+              "moe_impl": args.moe_impl,
               "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
               "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp), "runs": []}
     log(f"rank slice: {args.preset} x {cfg.num_hidden_layers} layers, tp={tp}, context {ctx}, "
@@ -609,6 +612,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--full-batches", default="", help="also run these batches at the full depth (with --layers)")
     p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
+    p.add_argument("--moe-impl", default="gather", choices=("gather", "packed"),
+                   help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-threads", type=int, default=8)

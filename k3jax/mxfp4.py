@@ -23,16 +23,44 @@ def _unpack_nibbles(packed, xp):
     return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def _scale_values(scales):
+    """E8M0 bytes -> 2^(e-127) in fp32, built from the exponent bits: exact, no pow; e=0 gives 2^-127."""
+    e = scales.astype(jnp.int32)
+    return jnp.where(e > 0, jnp.left_shift(e, 23), 1 << 22).astype(jnp.uint32).view(jnp.float32)
+
+
 def dequantize(packed, scales, dtype=jnp.bfloat16):
     """jnp: codes [..., out, in/2] + scales [..., out, in/32] -> W [..., out, in] in `dtype` (exact)."""
     codes = _unpack_nibbles(packed.astype(jnp.uint8), jnp)
     vals = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-    # 2^(e-127) built from the exponent bits directly: exact, no pow; e=0 gives 2^-127 (an fp32 subnormal).
-    e = scales.astype(jnp.int32)
-    scale = jnp.where(e > 0, jnp.left_shift(e, 23), 1 << 22).astype(jnp.uint32)
-    scale = jnp.asarray(scale).view(jnp.float32)
-    w = vals.reshape(*vals.shape[:-1], -1, GROUP) * scale[..., None]
+    w = vals.reshape(*vals.shape[:-1], -1, GROUP) * _scale_values(scales)[..., None]
     return w.reshape(vals.shape).astype(dtype)
+
+
+def e2m1_values(nibbles):
+    """E2M1 codes (0..15, any int dtype) -> fp32 values by arithmetic, not a table lookup: elementwise, so
+    XLA fuses it into whatever consumes it. Magnitude index m = 2e + b: e = 0 -> b / 2, else (1 + b/2) 2^(e-1)."""
+    c = nibbles.astype(jnp.int32)
+    e, b = (c >> 1) & 3, (c & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * b, (1.0 + 0.5 * b) * jnp.left_shift(1, e).astype(jnp.float32) * 0.5)
+    return jnp.where(c & 8, -mag, mag)
+
+
+def matvec(x_in, packed, scales):
+    """y[..., out] = sum_in W[..., out, in] x[..., in] in fp32, read straight from the packed codes.
+
+    x_in broadcasts against packed's leading dims ([..., in], no `out` axis). No bf16 copy of W is made: the
+    two nibbles of a byte meet the even and odd inputs, each 32-group's partial sum is scaled once (a power
+    of two: exact), so XLA can fuse gather + decode + multiply + reduce into one pass over the packed bytes.
+    Products of a bf16 x and an E2M1 value are exact in fp32; only the summation order differs from
+    dequantize() followed by an fp32-accumulating dot.
+    """
+    *lead, out, half = packed.shape
+    groups = half * 2 // GROUP
+    x = x_in.astype(jnp.float32).reshape(*x_in.shape[:-1], 1, groups, GROUP // 2, 2)  # [..., 1(out), g, j, 2]
+    codes = packed.reshape(*lead, out, groups, GROUP // 2)
+    part = jnp.sum(e2m1_values(codes & 0x0F) * x[..., 0] + e2m1_values(codes >> 4) * x[..., 1], axis=-1)
+    return jnp.sum(part * _scale_values(scales), axis=-1)
 
 
 def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:

@@ -178,6 +178,18 @@ def test_moe(rng, tiny):
     _check(got, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}")
 
 
+def test_moe_packed_impl(rng, tiny, monkeypatch):
+    """K3JAX_MOE_IMPL=packed (contract straight from the packed codes) against the oracle and the gather path."""
+    cfg, params, hf, tc = tiny
+    L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L)]))
+    x = _x(rng, int(rng.integers(3, 20)), cfg.hidden_size)
+    gather = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
+    monkeypatch.setenv(moe.MOE_IMPL_ENV, "packed")
+    packed = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
+    _check(packed, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}, packed")
+    _check(packed, np.asarray(gather), f"moe layer {L}, packed vs gather", tol=1e-6)
+
+
 def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):
     """The routed experts gather at most GATHER_BUDGET_BYTES of expert copies per token chunk."""
     cfg, params, hf, tc = tiny

@@ -65,6 +65,29 @@ def test_jnp_numpy_and_oracle_dequantize_identically(rng, dtype):
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 stays -0
 
 
+def test_e2m1_values_by_arithmetic_equal_the_table():
+    got = np.asarray(mxfp4.e2m1_values(jnp.arange(16, dtype=jnp.uint8)))
+    np.testing.assert_array_equal(got, mxfp4.E2M1_VALUES)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(mxfp4.E2M1_VALUES))
+
+
+def test_matvec_from_packed_codes_equals_the_dequantized_product(rng):
+    """mxfp4.matvec (no dequantized copy) == float64 of the oracle's W @ x, to fp32 summation order."""
+    T, k, out, inp = 3, int(rng.integers(1, 4)), 5, 32 * int(rng.integers(1, 5))
+    codes = rng.integers(0, 256, (T, k, out, inp // 2), dtype=np.uint8)
+    scales = rng.integers(100, 150, (T, k, out, inp // 32), dtype=np.uint8)
+    x = rng.standard_normal((T, 1 if rng.integers(2) else k, inp)).astype(np.float32)
+    x_bf16 = jnp.asarray(x, jnp.bfloat16)
+    W = np.stack([np.stack([ref.mxfp4_dequant(c, s) for c, s in zip(cc, ss, strict=True)])
+                  for cc, ss in zip(codes, scales, strict=True)])  # [T, k, out, in] float64
+    want = np.einsum("tkoi,tki->tko", W, np.broadcast_to(np.asarray(x_bf16, np.float64), (T, k, inp)))
+    got = np.asarray(mxfp4.matvec(x_bf16, jnp.asarray(codes), jnp.asarray(scales)), np.float64)
+    assert got.shape == (T, k, out)
+    scale = np.einsum("tkoi,tki->tko", np.abs(W), np.abs(np.broadcast_to(np.asarray(x_bf16, np.float64),
+                                                                         (T, k, inp))))
+    assert np.all(np.abs(got - want) <= 1e-6 * scale), np.max(np.abs(got - want) / scale)
+
+
 def test_numpy_handles_the_smallest_scales_like_the_oracle(rng):
     """e = 0 means 2^-127 (OCP), not zero."""
     codes = rng.integers(0, 256, (4, 32), dtype=np.uint8)
