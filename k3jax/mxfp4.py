@@ -50,8 +50,9 @@ def matvec(x_in, packed, scales):
     """y[..., out] = sum_in W[..., out, in] x[..., in] in fp32, read straight from the packed codes.
 
     x_in broadcasts against packed's leading dims ([..., in], no `out` axis). No bf16 copy of W is made: the
-    two nibbles of a byte meet the even and odd inputs, each 32-group's partial sum is scaled once (a power
-    of two: exact), so XLA can fuse gather + decode + multiply + reduce into one pass over the packed bytes.
+    two nibbles of a byte meet the even and odd inputs and their group's scale (a power of two: exact), and
+    one reduction over (group, pair) lets XLA fuse gather + decode + multiply + reduce into one pass over the
+    packed bytes.
     Products of a bf16 x and an E2M1 value are exact in fp32; only the summation order differs from
     dequantize() followed by an fp32-accumulating dot.
     """
@@ -59,8 +60,8 @@ def matvec(x_in, packed, scales):
     groups = half * 2 // GROUP
     x = x_in.astype(jnp.float32).reshape(*x_in.shape[:-1], 1, groups, GROUP // 2, 2)  # [..., 1(out), g, j, 2]
     codes = packed.reshape(*lead, out, groups, GROUP // 2)
-    part = jnp.sum(e2m1_values(codes & 0x0F) * x[..., 0] + e2m1_values(codes >> 4) * x[..., 1], axis=-1)
-    return jnp.sum(part * _scale_values(scales), axis=-1)
+    pair = e2m1_values(codes & 0x0F) * x[..., 0] + e2m1_values(codes >> 4) * x[..., 1]
+    return jnp.sum(pair * _scale_values(scales)[..., None], axis=(-2, -1))  # one reduce: nothing to materialise
 
 
 def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
