@@ -25,6 +25,9 @@ and that is a grid-wide synchronisation (all CTAs exchange per-row partial sums 
 other) on top of the cross-GPU one. Use `api.all_reduce_add_rmsnorm` / XLA after this kernel, or grow this
 kernel a global-semaphore grid barrier (possible: the grid is one resident wave) if the norm's launch shows
 up in the profile.
+
+Status: right in single calls on 2 H200s, wrong in back-to-back calls without a residual (not understood;
+`bench/fused_projection.py --diagnose` isolates it), so the api runs it only with K3JAX_FUSED_PROJECTION=1.
 """
 
 import jax
