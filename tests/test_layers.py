@@ -108,7 +108,8 @@ def test_kda_layer_from_zero_state(rng, tiny):
         o_ref, s_ref, conv_ref = ref.kda_layer(hf, 0, tc, x[b, :n])
         _check(np.asarray(out)[b, :n], o_ref, f"kda out b={b}")
         _check(state[b], s_ref, f"kda state b={b}")
-        np.testing.assert_allclose(window[b], _kda_window(conv_ref, H, K), rtol=1e-6, atol=1e-6)
+        win_ref = _kda_window(conv_ref, H, K)  # fp32 projections: error scales with the row, not the element
+        np.testing.assert_allclose(window[b], win_ref, rtol=1e-5, atol=2e-6 * np.max(np.abs(win_ref)))
 
 
 def test_kda_layer_continues_across_pieces(rng, tiny):
@@ -132,7 +133,8 @@ def test_kda_layer_continues_across_pieces(rng, tiny):
         got = np.concatenate([np.asarray(out1)[b, :n1[b]], np.asarray(out2)[b, :n2[b]]])
         _check(got, o_ref, f"kda two pieces b={b} ({n1[b]}+{n2[b]})")
         _check(s[b], s_ref, f"kda state b={b}")
-        np.testing.assert_allclose(w[b], _kda_window(conv_ref, H, K), rtol=1e-6, atol=1e-6)
+        win_ref = _kda_window(conv_ref, H, K)  # fp32 projections: error scales with the row, not the element
+        np.testing.assert_allclose(w[b], win_ref, rtol=1e-5, atol=2e-6 * np.max(np.abs(win_ref)))
 
 
 # ---- MLA --------------------------------------------------------------------------------------------------
