@@ -113,12 +113,18 @@ def test_bodies_run_their_tuning(arch):
     r = rng()
     x = make_inputs(r, 1, 2, 128, jnp.float32, T=3)
     accepted = jnp.asarray(r.integers(0, 4, 1), jnp.int32)
+    commit = functools.partial(body.kda_commit, interpret=plgpu.InterpretGPUParams())
     with abstract_gpu(arch):
         y, data = body.kda_verify(*args_of(x), interpret=plgpu.InterpretGPUParams())
-        got = body.kda_commit(x["state"], x["conv"], data, accepted, interpret=plgpu.InterpretGPUParams())
     y_want, data_want = reference.kda_verify(*args_of(x))
     assert_close(y, y_want, **TOL["f32"], what="y")
     assert_commit_data_close(data, data_want, "f32")
+    if body.TUNING.get("commit") == "xla":  # the body refuses; the api then runs the XLA commit
+        with abstract_gpu(arch), pytest.raises(NotImplementedError, match="tuning.json"):
+            commit(x["state"], x["conv"], data, accepted)
+        return
+    with abstract_gpu(arch):
+        got = commit(x["state"], x["conv"], data, accepted)
     for a, b in zip(got, reference.kda_commit(x["state"], x["conv"], data_want, accepted), strict=True):
         assert_close(a, b, **TOL["f32"])
 
@@ -210,8 +216,9 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
                                                                                  accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
-    # the commit kernel itself (the api may route commit to XLA: tuning.json "commit")
-    from pallas_kernels.kda_decode import sm90
-    got = jax.jit(sm90.kda_commit)(x["state"], x["conv"], data, accepted)
+    # the commit kernel itself, with sm90's launch (its body refuses the commit: tuning.json "commit")
+    from pallas_kernels.kda_decode import sm90, verify_kernel
+    launch = verify_kernel.pick_launch(sm90.TUNING, x["qkv"])
+    got = jax.jit(functools.partial(verify_kernel.commit, **launch))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=f"commit kernel {name}")

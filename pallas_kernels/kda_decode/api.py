@@ -57,14 +57,7 @@ def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, c
 def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, backend="xla"):
     """Advance state and conv window by accepted_B[b] in [0, T] tokens -> (new_state, new_conv).
 
-    The commit kernel runs only where the body's tuning.json does not say "commit": "xla" (on the H200 XLA's
-    one fused commit kernel measured 2.7-4.1 us against the Pallas commit's 9.4-14.5 us, at B <= 8, H = 6).
+    A body refuses the commit where its tuning.json says "commit": "xla" (on the H200 XLA's one fused commit
+    kernel measured 2.7-4.1 us against the Pallas commit's 9.4-14.5 us, at B <= 8, H = 6).
     """
-    if backend == "latency_specialized":
-        try:
-            if _kernel_body().TUNING.get("commit") == "xla":
-                raise NotImplementedError("tuning.json: XLA's fused commit measured faster on this GPU")
-        except NotImplementedError as e:
-            common.log_once("kda_commit", str(e))
-            backend = "xla"
     return _dispatch("kda_commit", backend, (state_BHKV, conv_B3WHK, commit_data, accepted_B), {})

@@ -33,7 +33,10 @@ def entry_points(tuning: dict):
                                     **verify_kernel.pick_launch(tuning, qkv_BT3HK))
 
     def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, interpret=None):
-        """Reads and writes each tile once, like a decode step: the decode launch table applies as is."""
+        """Reads and writes each tile once, like a decode step: the decode launch table applies as is.
+        Refused where the tuning says "commit": "xla" (XLA's one fused commit kernel measured faster)."""
+        if tuning.get("commit") == "xla":
+            raise NotImplementedError("tuning.json: XLA's fused commit measured faster on this GPU")
         qkv_BT3HK = commit_data["new_inputs_BT3HK"]
         verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
         return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
