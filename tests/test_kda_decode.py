@@ -98,10 +98,13 @@ def test_commit_of_verify_equals_sequential_decode(dtype):
     y_BT, commit = jax.jit(reference.kda_verify)(*args_of(x))
     step = jax.jit(reference.kda_decode)
     states, convs = [x["state"]], [x["conv"]]
+    # y is rounded twice to the compute dtype (o, then the gated norm): in bf16 an fp32 difference of fusion
+    # order can flip both roundings, 2 ulps (seen once in CI-like runs); f32 stays at 1e-6.
+    y_tol = dict(atol=1e-6, rtol=2.0**-6) if dtype == "bf16" else dict(atol=1e-6, rtol=1e-6)
     for t in range(T):
         y, s, c = step(x["qkv"][:, t], x["f"][:, t], x["beta"][:, t], x["gate"][:, t], states[-1], convs[-1],
                        x["conv_w"], x["A_log"], x["dt_bias"], x["o_norm_w"])
-        assert_close(y_BT[:, t], y, atol=1e-6, rtol=1e-6, what=f"y[{t}]")
+        assert_close(y_BT[:, t], y, **y_tol, what=f"y[{t}]")
         states.append(s)
         convs.append(c)
     for accepted in (np.arange(B) % (T + 1), np.full(B, T), r.integers(0, T + 1, B)):
