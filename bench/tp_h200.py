@@ -76,12 +76,7 @@ def engine(cfg, params, tp, dtype, backend="auto"):
 def feed_logits(eng, step, batch, rng_seed):
     """Logits of FEED_STEPS single-token extends from an empty cache, fed identical random tokens."""
     toks = np.random.default_rng(rng_seed).integers(0, eng.cfg.vocab_size, (FEED_STEPS, batch))
-    cache = eng.new_cache(batch)
-    out = []
-    for t in toks:
-        logits, cache = step(eng.params, jnp.asarray(t[:, None], jnp.int32), jnp.ones(batch, jnp.int32), cache)
-        out.append(np.asarray(logits.astype(jnp.float32)))
-    return np.stack(out)
+    return forced_logits(eng, toks, step)
 
 
 def time_step(eng, step, batch, tp):
@@ -186,9 +181,9 @@ def extra(out_dir):
         json.dump(res, f, indent=0)
 
 
-def forced_logits(eng, tokens_SB):
-    """Logits of single-token extends fed tokens_SB (teacher forcing), from an empty cache."""
-    step = jax.jit(eng._extend)
+def forced_logits(eng, tokens_SB, step=None):
+    """Logits [S, B, V] of single-token extends fed tokens_SB (teacher forcing), from an empty cache."""
+    step = step or jax.jit(eng._extend)
     cache = eng.new_cache(tokens_SB.shape[1])
     out = []
     for t in tokens_SB:

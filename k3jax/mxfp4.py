@@ -38,8 +38,8 @@ def dequantize(packed, scales, dtype=jnp.bfloat16):
 
 
 def e2m1_values(nibbles):
-    """E2M1 codes (0..15, any int dtype) -> fp32 values by arithmetic, not a table lookup: elementwise, so
-    XLA fuses it into whatever consumes it. Magnitude index m = 2e + b: e = 0 -> b / 2, else (1 + b/2) 2^(e-1)."""
+    """E2M1 codes (0..15, any int dtype) -> fp32 values by arithmetic, not a table lookup (elementwise, so XLA
+    may fuse it into its consumer). Magnitude index m = 2e + b: e = 0 -> b / 2, else (1 + b/2) 2^(e-1)."""
     c = nibbles.astype(jnp.int32)
     e, b = (c >> 1) & 3, (c & 1).astype(jnp.float32)
     mag = jnp.where(e == 0, 0.5 * b, (1.0 + 0.5 * b) * jnp.left_shift(1, e).astype(jnp.float32) * 0.5)
@@ -49,10 +49,11 @@ def e2m1_values(nibbles):
 def matvec(x_in, packed, scales):
     """y[..., out] = sum_in W[..., out, in] x[..., in] in fp32, read straight from the packed codes.
 
-    x_in broadcasts against packed's leading dims ([..., in], no `out` axis). No bf16 copy of W is made: the
-    two nibbles of a byte meet the even and odd inputs and their group's scale (a power of two: exact), and
-    one reduction over (group, pair) lets XLA fuse gather + decode + multiply + reduce into one pass over the
-    packed bytes.
+    x_in broadcasts against packed's leading dims ([..., in], no `out` axis). No bf16 copy of W is written:
+    the two nibbles of a byte meet the even and odd inputs and their group's scale (a power of two: exact),
+    in one reduction over (group, pair), which gives XLA the chance to fuse gather + decode + multiply +
+    reduce into one pass over the packed bytes. XLA:CPU does not take it (it rewrites the reduce as a dot and
+    materialises the decoded values; bench/NOTES.md); XLA:GPU is not measured yet.
     Products of a bf16 x and an E2M1 value are exact in fp32; only the summation order differs from
     dequantize() followed by an fp32-accumulating dot.
     """
@@ -61,7 +62,7 @@ def matvec(x_in, packed, scales):
     x = x_in.astype(jnp.float32).reshape(*x_in.shape[:-1], 1, groups, GROUP // 2, 2)  # [..., 1(out), g, j, 2]
     codes = packed.reshape(*lead, out, groups, GROUP // 2)
     pair = e2m1_values(codes & 0x0F) * x[..., 0] + e2m1_values(codes >> 4) * x[..., 1]
-    return jnp.sum(pair * _scale_values(scales)[..., None], axis=(-2, -1))  # one reduce: nothing to materialise
+    return jnp.sum(pair * _scale_values(scales)[..., None], axis=(-2, -1))
 
 
 def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:

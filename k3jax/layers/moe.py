@@ -56,8 +56,9 @@ def gather_token_chunk(experts, k: int, dtype, max_chunk: int = 64) -> int:
 
 # How the XLA path runs MXFP4 experts: "gather" dequantises each token's experts to a bf16 copy and runs
 # dots (the profile: the copy is 52-85% of a TP16 rank's decode step); "packed" contracts straight from the
-# gathered packed bytes (mxfp4.matvec), so nothing wider than the codes need be written. Same maths (only the
-# fp32 summation order differs); "packed" is not yet measured on a GPU, hence not the default.
+# gathered packed bytes (mxfp4.matvec), so no bf16 copy is asked for. Same maths (only the fp32 summation
+# order differs); "packed" is not yet measured on a GPU (on CPU XLA still materialises the decoded values),
+# hence not the default.
 MOE_IMPL_ENV = "K3JAX_MOE_IMPL"
 
 

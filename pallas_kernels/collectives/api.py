@@ -161,11 +161,11 @@ PROJ_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA; the rest for barriers an
 # but ~all calls WITHOUT a residual came out wrong in a back-to-back loop (298 of 300; 0 of 300 with one),
 # and NaN inside the model. Until that is found, latency_specialized uses GEMM + the one-shot all-reduce.
 FUSED_PROJECTION_ENV = "K3JAX_FUSED_PROJECTION"
+H100_SMS = 132
 
 
 def fused_projection_enabled() -> bool:
   return os.environ.get(FUSED_PROJECTION_ENV, "0") == "1"
-H100_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
