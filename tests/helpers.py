@@ -1,11 +1,22 @@
 """Test helpers: random parameters in our layout and the same tensors in HF layout for the NumPy oracle."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from k3jax import params as P
 from k3jax.transforms import params_to_hf
+
+
+def edit_json(path, edit) -> None:
+    """Load a JSON file, let `edit` change the dict in place, write it back (bad-input tests)."""
+    with open(path) as f:
+        data = json.load(f)
+    edit(data)
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 def rel_rms(a, b) -> float:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import edit_json
 
 from convert.core import Options, convert
 from convert.fake_hf import write_fake_hf
@@ -62,12 +63,7 @@ def test_experts_bf16_and_fp32_trunk_same_logits(ckpt, tmp_path, rng):
 
 def _edit_meta(src, dst, fn):
     shutil.copytree(src, dst)
-    p = os.path.join(dst, "k3jax_meta.json")
-    with open(p) as f:
-        m = json.load(f)
-    fn(m)
-    with open(p, "w") as f:
-        json.dump(m, f)
+    edit_json(os.path.join(dst, "k3jax_meta.json"), fn)
     return dst
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import edit_json
 
 from convert.core import Options, convert
 from convert.fake_hf import write_fake_hf
@@ -154,12 +155,7 @@ def _bad_header(hf):
 
 def _config_edit(edit):
     def go(hf):
-        p = os.path.join(hf, "config.json")
-        with open(p) as f:
-            c = json.load(f)
-        edit(c)
-        with open(p, "w") as f:
-            json.dump(c, f)
+        edit_json(os.path.join(hf, "config.json"), edit)
         return "config"
 
     return go
