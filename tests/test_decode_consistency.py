@@ -18,6 +18,12 @@ CFG = preset("tiny")
 # ~0.3-1 (0.96 seen). Documented tolerance: median over the B x (N + 1) logit rows <= 0.05 (a wrong scale moves
 # every row by >= 1), every row <= 2 (no blow-up). A median over 3 sequences failed when 2 of them flipped.
 FP8_TOL = 0.05
+# BF16 latent cache: the same fp32 latent is rounded to bf16 on both paths, but prefill and decode sum it in
+# different orders, so now and then one element lands on the other side of a bf16 rounding boundary (2^-8 of
+# that element). One such flip moved a logit row to 1.3e-5 (CI, seed 1620775290) while the other 14 rows sat at
+# 1e-6..8e-6. Documented tolerance: median row <= 1e-5 (a systematic error moves every row), every row <= 1e-3
+# (a wrong position, mask or length moves rows by far more than one rounding flip).
+BF16_TOL, BF16_ROW_MAX = 1e-5, 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +31,8 @@ def params():
     return P.cast_params(P.init_params(CFG, seed=int(np.random.default_rng().integers(1 << 30))), jnp.float32)
 
 
-@pytest.mark.parametrize("cache_dtype,tol", [("bf16", 1e-5), ("fp8", FP8_TOL)])
-def test_prefill_then_decode_equals_full_forward(params, cache_dtype, tol, rng):
+@pytest.mark.parametrize("cache_dtype,tol,row_max", [("bf16", BF16_TOL, BF16_ROW_MAX), ("fp8", FP8_TOL, 2.0)])
+def test_prefill_then_decode_equals_full_forward(params, cache_dtype, tol, row_max, rng):
     B, N = 3, 4
     lens = rng.integers(3, 12, size=B)
     lens[0] = 11  # a long one and shorter ragged ones
@@ -58,7 +64,7 @@ def test_prefill_then_decode_equals_full_forward(params, cache_dtype, tol, rng):
               " ".join(f"{e:.1e}" for e in row_errs))
         errs += row_errs
     # median over all B x (N + 1) logit rows: a near-tie flip moves a row or two, not half of 15 rows
-    assert np.median(errs) <= tol and max(errs) <= (tol if cache_dtype == "bf16" else 2.0)
+    assert np.median(errs) <= tol and max(errs) <= row_max
 
 
 def test_idle_slot_is_untouched(params, rng):
