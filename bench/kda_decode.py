@@ -114,12 +114,20 @@ def fla_case(fwd, args):
     return total / ITERS, err
 
 
-# Same kernel, other launch shapes: (v_chunk, tma). The api row is whatever tuning.json picks.
-VARIANTS = [(32, False), (128, False), (32, True), (64, True), (128, True)]
+# Same kernel, other launch shapes: (v_chunk, tma, ring). The api row is whatever tuning.json picks.
+# ring (ctas, slots): persistent CTAs over a TMA ring; 132 = one CTA per H200 SM (3 slots fill its SMEM).
+VARIANTS = [(32, False, None), (128, False, None), (32, True, None), (64, True, None), (128, True, None),
+            (32, True, (132, 3)), (32, True, (132, 2))]
 
 
-def variant_name(v_chunk, tma):
-    return f"{'tma' if tma else 'ldg'} v{v_chunk}"
+def variant_name(v_chunk, tma, ring=None):
+    name = f"{'tma' if tma else 'ldg'} v{v_chunk}"
+    return name if ring is None else f"{name} ring{ring[1]}x{ring[0]}"
+
+
+def variant_fn(v_chunk, tma, ring):
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, ring=ring,
+                                     tile_layout=kernel.plgpu.Layout.WGMMA))
 
 
 def max_err(got, want):
@@ -134,9 +142,7 @@ def main(out_dir, fla_from=None):
     print(dev, dev.device_kind, dev.compute_capability)
     ref = jax.jit(reference.kda_decode)
     fused = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))
-    variants = {variant_name(c, t): jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=c, tma=t,
-                                                               tile_layout=kernel.plgpu.Layout.WGMMA))
-                for c, t in VARIANTS}
+    variants = {variant_name(*v): variant_fn(*v) for v in VARIANTS}
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    hbm_peak_Bps=HBM_PEAK, iterations=ITERS, tuning=api_tuning(), cases=[], correctness=[])
 
@@ -247,10 +253,9 @@ def main_fla(out_dir):
 def main_regs():
     """Compile every variant once; run with MOSAIC_GPU_DUMP_PTXAS=1 to get ptxas register/spill counts."""
     args = make_inputs(7, 8, 12)
-    for c, t in VARIANTS:
-        print("=== variant", variant_name(c, t), flush=True)
-        jax.block_until_ready(kernel.decode(*args, eps=1e-5, v_chunk=c, tma=t,
-                                            tile_layout=kernel.plgpu.Layout.WGMMA))
+    for v in VARIANTS:
+        print("=== variant", variant_name(*v), flush=True)
+        jax.block_until_ready(variant_fn(*v)(*args))
 
 
 if __name__ == "__main__":

@@ -121,13 +121,14 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma):
-    """A body's kernel with its tuned tile layout and a given staging (direct ld/st.global or TMA via SMEM)."""
+def _variant(arch, tma, ring=None):
+    """A body's kernel with its tuned tile layout and a given staging (direct ld/st.global, TMA via SMEM, or
+    persistent CTAs over a TMA ring)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
-    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)
+    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma, ring=ring)
 
 
 @cpu_only
@@ -149,12 +150,39 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True])
-def test_kernel_lowers_for_cuda(arch, tma):
+@pytest.mark.parametrize("slots", [2, 3])
+def test_ring_interpret_matches_reference(arch, slots):
+    """Persistent CTAs over a TMA ring: 2 CTAs walk 9 tiles (5 and 4), so slots are reused and the ring wraps;
+    fresh random inputs, bf16 or f32 drawn per run."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    r = rng()
+    dtype = ("bf16", "f32")[int(r.integers(2))]
+    x = make_inputs(r, 3, 3, 128, DTYPES[dtype])
+    want = reference.kda_decode(*args_of(x))
+    with abstract_gpu(arch):
+        got = _variant(arch, True, ring=(2, slots))(*args_of(x),
+                                                    interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, **TOL[dtype], what=f"{name} ({dtype})")
+
+
+def test_ring_needs_tma():
+    x = make_inputs(rng(), 1, 2, 128, jnp.float32)
+    with abstract_gpu("sm90"), pytest.raises(NotImplementedError, match="ring"):
+        _variant("sm90", False, ring=(2, 3))(*args_of(x))
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma, ring", [(False, None), (True, None), (True, (132, 3))])
+def test_kernel_lowers_for_cuda(arch, tma, ring):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        lowered = jax.jit(_variant(arch, tma)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(_variant(arch, tma, ring)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
 
@@ -162,10 +190,12 @@ def test_kernel_lowers_for_cuda(arch, tma):
 def test_pick_launch_takes_first_entry_covering_the_tiles():
     from pallas_kernels.kda_decode import kernel
     tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
-                                            {"max_tiles": None, "v_chunk": 64, "tma": False}]}
-    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (64, 96, (64, False))]:
+                                            {"max_tiles": 64, "v_chunk": 64, "tma": False},
+                                            {"max_tiles": None, "v_chunk": 32, "tma": True,
+                                             "ring": {"ctas": 132, "slots": 3}}]}
+    for B, H, want in [(1, 4, (16, True, None)), (1, 5, (64, False, None)), (64, 96, (32, True, (132, 3)))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
-        assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
+        assert (got["v_chunk"], got["tma"], got["ring"]) == want, (B, H, got)
 
 
 def test_api_body_runs_its_tuning():
@@ -192,5 +222,17 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
     got = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))(*args_of(x))
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H, slots", [(8, 12, 3), (64, 12, 3), (64, 96, 2)])
+def test_ring_on_gpu_matches_reference(B, H, slots, dtype):
+    """The persistent ring at real shapes (f32 fills 216 of 227 KiB of SMEM with 3 slots)."""
+    x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
+    want = jax.jit(reference.kda_decode)(*args_of(x))
+    got = jax.jit(_variant("sm90", True, ring=(132, slots)))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)

@@ -47,16 +47,15 @@ def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
-    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"])
+    ring = entry.get("ring")  # {"ctas": .., "slots": ..}: persistent CTAs over a TMA ring (decode only)
+    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
+                ring=None if ring is None else (ring["ctas"], ring["slots"]))
 
 
 def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
           y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch, tile_layout, v_chunk, eps, dtype):
     b = lax.axis_index("b")
     h = lax.axis_index("h")
-    K = vec_smem.shape[-1]
-    V = new_state_ref.shape[-1]
-    row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
 
     if tma_scratch:  # the whole tile HBM -> SMEM by one TMA, issued first: in flight during the prologue
         tile_smem, tile_bar = tma_scratch
@@ -69,21 +68,114 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
         return plgpu.load(state_ref.at[b, h, :, cols], layout=tile_layout, optimized=False)  # ld.global
 
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
-    S_next = None if tma_scratch else load_state(0)
+    S_0 = None if tma_scratch else load_state(0)
 
-    # Short conv + SiLU for q, k, v (§4.2); thread t owns channel t.
+    def first_chunk():
+        if tma_scratch:
+            plgpu.barrier_wait(tile_bar)
+            return load_state(0)
+        return S_0
+
+    o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_ref.at[b, h], beta_ref[b, h],
+                       w_ref, alog_ref, dtb_ref, h, new_conv_ref.at[b, :, :, h], vec_smem, dtype)
+
+    def store_state(c, S_new):
+        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
+            tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
+        else:
+            new_state_ref.at[b, h, :, pl.ds(c * v_chunk, v_chunk)][...] = S_new
+
+    _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
+                v_chunk=v_chunk, dtype=dtype)
+    if tma_scratch:
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
+    _gated_norm(vec_smem, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
+    if tma_scratch:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads, not its writes
+
+
+def _ring_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
+               y_ref, new_state_ref, new_conv_ref, vec_smem, tiles_smem, qkv_smem, conv_smem, f_smem, gate_smem,
+               bars, *, tile_layout, v_chunk, eps, dtype):
+    """Persistent variant: a fixed grid of CTAs, each walking the tiles cta, cta + ctas, ... through a ring of
+    `slots` SMEM slots. A slot holds a tile's state and its O(K) inputs, loaded by TMA `slots - 1` tiles ahead,
+    so with 3 slots the next tile's bytes are in flight while this one is computed and stored (a
+    one-CTA-per-tile grid loads, computes and stores in lockstep when there are ~1-5 waves). With 2 slots the
+    next load only overlaps this tile's store and norm. The state is updated in place in the slot and
+    TMA-stored; the slot is reloaded once that store has read it."""
+    slots = tiles_smem.shape[0]
+    H = qkv_ref.shape[2]
+    n_tiles = qkv_ref.shape[0] * H
+    cta, ctas = lax.axis_index("cta"), lax.axis_size("cta")
+    n_mine = (n_tiles - cta + ctas - 1) // ctas  # tiles cta, cta + ctas, ... < n_tiles
+
+    def tile_bh(i):
+        t = cta + i * ctas
+        return t // H, t % H
+
+    def issue(i):  # the i-th tile of this CTA -> slot i % slots; one barrier counts all five copies
+        s, (b, h) = i % slots, tile_bh(i)
+        for src, dst in ((state_ref.at[b, h], tiles_smem), (qkv_ref.at[b, :, h], qkv_smem),
+                         (conv_ref.at[b, :, :, h], conv_smem), (f_ref.at[b, h], f_smem),
+                         (gate_ref.at[b, h], gate_smem)):
+            plgpu.copy_gmem_to_smem(src, dst.at[s], bars.at[s])
+
+    for j in range(slots - 1):
+        @pl.when(j < n_mine)
+        def _prime(j=j):  # pl.when runs the body at trace time; j is bound for the linter
+            issue(j)
+
+    @pl.loop(0, n_mine)
+    def _tile(i):
+        s, (b, h) = i % slots, tile_bh(i)
+        tile = tiles_smem.at[s]
+        o_gain = _prologue_after(bars.at[s], qkv_smem.at[s], conv_smem.at[s], f_smem.at[s], beta_ref[b, h],
+                                 w_ref, alog_ref, dtb_ref, h, new_conv_ref.at[b, :, :, h], vec_smem, dtype)
+
+        def load_state(c):
+            return plgpu.load(tile.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
+
+        def store_state(c, S_new):
+            tile.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
+
+        _recurrence(lambda: load_state(0), load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
+                    v_chunk=v_chunk, dtype=dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile, new_state_ref.at[b, h])
+        _gated_norm(vec_smem, gate_smem.at[s], onw_ref, y_ref.at[b, h], eps, dtype)
+        # Tile i + slots - 1 goes into tile i - 1's slot: that tile's store (issued one tile ago, so long
+        # done) must have read it; only this tile's store may still be reading.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+        @pl.when(i + slots - 1 < n_mine)
+        def _next():
+            issue(i + slots - 1)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _prologue_after(bar, *args):
+    """_prologue once the slot's TMA loads (state tile and O(K) inputs) have landed."""
+    plgpu.barrier_wait(bar)
+    return _prologue(*args)
+
+
+def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv_33K, vec_smem, dtype):
+    """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
+    (§4.3). Writes the new conv window, leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
+    beta (k̂ · q̂) of the output correction. Inputs are refs (GMEM, or SMEM where the ring staged them)."""
+    K = vec_smem.shape[-1]
     x = []
     for i in range(3):
-        window = [conv_ref.at[b, i, j, h][...] for j in range(_CONV_TAPS - 1)] + [qkv_ref.at[b, i, h][...]]
+        window = [conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]]
         y = sum(plgpu.load(w_ref.at[i, h, :, j]) * u.astype(F32) for j, u in enumerate(window))
         x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
         for j in range(_CONV_TAPS - 1):  # the window slides by one: keep the newest three pre-conv inputs
-            new_conv_ref.at[b, i, j, h][...] = window[j + 1]
+            new_conv_33K.at[i, j][...] = window[j + 1]
     q, k, v = x
-
-    # Gate, beta, L2 norms (§4.3).
-    g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_ref.at[b, h][...].astype(F32) + dtb_ref.at[h][...]))
-    beta = _sigmoid(beta_ref[b, h].astype(F32))
+    g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_K[...].astype(F32) + dtb_ref.at[h][...]))
+    beta = _sigmoid(beta.astype(F32))
     qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
     kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
     decay = jnp.exp(g)
@@ -92,20 +184,24 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
     vec_smem.at[2][...] = decay
     vec_smem.at[3][...] = beta * kn
     vec_smem.at[4][...] = v
-    o_gain = beta * jnp.sum(kn * qn)
+    return beta * jnp.sum(kn * qn)
 
+
+def _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, *, tile_layout, v_chunk, dtype):
+    """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
+    independent given k̂, q̂), the next chunk's read in flight while this one is reduced and written.
+    first_chunk() gives chunk 0 (waiting for its TMA where there is one) after the vectors are broadcast.
+    o (rounded to dtype) -> vec_smem row 5."""
+    K = vec_smem.shape[-1]
+    V = K
+    row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
 
     def bcast(vec, dim):  # layout_cast tells the lowering which tile layout the broadcast must produce
         return plgpu.layout_cast(lax.broadcast_in_dim(vec, tile, (dim,)), tile_layout)
 
     kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
-    if tma_scratch:
-        plgpu.barrier_wait(tile_bar)
-        S_next = load_state(0)
-
-    # Recurrence (§4.4) from one read of S, v_chunk columns at a time (columns are independent given k̂, q̂),
-    # the next chunk's read in flight while this one is reduced and written.
+    S_next = first_chunk()
     for c in range(V // v_chunk):
         S_KC = S_next
         if c + 1 < V // v_chunk:
@@ -113,47 +209,52 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
         cols = pl.ds(c * v_chunk, v_chunk)
         delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - jnp.sum(S_KC * kd, axis=0)
         o_C = jnp.sum(S_KC * qd, axis=0) + o_gain * delta_C
-        S_new = S_KC * decay_r + bk * bcast(delta_C, 1)
-        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
-            tile_smem.at[:, cols][...] = S_new
-        else:
-            new_state_ref.at[b, h, :, cols][...] = S_new
+        store_state(c, S_KC * decay_r + bk * bcast(delta_C, 1))
         vec_smem.at[5, cols][...] = o_C.astype(dtype).astype(F32)
-    if tma_scratch:
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
 
-    # Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding.
+
+def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
+    """Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding."""
+    K = vec_smem.shape[-1]
     o = vec_smem.at[5][...]
     n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
-    y_ref.at[b, h][...] = (n * _sigmoid(gate_ref.at[b, h][...].astype(F32))).astype(dtype)
-    if tma_scratch:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads, not its writes
+    y_K[...] = (n * _sigmoid(gate_K[...].astype(F32))).astype(dtype)
 
 
 # f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret"))
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
-    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers."""
+    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers.
+    ring=(ctas, slots): at most `ctas` persistent CTAs, each cycling its tiles through `slots` SMEM slots
+    (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
     if V % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
+    if ring is not None and (not tma or ring[1] < 2):
+        raise NotImplementedError(f"ring={ring} needs tma=True and >= 2 slots")
     dtype = qkv_B3HK.dtype
     scratch = [plgpu.SMEM((6, K), F32)]
-    if tma:
+    body, grid, grid_names = _body, (B, H), ("b", "h")
+    if ring is not None:
+        ctas, slots = min(ring[0], B * H), ring[1]
+        body, grid, grid_names = _ring_body, (ctas,), ("cta",)
+        scratch += [plgpu.SMEM((slots, K, V), F32, transforms=_SWIZZLED), plgpu.SMEM((slots, 3, K), dtype),
+                    plgpu.SMEM((slots, 3, _CONV_TAPS - 1, K), dtype), plgpu.SMEM((slots, K), f_BHK.dtype),
+                    plgpu.SMEM((slots, K), gate_BHK.dtype), plgpu.Barrier(num_arrivals=5, num_barriers=slots)]
+    elif tma:
         scratch += [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
-        functools.partial(_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
+        functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                   jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
         scratch_types=scratch,
-        grid=(B, H), grid_names=("b", "h"),
+        grid=grid, grid_names=grid_names,
         compiler_params=_LANE, interpret=interpret,
     )
     return kernel(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),

@@ -43,9 +43,12 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 
 def pick_launch(tuning, qkv_BT3HK):
-    """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are)."""
+    """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
+    persistent ring, which only the decode kernel has."""
     B, _, three, H, K = qkv_BT3HK.shape
-    return kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
+    launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
+    launch.pop("ring")
+    return launch
 
 
 def _tile_reader(state_ref_KV, tma_scratch, tile_layout, v_chunk):
