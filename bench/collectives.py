@@ -174,7 +174,13 @@ def variants():
                                                      block_bytes=4096)),
       "psum_add_rmsnorm": (3, lambda x, r, w: reference.all_reduce_add_rmsnorm(x, r, w, EPS, "tp")),
       "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", backend=ls)),
+      # a layer boundary: all-reduce + prefix update + AttnRes over MIX_BLOCKS stored blocks + RMSNorm
+      "psum_mix_norm": (4, lambda x, p, blk, w: reference.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp")),
+      "mix_norm": (4, lambda x, p, blk, w: api.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp", backend=ls)),
   }
+
+
+MIX_BLOCKS = 8  # the most a K3 layer mixes: blocks at layers 0, 12, ..., 84, plus the live prefix
 
 
 def time_variant(mesh, name, b, d, repeats=5):
@@ -192,9 +198,12 @@ def time_variant(mesh, name, b, d, repeats=5):
   f, put = sharded(mesh, chain, n_in)
   rng = np.random.default_rng(0)
   args = [rng.standard_normal((mesh.size, b, d)).astype(BF16) * 0.01]
-  if n_in == 3:
-    args += [rng.standard_normal((mesh.size, b, d)).astype(BF16),
-             np.ones((mesh.size, d), BF16)]
+  if n_in >= 3:
+    args += [rng.standard_normal((mesh.size, b, d)).astype(BF16)]
+  if n_in == 4:
+    args += [rng.standard_normal((mesh.size, MIX_BLOCKS, b, d)).astype(BF16)]
+  if n_in >= 3:
+    args += [np.ones((mesh.size, d), BF16)]
   args = put(*args)
   per_call, kernels = [], {}
   for _ in range(repeats):
@@ -214,6 +223,7 @@ def bench(mesh):
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("two_shot", "one_shot@4k", "one_shot_st@4k")]
   grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "one_shot_st", "two_shot")]
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_add_rmsnorm", "one_shot_add_rmsnorm")]
+  grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_mix_norm", "mix_norm")]
   grid += [("one_shot", 1, 128), ("one_shot_st", 1, 128)]  # 256 B: latency floor of the push protocols
   for name, b, d in grid:
     try:

@@ -140,6 +140,135 @@ def test_fallback_add_rmsnorm_matches_numpy(rng, backend):
     _assert_fused_close(new[r], normed[r], ref_new, ref_normed)
 
 
+# ------------------------------------------------- layer boundary: all-reduce + prefix + AttnRes + RMSNorm
+def _np_mix_norm(x_nBD, prefix_BD, blocks_NBD, res_norm_w, res_proj_w, w_D, eps):
+  """K3_SPEC §2.1-2.3 in float64 with the spec's bf16 roundings: the all-reduced a, P' = P + a, the AttnRes
+  softmax over depth of RMS-scaled scores against q = norm * proj, mixing the RAW sources, then RMSNorm."""
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  rnd = lambda a: a.astype(BF16).astype(np.float64)  # noqa: E731
+  a = rnd(f64(x_nBD).sum(0))
+  new = a if prefix_BD is None else rnd(f64(prefix_BD) + a)
+  h = new
+  if blocks_NBD is not None:
+    v = np.concatenate([f64(blocks_NBD), new[None]])
+    score = (v @ (f64(res_norm_w) * f64(res_proj_w))) / np.sqrt(np.mean(v * v, axis=-1) + eps)
+    alpha = np.exp(score - score.max(0))
+    alpha /= alpha.sum(0)
+    h = rnd(np.einsum("nb,nbd->bd", alpha, v))
+  n = rnd(h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps))
+  return new.astype(BF16), rnd(n * f64(w_D)).astype(BF16)
+
+
+def _mix_inputs(rng, n, b, d, n_blocks, prefix):
+  """Per-rank partials plus replicated prefix / blocks / weights, at the scale of a trained residual stream."""
+  s = 10.0 ** rng.uniform(-1, 1)
+  x = (rng.standard_normal((n, b, d)) * s).astype(BF16)
+  p = (rng.standard_normal((b, d)) * s * 4).astype(BF16) if prefix else None
+  blocks = (rng.standard_normal((n_blocks, b, d)) * s * rng.uniform(0.5, 8, (n_blocks, 1, 1))).astype(BF16)
+  # res_proj at 2/sqrt(d): depth scores of O(1), so the softmax mixes several sources instead of picking one
+  # (a saturated softmax would hide a wrong score scale).
+  res_norm, norm = ((1 + 0.3 * rng.standard_normal(d)).astype(BF16) for _ in range(2))
+  res_proj = (rng.standard_normal(d) * 2 / np.sqrt(d)).astype(BF16)
+  return x, p, blocks if n_blocks else None, (res_norm, res_proj, norm)
+
+
+def _assert_mix_close(new, normed, ref_new, ref_normed):
+  """new is one rounding of an FP32 sum (<= 1 ulp off the FP64 one). normed is three roundings further, and
+  the AttnRes mix sum_i alpha_i v_i can cancel: where it does, FP32 accumulation error is small against the
+  row but many ulps of that element (17 seen with the XLA reference). So normed may be off by 3 ulps plus
+  2^-16 of its row's RMS (the XLA reference's worst excess over 400 draws: 2^-22)."""
+  assert _ulps(new, ref_new).max() <= 1
+  ref = np.asarray(ref_normed, np.float64)
+  excess = _ulps(normed, ref) - 3  # in ulps of each element
+  ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2.0**-126))) - 7)
+  rms = np.sqrt(np.mean(ref * ref, axis=-1, keepdims=True))
+  assert np.all(excess * ulp <= 2.0**-16 * rms), (excess.max(), (excess * ulp / rms).max())
+
+
+def test_plan_mix_norm():
+  ok = dict(x_dtype=jnp.bfloat16, n=2, platform="gpu")
+  for b, d, p, nb in [(1, 7168, True, 8), (64, 7168, False, 1), (8, 3584, False, 0)]:
+    plan = api.plan_mix_norm((b, d), prefix_shape=(b, d) if p else None,
+                             blocks_shape=(nb, b, d) if nb else None, **ok)
+    assert plan.algorithm == "mix_norm" and plan.block_rows == d // 128
+  for kw in [dict(platform="cpu"), dict(n=1), dict(x_dtype=jnp.int32), dict(prefix_shape=(2, 7168)),
+             dict(blocks_shape=(3, 2, 7168)), dict(x_shape=(1, 7000)), dict(x_shape=(1, 16384))]:
+    args = dict(ok, x_shape=(1, 7168), prefix_shape=(1, 7168), blocks_shape=(3, 1, 7168)) | kw
+    assert api.plan_mix_norm(**args).algorithm == "xla", kw
+
+
+@pytest.mark.parametrize("prefix, n_blocks", [(True, 3), (False, 2), (False, 0)])
+@pytest.mark.parametrize("backend", ["xla", "latency_specialized"])
+def test_fallback_mix_norm_matches_numpy(rng, backend, prefix, n_blocks):
+  """The XLA path (the fallback and the GPU tests' reference) against the float64 oracle, on 2 CPU ranks."""
+  n, b, d = 2, 3, 1024
+  mesh = _mesh(n)
+  x, p, blocks, (rn, rp, w) = _mix_inputs(rng, n, b, d, n_blocks, prefix)
+  rep = lambda a: np.ascontiguousarray(np.broadcast_to(a, (n, *a.shape)))  # noqa: E731
+  operands = [x] + [rep(a) for a in (p, blocks) if a is not None] + [rep(rn), rep(rp), rep(w)]
+
+  def per_rank(v, *rest):
+    rest = list(rest)
+    pv = rest.pop(0) if prefix else None
+    bv = rest.pop(0) if n_blocks else None
+    return api.all_reduce_mix_norm(v, pv, bv, *rest, 1e-5, "tp", backend=backend)
+
+  new, normed = (np.asarray(a) for a in _sharded(mesh, per_rank, len(operands), 2)(*operands))
+  ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
+  for r in range(n):
+    _assert_mix_close(new[r], normed[r], ref_new, ref_normed)
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="interpret-mode test, CPU only")
+@pytest.mark.parametrize("prefix, n_blocks", [(True, 3), (False, 1), (False, 0)])
+def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks):
+  """The kernel's epilogue maths in interpret mode (one rank: no exchange, which interpret mode cannot run)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+  from kernel_testbase import abstract_gpu
+
+  from pallas_kernels.collectives import mix_norm
+  b, q = int(rng.integers(1, 4)), int(rng.integers(2, 5))
+  x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 1, b, q * 128, n_blocks, prefix)
+  tile = lambda a: None if a is None else jnp.asarray(a).reshape(*a.shape[:-1], q, 128)  # noqa: E731
+  mix_q = rn.astype(np.float32) * rp.astype(np.float32)
+  with abstract_gpu("sm90"):
+    new, normed = mix_norm.mix_norm(tile(x[0]), tile(p), tile(blocks), tile(mix_q), tile(w), 1e-5,
+                                    axis_name="tp", n=1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert not get_races().races_found
+  ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
+  _assert_mix_close(np.asarray(new).reshape(b, -1), np.asarray(normed).reshape(b, -1), ref_new, ref_normed)
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
+@pytest.mark.parametrize("n, b, prefix, n_blocks", [(2, 1, True, 8), (2, 64, False, 1), (4, 8, False, 0)])
+def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks):
+  """api -> the exchange kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA (not run)."""
+  from kernel_testbase import DEVICE_KINDS
+  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+  device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS["sm90"], platform="gpu", num_cores=8)
+  mesh = jax.sharding.AbstractMesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                   abstract_device=device)
+  spec = jax.sharding.NamedSharding(mesh, P("tp"))
+  d = 7168
+  shapes = [(n, b, d)] + ([(n, b, d)] if prefix else []) + ([(n, n_blocks, b, d)] if n_blocks else [])
+  shapes += [(n, d)] * 3
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=spec) for s in shapes]
+
+  def per_rank(v, *rest):
+    rest = [a[0] for a in rest]
+    pv = rest.pop(0) if prefix else None
+    bv = rest.pop(0) if n_blocks else None
+    new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", backend="latency_specialized")
+    return new[None], normed[None]
+
+  f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=(P("tp"),) * 2,
+                            check_vma=False))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "stablehlo.all_reduce" not in text
+
+
 # --------------------------------------------------------------------------------- GPU: the kernels
 @gpu2
 @pytest.mark.gpu
@@ -190,3 +319,60 @@ def test_pallas_back_to_back_stress(rng):
 
   report = stress(_mesh(2), steps=500, seed=int(rng.integers(2**31)))
   assert report["bad_calls"] == 0, report
+
+
+@gpu2
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, d, prefix, n_blocks", [(1, 7168, True, 8), (64, 7168, True, 3), (8, 7168, False, 1),
+                                                    (1, 3584, False, 0), (64, 3584, False, 0)])
+def test_pallas_mix_norm(rng, b, d, prefix, n_blocks):
+  """The layer-boundary kernel at K3 shapes (hidden with AttnRes; latent + routed_expert_norm) against the
+  float64 oracle, ranks bit-identical, and the api really ran the kernel (no psum left)."""
+  mesh = _mesh(2)
+  x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 2, b, d, n_blocks, prefix)
+  rep = lambda a: np.ascontiguousarray(np.broadcast_to(a, (2, *a.shape)))  # noqa: E731
+  operands = [x] + [rep(a) for a in (p, blocks) if a is not None] + [rep(rn), rep(rp), rep(w)]
+
+  def per_rank(v, *rest):
+    rest = list(rest)
+    pv = rest.pop(0) if prefix else None
+    bv = rest.pop(0) if n_blocks else None
+    return api.all_reduce_mix_norm(v, pv, bv, *rest, 1e-5, "tp", backend="latency_specialized")
+
+  f = _sharded(mesh, per_rank, len(operands), 2)
+  new, normed = (np.asarray(a) for a in f(*operands))
+  ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
+  _assert_mix_close(new[0], normed[0], ref_new, ref_normed)
+  np.testing.assert_array_equal(new[1].view(np.uint16), new[0].view(np.uint16))
+  np.testing.assert_array_equal(normed[1].view(np.uint16), normed[0].view(np.uint16))
+
+
+@gpu2
+@pytest.mark.gpu
+def test_pallas_mix_norm_back_to_back(rng):
+  """300 loop steps, each a layer-boundary call and a latent call back to back on fresh data, all checked."""
+  mesh, steps, b, d = _mesh(2), 300, 2, 7168
+  x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 2, steps * b, d, 3, True)
+  xl = rng.standard_normal((2, steps, b, 3584)).astype(BF16)
+  wl = (1 + 0.3 * rng.standard_normal(3584)).astype(BF16)
+  stepped = lambda a: np.ascontiguousarray(a.reshape(*a.shape[:-2], steps, b, d))  # noqa: E731
+  x, p, blocks = stepped(x), stepped(p), np.ascontiguousarray(np.moveaxis(stepped(blocks), -3, 0))
+  rep = lambda a: np.ascontiguousarray(np.broadcast_to(a, (2, *a.shape)))  # noqa: E731
+
+  def loop(x, p, blocks, rn, rp, w, xl, wl):
+    def body(i, out):
+      new, normed = api.all_reduce_mix_norm(x[i], p[i], blocks[i], rn, rp, w, 1e-5, "tp",
+                                            backend="latency_specialized")
+      lat = api.all_reduce_mix_norm(xl[i], None, None, wl, wl, wl, 1e-5, "tp", backend="latency_specialized")
+      return tuple(o.at[i].set(v) for o, v in zip(out, (new, normed, *lat), strict=True))
+    init = (jnp.zeros_like(x), jnp.zeros_like(x), jnp.zeros_like(xl), jnp.zeros_like(xl))
+    return jax.lax.fori_loop(0, steps, body, init)
+
+  f = _sharded(mesh, loop, 8, 4)
+  outs = [np.asarray(a) for a in f(x, rep(p), rep(blocks), rep(rn), rep(rp), rep(w), xl, rep(wl))]
+  new, normed, lat_sum, lat_normed = outs
+  for i in range(steps):
+    _assert_mix_close(new[0, i], normed[0, i], *_np_mix_norm(x[:, i], p[i], blocks[i], rn, rp, w, 1e-5))
+    _assert_mix_close(lat_sum[0, i], lat_normed[0, i], *_np_mix_norm(xl[:, i], None, None, wl, wl, wl, 1e-5))
+  for a in outs:
+    np.testing.assert_array_equal(a[1].view(np.uint16), a[0].view(np.uint16))

@@ -216,33 +216,39 @@ KERNELS = {"one_shot": one_shot, "two_shot": two_shot}
 
 
 
-def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-  """One-shot with plain register loads/stores only (no SMEM, no TMA).
+def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
+  """Plain-store one-shot exchange of one block: src_ref's block goes into slot `me` of every rank's recv (its
+  own too) at index idx, then signal, wait for n-1 signals, and return the n slots summed in rank order, FP32.
 
-  Latency variant: a TMA store to a peer needs an in-kernel descriptor for the remote address and a bulk
-  wait for remote completion; plain stores ordered by the signal's release (red.release.sys after a
-  warpgroup barrier) skip both. Every slot, mine included, is read back with plain loads, so writes and
-  reads stay in the generic proxy.
+  No TMA: a TMA store to a peer needs an in-kernel descriptor for the remote address and a bulk wait for
+  remote completion; plain stores ordered by the signal's release (red.release.sys after a warpgroup
+  barrier) skip both. Every slot, mine included, is read back with plain loads, so writes and reads stay in
+  the generic proxy.
   """
+  me = lax.axis_index(axis_name)
+  mine = src_ref[...]
+  peers = _peers(me, n, axis_name)
+  for peer in peers:
+    plgpu.remote_ref(recv_gmem, peer).at[(me, *idx)][...] = mine
+  recv_gmem.at[(me, *idx)][...] = mine
+  for peer in peers:
+    pl.semaphore_signal(sem, device_id=peer)
+  pl.semaphore_wait(sem, n - 1)
+  acc = recv_gmem.at[(0, *idx)][...].astype(jnp.float32)
+  for r in range(1, n):
+    acc = acc + recv_gmem.at[(r, *idx)][...].astype(jnp.float32)
+  return acc
+
+
+def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+  """One-shot with plain register loads/stores only (no SMEM, no TMA): see exchange_st. Latency variant."""
   M, C = x_MC.shape
   R = block_rows
   dtype = x_MC.dtype
 
   def body(x_gmem, y_gmem, recv_gmem, sem):
-    me = lax.axis_index(axis_name)
     rows = pl.ds(lax.axis_index("blocks") * R, R)
-    mine = x_gmem[rows]
-    peers = _peers(me, n, axis_name)
-    for peer in peers:
-      plgpu.remote_ref(recv_gmem, peer).at[me, rows][...] = mine
-    recv_gmem.at[me, rows][...] = mine
-    for peer in peers:
-      pl.semaphore_signal(sem, device_id=peer)
-    pl.semaphore_wait(sem, n - 1)
-    acc = recv_gmem[0, rows].astype(jnp.float32)
-    for r in range(1, n):
-      acc = acc + recv_gmem[r, rows].astype(jnp.float32)
-    y_gmem[rows] = acc.astype(dtype)
+    y_gmem[rows] = exchange_st(x_gmem.at[rows], recv_gmem, (rows,), axis_name, n, sem).astype(dtype)
 
   y, _ = plgpu.kernel(
       body,

@@ -35,3 +35,30 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp"):
   if residual_BD is None:
     return s.astype(x_BK.dtype)
   return (residual_BD.astype(jnp.float32) + s).astype(residual_BD.dtype)
+
+
+def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps):
+  """A layer boundary after an all-reduce (K3_SPEC §2.1-2.3), with a = the all-reduced sublayer output:
+  P' = a (no prefix: block boundary) or round(P + a); h = AttnRes(blocks + [P']) (P' without blocks);
+  returns (P', RMSNorm(h) * w). AttnRes in fp32 with one rounding; HF RMSNorm order (w in h's dtype)."""
+  dtype = a.dtype
+  new = a if prefix is None else (prefix.astype(jnp.float32) + a.astype(jnp.float32)).astype(dtype)
+  if blocks is None:
+    h = new
+  else:
+    v = jnp.concatenate([blocks.astype(jnp.float32), new[None].astype(jnp.float32)])  # [N, ..., D]
+    q = res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    score = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps) * jnp.einsum("n...d,d->n...", v, q, precision=hp)
+    alpha = jax.nn.softmax(score, axis=0)
+    h = jnp.einsum("n...,n...d->...d", alpha, v, precision=hp).astype(dtype)
+  hf = h.astype(jnp.float32)
+  n = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)).astype(dtype)
+  return new, n * norm_w.astype(dtype)
+
+
+def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp"):
+  """mix_norm after an fp32 psum of the partials rounded once to their dtype (what the Pallas all-reduce
+  returns)."""
+  a = jax.lax.psum(x_partial.astype(jnp.float32), axis_name).astype(x_partial.dtype)
+  return mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps)
