@@ -2,7 +2,8 @@
 
 Inside `jax.shard_map` over the "tp" mesh axis the model's activations are replicated and weights are split
 (heads, FFN intermediates, vocab, router experts, latent projections); each row-parallel projection ends in an
-all-reduce and each column-split that feeds a nonlinearity over the whole axis ends in an all-gather.
+all-reduce (at a sublayer boundary fused with what follows: k3jax/layers/boundary.py) and each column-split
+that feeds a nonlinearity over the whole axis ends in an all-gather.
 `Comm(None)` is the single-device no-op, so the same model code runs sharded and unsharded.
 `counts` records the collectives traced per step (for the per-layer accounting in benchmarks and tests).
 """
@@ -35,24 +36,6 @@ class Comm:
 
             return api.all_reduce(x, self.axis, backend=self.backend)
         return jax.lax.psum(x, self.axis)
-
-    def project_all_reduce(self, x, w, what: str):
-        """Row-parallel projection summed over tp: x [..., *c] @ w [*c, D], the c trailing axes contracted.
-
-        Default: the GEMM (output rounded to x's dtype, as each rank writes it) then all_reduce (XLA psum, or
-        the Pallas one-shot under latency_specialized). With latency_specialized and the opt-in fused kernel
-        (K3JAX_FUSED_PROJECTION=1; off until a back-to-back bug is fixed, see bench/NOTES.md): one Pallas
-        kernel that GEMMs a column tile, pushes it to the peers and sums the fp32 partials in rank order.
-        """
-        from k3jax.layers.common import linear
-        from pallas_kernels.collectives import api
-
-        c = w.ndim - 1
-        x_BK, w_KD = x.reshape(*x.shape[:x.ndim - c], -1), w.reshape(-1, w.shape[-1])
-        if self.sharded and self.backend == "latency_specialized" and api.fused_projection_enabled():
-            self.counts[what] += 1
-            return api.proj_all_reduce(x_BK, w_KD.astype(x.dtype), axis_name=self.axis, backend=self.backend)
-        return self.all_reduce(linear(x_BK, w_KD, "...k,kd->...d"), what)
 
     def all_gather(self, x, axis: int, what: str = "all_gather"):
         if not self.sharded:

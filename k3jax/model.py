@@ -17,10 +17,10 @@ from k3jax import cache as cache_lib
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla, moe
-from k3jax.layers.attn_res import attn_res
-from k3jax.layers.common import ffn_hidden, linear, rms_norm
+from k3jax.layers.boundary import join
+from k3jax.layers.common import ffn, linear, rms_norm
 
-# Sublayer callbacks: attn(L, params, normed x [B,T,D]) -> [B,T,D]
+# Sublayer callbacks: attn(L, params, normed x [B,T,D]) -> this rank's o_proj partial [B,T,D]
 AttnFn = Callable[[int, dict, jax.Array], jax.Array]
 
 
@@ -29,14 +29,15 @@ def embed(params, tokens_BT, dtype, comm: Comm = LOCAL):
 
 
 def logits_from_hidden(params, h_BTD, cfg: K3Config, comm: Comm = LOCAL):
-    """Vocab-split lm_head under tp: gather the logits for sampling."""
-    logits = linear(rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), params["lm_head"], "btd,dv->btv")
+    """lm_head on the trunk's final-normed hidden; vocab-split under tp: gather the logits for sampling."""
+    logits = linear(h_BTD, params["lm_head"], "btd,dv->btv")
     return comm.all_gather(logits, axis=-1, what="logits")
 
 
 def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL, record: dict | None = None):
+    """This rank's partial of the MLP output (dense, or latent MoE + shared experts): the trunk all-reduces it."""
     if not is_moe:
-        return comm.project_all_reduce(ffn_hidden(x_BTD, p["gate"], p["up"], cfg), p["down"], "mlp_out")
+        return ffn(x_BTD, p["gate"], p["up"], p["down"], cfg)
     B, T, D = x_BTD.shape
     y, sel = moe.moe(p, x_BTD.reshape(B * T, D), cfg, return_routing=True, comm=comm)
     if record is not None:
@@ -46,36 +47,38 @@ def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL, record:
 
 def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = (), comm: Comm = LOCAL,
           record: dict | None = None):
-    """AttnRes decoder loop. Returns (final hidden after the output mix [B,T,D], {layer: P after it}).
+    """AttnRes decoder loop. Returns (final hidden: output mix then final norm [B,T,D], {layer: P after it}).
 
+    Each sublayer returns this rank's partial output; `join` all-reduces it into the prefix P and forms what
+    the next sublayer reads: the AttnRes mix of the stored blocks and P under that sublayer's site, normed
+    (one Pallas launch under latency_specialized). So the mix before layer L+1's attention happens at the end
+    of layer L (in its named scope), with the blocks as they were before layer L+1's boundary snapshot.
     `record` (notebooks, debugging): a dict filled with per-layer AttnRes weights and expert choices."""
     eps = cfg.rms_norm_eps
-
-    def mix(sources, site, rec, key):
-        out = attn_res(jnp.stack(sources), site["norm"], site["proj"], eps, return_weights=rec is not None)
-        if rec is None:
-            return out
-        rec[key] = out[1]  # softmax weights over the sources [N, B, T]
-        return out[0]
-
+    layers = params["layers"]
     blocks: list[jax.Array] = []
     P = x_BTD
+    x = rms_norm(P, layers[0]["attn_norm"], eps)  # layer 0 has no stored block yet: it reads P unmixed
     tapped = {}
-    for L, lp in enumerate(params["layers"]):
+    for L, lp in enumerate(layers):
         rec = None if record is None else record.setdefault(L, {})
+        last = L + 1 == len(layers)
+        # what follows this layer's MLP: the next layer's attention input, or the output mix + final norm
+        nxt = dict(site=params["out_res"], norm=params["final_norm"], record=record, key="out_res") if last else \
+            dict(site=layers[L + 1]["attn_res"], norm=layers[L + 1]["attn_norm"],
+                 record=None if record is None else record.setdefault(L + 1, {}), key="attn_res")
         with jax.named_scope(f"layer{L}_{cfg.layer_kind(L)}"):
-            h = mix(blocks + [P], lp["attn_res"], rec, "attn_res") if blocks else P
             if cfg.is_block_boundary(L):
-                blocks.append(P)  # the ENTERING prefix, not the mix h
+                blocks.append(P)  # the ENTERING prefix, not the mix
                 P = None
-            a = attn(L, lp["attn"], rms_norm(h, lp["attn_norm"], eps))
-            P = a if P is None else P + a
-            h = mix(blocks + [P], lp["mlp_res"], rec, "mlp_res")
-            P = P + ffn_layer(lp["ffn"], rms_norm(h, lp["mlp_norm"], eps), cfg, cfg.is_moe(L), comm, rec)
+            P, x = join(comm, attn(L, lp["attn"], x), lp["mlp_norm"], eps, "attn_out", P, blocks, lp["mlp_res"],
+                        rec, "mlp_res")
+            is_moe = cfg.is_moe(L)
+            P, x = join(comm, ffn_layer(lp["ffn"], x, cfg, is_moe, comm, rec), nxt["norm"], eps,
+                        "moe_out" if is_moe else "mlp_out", P, blocks, nxt["site"], nxt["record"], nxt["key"])
             if L in taps:
                 tapped[L] = P
-    h_out = mix(blocks + [P], params["out_res"], record, "out_res")
-    return h_out, tapped
+    return x, tapped
 
 
 def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = LOCAL, record: dict | None = None):
@@ -85,11 +88,11 @@ def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = L
 
     def attn(L, p, x):
         if cfg.is_mla(L):
-            return mla.mla_full(p, x, cfg, comm)
+            return mla.mla_full(p, x, cfg)
         H, K = p["A_log"].shape[0], cfg.kda_head_dim  # local heads under tp
         state = jnp.zeros((B, H, K, K), jnp.float32)
         window = jnp.zeros((B, 3, cfg.kda_conv_size - 1, H, K), dtype)
-        return kda.kda_prefill(p, x, cfg, zeros + T, state, window, comm=comm)[0]
+        return kda.kda_prefill(p, x, cfg, zeros + T, state, window)[0]
 
     h, _ = trunk(params, embed(params, tokens_BT, dtype, comm), cfg, attn, comm=comm, record=record)
     return logits_from_hidden(params, h, cfg, comm)
@@ -115,15 +118,15 @@ def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfl
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, valid_BT, R)
             new_layers[L] = entry
             rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1, comm)
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
         if T == 1:
-            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend, comm)
+            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend)
             keep = n_new_B[:, None, None, None] > 0  # idle slots keep their state
             state = jnp.where(keep, state, entry["state"])
             conv = jnp.where(keep[..., None], conv, entry["conv"])
             out = out[:, None]
         else:
-            out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"], comm=comm)
+            out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"])
         new_layers[L] = {"state": state, "conv": conv}
         return out
 

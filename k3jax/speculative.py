@@ -36,6 +36,7 @@ from k3jax import sharding as sh
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla
+from k3jax.layers.common import row_parallel
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
@@ -64,12 +65,12 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, all_valid, R)
             layers[L] = entry
             rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1, comm)  # causal inside the block
+            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)
         y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
                                                p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
                                                backend=backend)
-        return comm.project_all_reduce(y, p["o"], "attn_out")
+        return row_parallel(y, p["o"])
 
     h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
     logits = model.logits_from_hidden(params, h, cfg, comm)

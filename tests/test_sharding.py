@@ -51,12 +51,12 @@ def test_forward_matches_one_device(setup, tp):
     assert rel_err(got, ref) <= TOL
 
 
-def _engine(cfg, params_np, tp):
+def _engine(cfg, params_np, tp, backend="auto"):
     mesh = sh.make_mesh(tp) if tp else None
     params = worker.place(params_np, sh.param_shardings(cfg, mesh)) if tp else jax.tree.map(jnp.asarray,
                                                                                              params_np)
     return Engine(cfg, params, max_len=32, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh,
-                  steps_per_call=4)
+                  steps_per_call=4, backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +79,12 @@ def _prefill_decode(eng, prompts, feed):
     return out, tokens
 
 
-@pytest.mark.parametrize("tp", [1, 4, 16])
-def test_engine_matches_one_device(setup, engine_ref, tp):
+@pytest.mark.parametrize("tp, backend", [(1, "auto"), (4, "auto"), (16, "auto"), (4, "latency_specialized")])
+def test_engine_matches_one_device(setup, engine_ref, tp, backend):
+    """latency_specialized on CPU: the Pallas ops' fallbacks (the layer-boundary join's fp32 psum among them)."""
     cfg, params_np, *_ = setup
     prompts, feed, (want_logits, want_tokens) = engine_ref
-    got_logits, got_tokens = _prefill_decode(_engine(cfg, params_np, tp), prompts, feed)
+    got_logits, got_tokens = _prefill_decode(_engine(cfg, params_np, tp, backend), prompts, feed)
     for step, (g, w) in enumerate(zip(got_logits, want_logits, strict=True)):
         assert rel_err(g, w) <= TOL, f"step {step}"
     assert got_tokens == want_tokens
@@ -99,14 +100,14 @@ def expected_collectives(cfg) -> dict:
             "latent_z": n_moe, "latent_sum": n_moe, "moe_out": n_moe, "logits": 1}
 
 
-@pytest.mark.parametrize("name", ["demo", "demo4"])
-def test_collectives_per_decode_step(name):
+@pytest.mark.parametrize("name, backend", [("demo", "auto"), ("demo4", "auto"), ("demo4", "latency_specialized")])
+def test_collectives_per_decode_step(name, backend):
     cfg = preset("demo") if name == "demo" else worker.demo4_config()
     mesh = sh.make_mesh(4)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, F32 if a.dtype == jnp.bfloat16 else a.dtype,
                                                                sharding=s),
                             params_lib.abstract_params(cfg), sh.param_shardings(cfg, mesh))
-    eng = Engine(cfg, abstract, max_len=16, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh)
+    eng = Engine(cfg, abstract, max_len=16, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh, backend=backend)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 2, 16, F32, "bf16"))
     hlo = jax.jit(eng._extend).lower(abstract, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32),
                                      cache).as_text()

@@ -40,6 +40,13 @@ def situ_glu(g, u, beta1: float, beta2: float | None):
     return (situ * cap).astype(g.dtype)
 
 
+def row_parallel(x, w):
+    """This rank's partial of a row-parallel projection: x [..., *c] @ w [*c, D], w's leading axes contracted
+    (o_proj: heads x head dim). The caller all-reduces it (layers/boundary.py)."""
+    c = w.ndim - 1
+    return linear(x.reshape(*x.shape[:x.ndim - c], -1), w.reshape(-1, w.shape[-1]), "...k,kd->...d")
+
+
 def ffn(x, gate_w, up_w, down_w, cfg):
     """Dense SiTU-GLU MLP on [..., D] (layer 0 and the shared experts). Under tensor parallelism the weights are
     split along the intermediate, so this returns this rank's partial sum: the caller all-reduces."""

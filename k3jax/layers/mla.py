@@ -8,9 +8,8 @@ queries absorb W_UK, outputs absorb W_UV, and the cache holds one 576-wide row p
 import jax
 import jax.numpy as jnp
 
-from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS, K3Config
-from k3jax.layers.common import dot, linear, rms_norm
+from k3jax.layers.common import dot, linear, rms_norm, row_parallel
 
 
 def queries(p, x_BTD):
@@ -26,10 +25,11 @@ def latent_rows(p, x_BTD, cfg: K3Config):
     return jnp.concatenate([rms_norm(kv[..., :R], p["kv_a_norm"], MLA_LOWRANK_EPS), kv[..., R:]], axis=-1)
 
 
-def _gate_out(p, o_BTHV, x_BTD, comm: Comm):
-    """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then o_proj (row-parallel)."""
+def _gate_out(p, o_BTHV, x_BTD):
+    """Sigmoid output gate on the bf16 attention output (not an fp32 island, §5.2), then this rank's partial of
+    o_proj (row-parallel: the trunk all-reduces it)."""
     gate = jax.nn.sigmoid(linear(x_BTD, p["g"], "btd,dhv->bthv"))
-    return comm.project_all_reduce(o_BTHV * gate, p["o"], "attn_out")
+    return row_parallel(o_BTHV * gate, p["o"])
 
 
 def _softmax_probs(s, mask, dtype):
@@ -37,7 +37,7 @@ def _softmax_probs(s, mask, dtype):
     return jax.nn.softmax(s, axis=-1).astype(dtype)
 
 
-def mla_full(p, x_BTD, cfg: K3Config, comm: Comm = LOCAL):
+def mla_full(p, x_BTD, cfg: K3Config):
     """Naive causal MLA over a full sequence (§5.2)."""
     N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     q = queries(p, x_BTD)
@@ -51,10 +51,10 @@ def mla_full(p, x_BTD, cfg: K3Config, comm: Comm = LOCAL):
     causal = jnp.tril(jnp.ones((T, T), bool))
     probs = _softmax_probs(s, causal, x_BTD.dtype)
     o = dot("bhts,bshv->bthv", probs, v).astype(x_BTD.dtype)
-    return _gate_out(p, o, x_BTD, comm)
+    return _gate_out(p, o, x_BTD)
 
 
-def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT, comm: Comm = LOCAL):
+def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
     """Absorbed MLA for T new tokens whose rows are already written into the cache.
 
     cache_rows_BSC: the (dequantised) latent cache in the compute dtype; key_len_BT[b, t]: how many cache
@@ -72,4 +72,4 @@ def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT, comm: Comm =
     probs = _softmax_probs(s, mask, x_BTD.dtype)
     o_lat = dot("bhts,bsr->bthr", probs, c).astype(x_BTD.dtype)
     o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
-    return _gate_out(p, o, x_BTD, comm)
+    return _gate_out(p, o, x_BTD)

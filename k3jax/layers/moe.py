@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from k3jax import mxfp4
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
-from k3jax.layers.common import F32, dot, ffn, linear, rms_norm, situ_glu
+from k3jax.layers.boundary import join
+from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
 
 
 def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
@@ -103,19 +104,21 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
 
 
 def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL):
-    """x is the normed MLP input [T, D] (flatten batch and time first).
+    """x is the normed MLP input [T, D] (flatten batch and time first). Returns this rank's partial of the
+    output (the trunk all-reduces it; unsharded it is the output).
 
-    Under tp: experts are split along their intermediate (partial latent sums -> all-reduce before the norm),
-    latent_down by its output (all-gather z), latent_up by its input (its partial output joins the shared
-    experts' partial in the layer's final all-reduce).
+    Under tp: experts are split along their intermediate (partial latent sums -> all-reduce fused with the
+    routed_expert_norm), latent_down by its output (all-gather z), latent_up by its input (its partial output
+    joins the shared experts' partial in the layer's final all-reduce).
     """
     sel, w = route(p, x_TD, cfg, comm)
     z = comm.all_gather(linear(x_TD, p["latent_down"], "td,dl->tl"), axis=-1, what="latent_z")
-    y_lat = comm.all_reduce(routed_experts(p["experts"], z, sel, w, cfg), "latent_sum")
+    y_lat = routed_experts(p["experts"], z, sel, w, cfg)
     if cfg.latent_moe_use_norm:
-        y_lat = rms_norm(y_lat, p["latent_norm"], cfg.rms_norm_eps)
+        _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")
+    else:
+        y_lat = comm.all_reduce(y_lat, "latent_sum")
     y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[0])
     y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"],
                                                           p["shared_down"], cfg)
-    y = comm.all_reduce(y, "moe_out")
     return (y, sel) if return_routing else y

@@ -1,0 +1,37 @@
+"""Where a sublayer's output joins the residual stream (K3_SPEC §2.3), and the all-reduce that precedes it.
+
+Every row-parallel sublayer (KDA/MLA o_proj, dense FFN down, MoE latent_up + shared experts) returns this rank's
+partial sum. `join` all-reduces it, adds it to the running prefix P, mixes the stored blocks and P with AttnRes
+and applies the next RMSNorm: what the next sublayer reads. Under tp with decode_backend="latency_specialized"
+that is one Pallas launch (pallas_kernels.collectives.mix_norm) instead of an all-reduce and 3-4 XLA kernels;
+otherwise (and when AttnRes weights are recorded) it is the all-reduce of `Comm` and the XLA ops below.
+"""
+
+import jax.numpy as jnp
+
+from k3jax.comm import Comm
+from k3jax.layers.attn_res import attn_res
+from k3jax.layers.common import rms_norm
+
+
+def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=None, record=None, key=None):
+    """-> (P', normed): P' = allreduce(part) (+ prefix; None at a block boundary), h = AttnRes(blocks + [P'];
+    mix = {"norm", "proj"}) or P' when there are no blocks, normed = rms_norm(h, norm_w). record[key] gets the
+    AttnRes weights [N, ...] when record is a dict (notebooks; XLA path)."""
+    if comm.sharded and comm.backend == "latency_specialized" and record is None:
+        from pallas_kernels.collectives import api
+
+        comm.counts[what] += 1
+        stacked = jnp.stack(blocks) if blocks else None
+        res_norm, res_proj = (mix["norm"], mix["proj"]) if blocks else (None, None)
+        return api.all_reduce_mix_norm(part, prefix, stacked, res_norm, res_proj, norm_w, eps, comm.axis,
+                                       backend=comm.backend)
+    a = comm.all_reduce(part, what)
+    new = a if prefix is None else prefix + a
+    h = new
+    if blocks:
+        out = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps, return_weights=record is not None)
+        h = out if record is None else out[0]
+        if record is not None:
+            record[key] = out[1]  # softmax weights over the sources [N, B, T]
+    return new, rms_norm(h, norm_w, eps)
