@@ -27,6 +27,11 @@ class Comm:
     def sharded(self) -> bool:
         return self.axis is not None
 
+    @property
+    def fuses_boundaries(self) -> bool:
+        """Layer boundaries (all-reduce + AttnRes + RMSNorm, k3jax/layers/boundary.py) as one Pallas launch."""
+        return self.sharded and self.backend == "latency_specialized"
+
     def all_reduce(self, x, what: str = "all_reduce"):
         if not self.sharded:
             return x

@@ -59,6 +59,8 @@ def test_stub_comm_is_local_and_shape_preserving(rng):
                                   table[np.clip(ids, 0, 6)])
     assert dict(comm.counts) == {"a": 1, "g": 1, "embed": 1}
     assert [c[0] for c in comm.log] == ["all_reduce", "all_gather", "all_reduce"]
+    # no real axis behind it: even under latency_specialized the layer boundaries take the XLA ops
+    assert not rs.StubComm("tp", "latency_specialized", tp=4).fuses_boundaries
 
 
 def test_local_table_and_floor_match_sharding():

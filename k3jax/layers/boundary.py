@@ -18,7 +18,7 @@ def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=N
     """-> (P', normed): P' = allreduce(part) (+ prefix; None at a block boundary), h = AttnRes(blocks + [P'];
     mix = {"norm", "proj"}) or P' when there are no blocks, normed = rms_norm(h, norm_w). record[key] gets the
     AttnRes weights [N, ...] when record is a dict (notebooks; XLA path)."""
-    if comm.sharded and comm.backend == "latency_specialized" and record is None:
+    if comm.fuses_boundaries and record is None:
         from pallas_kernels.collectives import api
 
         comm.counts[what] += 1
