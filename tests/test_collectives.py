@@ -192,7 +192,8 @@ def test_plan_mix_norm():
                              blocks_shape=(nb, b, d) if nb else None, **ok)
     assert plan.algorithm == "mix_norm" and plan.block_rows == d // 128
   for kw in [dict(platform="cpu"), dict(n=1), dict(x_dtype=jnp.int32), dict(prefix_shape=(2, 7168)),
-             dict(blocks_shape=(3, 2, 7168)), dict(x_shape=(1, 7000)), dict(x_shape=(1, 16384))]:
+             dict(blocks_shape=(3, 2, 7168)), dict(x_shape=(1, 7000)), dict(x_shape=(1, 16384)),
+             dict(x_dtype=jnp.float32, blocks_shape=(8, 1, 7168))]:  # 8 fp32 blocks overflow SMEM
     args = dict(ok, x_shape=(1, 7168), prefix_shape=(1, 7168), blocks_shape=(3, 1, 7168)) | kw
     assert api.plan_mix_norm(**args).algorithm == "xla", kw
 

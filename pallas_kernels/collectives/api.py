@@ -155,6 +155,7 @@ def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, 
 
 # --------------------------------------------------------- layer boundary: all-reduce + AttnRes + RMSNorm
 MAX_MIX_LANE_ROWS = 64  # D <= 8192: a token row is 64 fp32 values per thread for each live vector
+MIX_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA: bf16 K3 (8 blocks + prefix) stages 172 KB
 
 
 def plan_mix_norm(x_shape, x_dtype, prefix_shape, blocks_shape, n, platform):
@@ -167,6 +168,12 @@ def plan_mix_norm(x_shape, x_dtype, prefix_shape, blocks_shape, n, platform):
     reason = f"blocks{blocks_shape} are not [N, *x{x_shape}]"
   if not reason and (d % LANES or d // LANES > MAX_MIX_LANE_ROWS or math.prod(x_shape) == 0):
     reason = f"feature size {d}"
+  if not reason:
+    from pallas_kernels.collectives import mix_norm
+    n_blocks = 0 if blocks_shape is None else blocks_shape[0]
+    smem = mix_norm.smem_bytes(d // LANES, LANES, n_blocks, prefix_shape is not None, jnp.dtype(x_dtype).itemsize)
+    if smem > MIX_SMEM_BUDGET:
+      reason = f"{n_blocks} blocks of {d} x {jnp.dtype(x_dtype).name} need {smem} B of SMEM per CTA"
   if reason:
     return Plan("xla", reason=reason)
   return Plan("mix_norm", d // LANES)

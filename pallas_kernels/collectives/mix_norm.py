@@ -34,9 +34,18 @@ def _mean_sq(v):
   return jnp.sum(v * v) * (1.0 / v.size)
 
 
+def smem_bytes(Q, C, N, has_prefix, itemsize):
+  """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
+  return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
+
+
 def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
              interpret=None):
-  """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC / blocks_NBQC may be None."""
+  """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC / blocks_NBQC may be None; w_QC in x's
+  dtype, q_QC in fp32.
+
+  The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
+  behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM."""
   B, Q, C = x_BQC.shape
   dtype = x_BQC.dtype
   has_prefix, N = prefix_BQC is not None, 0 if blocks_NBQC is None else blocks_NBQC.shape[0]
@@ -48,20 +57,33 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
     prefix_gmem = refs.pop(0) if has_prefix else None
     blocks_gmem = refs.pop(0) if N else None
     q_gmem, w_gmem, new_gmem, normed_gmem = refs[:4]
-    recv_gmem, sem = refs[4:] if exchange else (None, None)
+    refs = refs[4:]
+    recv_gmem = refs.pop(0) if exchange else None
+    sem = refs.pop(0) if exchange else None
+    q_smem, w_smem, bar = refs[:3]
+    prefix_smem = refs[3] if has_prefix else None
+    blocks_smem = refs[-1] if N else None
     b = lax.axis_index("tokens")
+
+    # Everything the epilogue reads, in flight while the partials are exchanged (one barrier counts all).
+    loads = [(q_gmem, q_smem), (w_gmem, w_smem)]
+    loads += [(prefix_gmem.at[b], prefix_smem)] if has_prefix else []
+    loads += [(blocks_gmem.at[:, b], blocks_smem)] if N else []
+    for src, dst in loads:
+      plgpu.copy_gmem_to_smem(src, dst, bar)
 
     if exchange:
       s = exchange_st(x_gmem.at[b], recv_gmem, (b,), axis_name, n, sem)
     else:
       s = x_gmem[b].astype(F32)
     a = s.astype(dtype)  # what the all-reduce hands back
-    new = (prefix_gmem[b].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
+    plgpu.barrier_wait(bar)
+    new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
     new_gmem[b] = new
 
     if N:
-      q = q_gmem[...]
-      sources = [lambda i=i: blocks_gmem[i, b].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
+      q = q_smem[...]
+      sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
       scores = []
       for src in sources:
         v = src()
@@ -73,25 +95,30 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
       z = e[0]
       for ei in e[1:]:
         z = z + ei
-      h = e[0] / z * sources[0]()  # the blocks are read again from L2 rather than held in registers
+      h = e[0] / z * sources[0]()  # the second pass reads SMEM again rather than holding N rows in registers
       for ei, src in zip(e[1:], sources[1:], strict=True):
         h = h + ei / z * src()
       h = h.astype(dtype).astype(F32)
     else:
       h = new.astype(F32)
-    normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_gmem[...]
+    normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
     normed_gmem[b] = normed.astype(dtype)
 
   out_type = [jax.ShapeDtypeStruct((B, Q, C), dtype)] * 2
+  scratch = [plgpu.SemaphoreType.REGULAR] if exchange else []
   if exchange:
     out_type.append(jax.ShapeDtypeStruct((n, B, Q, C), dtype))
+  scratch += [plgpu.SMEM((Q, C), F32), plgpu.SMEM((Q, C), dtype),
+              plgpu.Barrier(num_arrivals=2 + has_prefix + bool(N))]
+  scratch += [plgpu.SMEM((Q, C), dtype)] if has_prefix else []
+  scratch += [plgpu.SMEM((N, Q, C), dtype)] if N else []
   operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + ([blocks_NBQC] if N else [])
   outs = plgpu.kernel(
       body,
       out_type=tuple(out_type),
-      scratch_types=[plgpu.SemaphoreType.REGULAR] if exchange else [],
+      scratch_types=scratch,
       grid=(B,), grid_names=("tokens",),
       compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier),
       interpret=interpret,
-  )(*operands, q_QC.astype(F32), w_QC.astype(F32))
+  )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
   return outs[0], outs[1]
