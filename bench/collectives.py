@@ -217,7 +217,8 @@ def time_variant(mesh, name, b, d, repeats=5):
               us_per_call_mean_incl_skew=float(np.median(per_call)), kernels=per_kernel)
 
 
-def bench(mesh):
+def bench(mesh, ops=None):
+  """Every (op, batch, D) row of the grid, or only those of `ops`."""
   rows = []
   grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "one_shot_st")]
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("two_shot", "one_shot@4k", "one_shot_st@4k")]
@@ -225,7 +226,7 @@ def bench(mesh):
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_add_rmsnorm", "one_shot_add_rmsnorm")]
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_mix_norm", "mix_norm")]
   grid += [("one_shot", 1, 128), ("one_shot_st", 1, 128)]  # 256 B: latency floor of the push protocols
-  for name, b, d in grid:
+  for name, b, d in [g for g in grid if ops is None or g[0] in ops]:
     try:
       rows.append(time_variant(mesh, name, b, d))
       r = rows[-1]
@@ -292,6 +293,11 @@ def write_md(results, path):
     lines.append(f"| {b} | {us('psum_add_rmsnorm', b, 7168):.2f} | "
                  f"{us('one_shot_add_rmsnorm', b, 7168):.2f} | "
                  f"{kernel_only('one_shot_add_rmsnorm', b, 7168):.2f} |")
+  lines += ["", f"Layer boundary: all-reduce + prefix add + AttnRes over {MIX_BLOCKS} blocks + RMSNorm (D = 7168):",
+            "", "| batch | XLA psum + AttnRes + norm | Pallas mix_norm | (kernel) |", "|---|---|---|---|"]
+  for b in (1, 8, 64):
+    lines.append(f"| {b} | {us('psum_mix_norm', b, 7168):.2f} | {us('mix_norm', b, 7168):.2f} | "
+                 f"{kernel_only('mix_norm', b, 7168):.2f} |")
   if "stress" in results:
     lines += ["", "Stress (back-to-back calls, fresh random data, every result checked): "
               f"{results['stress']}"]
@@ -312,6 +318,9 @@ def main():
   ap.add_argument("--stress-steps", type=int, default=2000)
   ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
   ap.add_argument("--deadline-s", type=int, default=540)
+  ap.add_argument("--ops", default=None, help="comma-separated ops: time only these rows, keep the others "
+                                              "from --base")
+  ap.add_argument("--base", default="bench/results/collectives.json", help="earlier results --ops adds to")
   a = ap.parse_args()
   faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a deadlocked kernel must not eat the budget
   os.makedirs(a.out, exist_ok=True)
@@ -331,7 +340,14 @@ def main():
     print("stress", results["stress"], flush=True)
     save()
   if a.bench:
-    results["bench"] = bench(mesh)
+    ops = None if a.ops is None else set(a.ops.split(","))
+    rows = bench(mesh, ops)
+    if ops is not None and os.path.exists(a.base):  # the rows not re-run come from the earlier results
+      with open(a.base) as f:
+        old = json.load(f)
+      results = {k: v for k, v in old.items() if k not in results} | results
+      rows = [r for r in old.get("bench", []) if r["op"] not in ops] + rows
+    results["bench"] = rows
     save()
 
 
