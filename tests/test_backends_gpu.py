@@ -61,15 +61,20 @@ def model():
     return cfg, params, tokens
 
 
-def test_kda_kernel_float32_same_logits_and_tokens(model):
-    """TP1, float32: only the KDA decode step differs (Pallas kernel vs XLA); it agrees to ~1e-7 per layer."""
+def assert_float32_backends_agree(model, tp):
+    """float32, highest matmul precision: latency_specialized vs auto to 1e-5 and the same greedy tokens."""
     cfg, params, tokens = model
     with jax.default_matmul_precision("highest"):
         p32 = params_lib.cast_params(params, jnp.float32)
-        ref = forced_logits(cfg, p32, 1, jnp.float32, "auto", tokens)
-        got = forced_logits(cfg, p32, 1, jnp.float32, "latency_specialized", tokens)
+        ref = forced_logits(cfg, p32, tp, jnp.float32, "auto", tokens)
+        got = forced_logits(cfg, p32, tp, jnp.float32, "latency_specialized", tokens)
     assert rms_rel(got, ref) <= 1e-5, rms_rel(got, ref)
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_kda_kernel_float32_same_logits_and_tokens(model):
+    """TP1, float32: only the KDA decode step differs (Pallas kernel vs XLA); it agrees to ~1e-7 per layer."""
+    assert_float32_backends_agree(model, 1)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
@@ -92,12 +97,6 @@ def test_tp2_pallas_collectives_bf16_as_accurate_as_xla(model):
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
 def test_tp2_pallas_collectives_float32_same_logits(model):
-    """TP2, float32: the Pallas layer boundaries (fp32 sums in rank order) against XLA's psum + AttnRes + norm;
-    only summation order differs."""
-    cfg, params, tokens = model
-    with jax.default_matmul_precision("highest"):
-        p32 = params_lib.cast_params(params, jnp.float32)
-        ref = forced_logits(cfg, p32, 2, jnp.float32, "auto", tokens)
-        got = forced_logits(cfg, p32, 2, jnp.float32, "latency_specialized", tokens)
-    assert rms_rel(got, ref) <= 1e-5, rms_rel(got, ref)
-    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+    """TP2, float32: the Pallas layer boundaries (fp32 sums in rank order) and KDA kernel against XLA's psum +
+    AttnRes + norm; only summation order differs."""
+    assert_float32_backends_agree(model, 2)
