@@ -148,6 +148,70 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
         assert_close(a, b, **TOL[dtype], what=name)
 
 
+def gate_inputs(r, B, H, K, dtype, R=16, D=256):
+    """The gate projections' inputs at the scale of the model: f and beta logits come out O(1)."""
+    act = lambda *shape, scale=1.0: jnp.asarray(r.standard_normal(shape) * scale, jnp.float32).astype(dtype)  # noqa: E731
+    return dict(fa=act(B, R), f_b=act(R, H, K, scale=R ** -0.5), x=act(B, D), b=act(D, H, scale=D ** -0.5))
+
+
+def gate_args_of(x, g):
+    return (x["qkv"], g["fa"], g["f_b"], g["x"], g["b"], x["gate"], x["state"], x["conv"], x["conv_w"],
+            x["A_log"], x["dt_bias"], x["o_norm_w"])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gates_reference_matches_numpy(dtype):
+    r = rng()
+    g = gate_inputs(r, 3, 2, 16, DTYPES[dtype])
+    f, beta = jax.jit(reference.gates)(g["fa"], g["f_b"], g["x"], g["b"])
+    f64 = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in g.items()}
+    want_f = np.einsum("br,rhk->bhk", f64["fa"], f64["f_b"])
+    want_beta = f64["x"] @ f64["b"]
+    assert f.dtype == beta.dtype == DTYPES[dtype]
+    assert_close(f, want_f, **TOL[dtype], what="f")
+    assert_close(beta, want_beta, **TOL[dtype], what="beta logits")
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
+    """The decode kernel with the f_b and b projections inside (issue 6 stretch goal) vs the reference."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.kda_decode import kernel
+    r = rng()
+    x, g = make_inputs(r, 2, 2, 128, DTYPES[dtype]), gate_inputs(r, 2, 2, 128, DTYPES[dtype])
+    want = reference.kda_decode_gates(*gate_args_of(x, g))
+    layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
+    with abstract_gpu(arch):
+        got = kernel.decode_gates(*gate_args_of(x, g), eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma,
+                                  interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_body_gates_follow_tuning(monkeypatch, fuse):
+    """The body fuses the gate projections or runs them as XLA GEMVs, as its tuning says; same result.
+    f32: XLA:CPU has no bf16 x bf16 -> f32 dot (the unfused path's GEMVs; GPUs have it)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import bodies
+    r = rng()
+    x, g = make_inputs(r, 1, 2, 128, jnp.float32), gate_inputs(r, 1, 2, 128, jnp.float32)
+    tuning = dict(_body("sm90").TUNING, fuse_gates=fuse)
+    _, decode_gates, _, _ = bodies.entry_points(tuning)
+    with abstract_gpu("sm90"):
+        got = decode_gates(*gate_args_of(x, g), interpret=plgpu.InterpretGPUParams())
+    for a, b in zip(got, reference.kda_decode_gates(*gate_args_of(x, g)), strict=True):
+        assert_close(a, b, **TOL["f32"])
+
+
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("slots", [2, 3])
@@ -173,6 +237,23 @@ def test_ring_needs_tma():
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     with abstract_gpu("sm90"), pytest.raises(NotImplementedError, match="ring"):
         _variant("sm90", False, ring=(2, 3))(*args_of(x))
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_gates_lower_for_cuda(arch, tma):
+    """The fused-gates kernel at a TP8 rank's real shape (R = 128, D = 7168), lowered (not run)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import kernel
+    r = rng()
+    x, g = make_inputs(r, 8, 12, 128, jnp.bfloat16), gate_inputs(r, 8, 12, 128, jnp.bfloat16, R=128, D=7168)
+    layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
+    f = functools.partial(kernel.decode_gates, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)
+    with abstract_gpu(arch):
+        text = jax.jit(f).trace(*gate_args_of(x, g)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @cpu_only
@@ -236,3 +317,18 @@ def test_ring_on_gpu_matches_reference(B, H, slots, dtype):
     got = jax.jit(_variant("sm90", True, ring=(132, slots)))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
+
+
+@gpu_only
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6)])
+def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
+    """Both gate variants at real shapes (R = 128, D = 7168), bf16, against the reference."""
+    from pallas_kernels.kda_decode import bodies
+    r = rng()
+    x, g = make_inputs(r, B, H, 128, jnp.bfloat16), gate_inputs(r, B, H, 128, jnp.bfloat16, R=128, D=7168)
+    _, decode_gates, _, _ = bodies.entry_points(dict(_body("sm90").TUNING, fuse_gates=fuse))
+    got = jax.jit(decode_gates)(*gate_args_of(x, g))
+    want = jax.jit(reference.kda_decode_gates)(*gate_args_of(x, g))
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL["bf16"], what=name)

@@ -1,4 +1,4 @@
-"""What a body (sm90.py, sm100.py) gives the api: the three ops, launched by that body's tuning.json entry.
+"""What a body (sm90.py, sm100.py) gives the api: the four ops, launched by that body's tuning.json entry.
 
 The kernels are shared (kernel.py: decode; verify_kernel.py: verify and commit); a body differs only in its
 tile register layout and launch table, which is data.
@@ -6,6 +6,8 @@ tile register layout and launch table, which is data.
 
 import json
 import pathlib
+
+import jax.numpy as jnp
 
 from pallas_kernels.kda_decode import kernel, verify_kernel
 
@@ -15,7 +17,8 @@ def load_tuning(arch: str) -> dict:
 
 
 def entry_points(tuning: dict):
-    """-> (kda_decode, kda_verify, kda_commit) with the api's signatures (plus `interpret` for CPU tests)."""
+    """-> (kda_decode, kda_decode_gates, kda_verify, kda_commit) with the api's signatures (plus `interpret`
+    for CPU tests)."""
 
     def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
@@ -23,6 +26,21 @@ def entry_points(tuning: dict):
         return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                              dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
                              **kernel.pick_launch(tuning, qkv_B3HK))
+
+    def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+                         A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+        """tuning "fuse_gates": the two projections inside the decode kernel; else XLA's GEMVs (as the model
+        runs them) and then the decode kernel."""
+        kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
+        rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
+        launch = kernel.pick_launch(tuning, qkv_B3HK)
+        if tuning.get("fuse_gates") and launch["ring"] is None:
+            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
+                                       **launch)
+        dt = x_BD.dtype
+        f = jnp.einsum("br,rhk->bhk", fa_BR, f_b_RHK.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        beta = jnp.einsum("bd,dh->bh", x_BD, b_DH.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        return kernel.decode(qkv_B3HK, f, beta, *rest, eps=eps, interpret=interpret, **launch)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
@@ -42,4 +60,4 @@ def entry_points(tuning: dict):
         return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
                                     **verify_kernel.pick_launch(tuning, qkv_BT3HK))
 
-    return kda_decode, kda_verify, kda_commit
+    return kda_decode, kda_decode_gates, kda_verify, kda_commit

@@ -52,8 +52,12 @@ def pick_launch(tuning, qkv_B3HK):
                 ring=None if ring is None else (ring["ctas"], ring["slots"]))
 
 
-def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
-          y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch, tile_layout, v_chunk, eps, dtype):
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
+    """One CTA per (b, h). Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state,
+    conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv; scratch vec_smem (+ TMA tile, barrier)."""
+    n_in = 12 if fuse_gates else 10
+    qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
+    y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch = refs[n_in:]
     b = lax.axis_index("b")
     h = lax.axis_index("h")
 
@@ -76,8 +80,12 @@ def _body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_r
             return load_state(0)
         return S_0
 
-    o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_ref.at[b, h], beta_ref[b, h],
-                       w_ref, alog_ref, dtb_ref, h, new_conv_ref.at[b, :, :, h], vec_smem, dtype)
+    if fuse_gates:
+        f_K, beta = _gates(*gate_in, b, h, vec_smem, dtype)
+    else:
+        f_K, beta = gate_in[0].at[b, h], gate_in[1][b, h]
+    o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_K, beta, w_ref, alog_ref, dtb_ref, h,
+                       new_conv_ref.at[b, :, :, h], vec_smem, dtype)
 
     def store_state(c, S_new):
         if tma_scratch:  # in place in SMEM, then one TMA store of the tile
@@ -155,6 +163,24 @@ def _ring_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, a
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
+    """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
+    f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
+    logit sum_d x[d] b[d, h] in 128-wide slices. fp32 sums rounded to the activation dtype, as the model's
+    projections. Every load is independent of the sums, so they issue back to back. f -> vec_smem row 6."""
+    R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
+    f = fa_ref[b, 0].astype(F32) * fb_ref.at[0, h][...].astype(F32)
+    for r in range(1, R):
+        f = f + fa_ref[b, r].astype(F32) * fb_ref.at[r, h][...].astype(F32)
+    vec_smem.at[6][...] = f.astype(dtype).astype(F32)
+    acc = None
+    for c in range(D // K):
+        cols = pl.ds(c * K, K)
+        term = x_ref.at[b, cols][...].astype(F32) * plgpu.load(bw_ref.at[cols, h]).astype(F32)
+        acc = term if acc is None else acc + term
+    return vec_smem.at[6], jnp.sum(acc).astype(dtype)
+
+
 def _prologue_after(bar, *args):
     """_prologue once the slot's TMA loads (state tile and O(K) inputs) have landed."""
     plgpu.barrier_wait(bar)
@@ -225,13 +251,37 @@ def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret"))
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers.
     ring=(ctas, slots): at most `ctas` persistent CTAs, each cycling its tiles through `slots` SMEM slots
     (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM)."""
+    return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                   dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, ring=ring,
+                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None):
+    """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer. One CTA
+    per (b, h) only (no ring); fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
+    if ring is not None or x_BD.shape[1] % qkv_B3HK.shape[-1]:
+        raise NotImplementedError(f"fused gates: ring={ring}, f_b {f_b_RHK.shape}, x {x_BD.shape}")
+    dtype = x_BD.dtype
+    return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
+                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
+                   v_chunk=v_chunk, tma=tma, ring=None, interpret=interpret)
+
+
+def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
+            *, eps, tile_layout, v_chunk, tma, ring, interpret):
+    """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
     if V % v_chunk or v_chunk % (32 if tma else 8):
@@ -239,13 +289,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     if ring is not None and (not tma or ring[1] < 2):
         raise NotImplementedError(f"ring={ring} needs tma=True and >= 2 slots")
     dtype = qkv_B3HK.dtype
-    scratch = [plgpu.SMEM((6, K), F32)]
-    body, grid, grid_names = _body, (B, H), ("b", "h")
+    fuse_gates = len(gate_in) == 4
+    scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
+    body, grid, grid_names = functools.partial(_body, fuse_gates=fuse_gates), (B, H), ("b", "h")
     if ring is not None:
         ctas, slots = min(ring[0], B * H), ring[1]
         body, grid, grid_names = _ring_body, (ctas,), ("cta",)
         scratch += [plgpu.SMEM((slots, K, V), F32, transforms=_SWIZZLED), plgpu.SMEM((slots, 3, K), dtype),
-                    plgpu.SMEM((slots, 3, _CONV_TAPS - 1, K), dtype), plgpu.SMEM((slots, K), f_BHK.dtype),
+                    plgpu.SMEM((slots, 3, _CONV_TAPS - 1, K), dtype), plgpu.SMEM((slots, K), gate_in[0].dtype),
                     plgpu.SMEM((slots, K), gate_BHK.dtype), plgpu.Barrier(num_arrivals=5, num_barriers=slots)]
     elif tma:
         scratch += [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()]
@@ -257,5 +308,5 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
         grid=grid, grid_names=grid_names,
         compiler_params=_LANE, interpret=interpret,
     )
-    return kernel(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
+    return kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
                   A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))

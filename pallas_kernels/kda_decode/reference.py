@@ -67,6 +67,24 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
     return y, new_state, new_conv
 
 
+def gates(fa_BR, f_b_RHK, x_BD, b_DH):
+    """The gate projections a decode kernel may fuse (issue 6 stretch): f = fa @ f_b [B,H,K] (fa = x @ f_a, the
+    rank-R stage shared by all heads) and the beta logits x @ b [B,H]; fp32 sums of the activation-dtype
+    operands, rounded to that dtype, as the model's projections."""
+    dtype = x_BD.dtype
+    f = jnp.sum(fa_BR.astype(F32)[:, :, None, None] * f_b_RHK.astype(dtype).astype(F32)[None], axis=1)
+    beta = jnp.sum(x_BD.astype(F32)[:, :, None] * b_DH.astype(dtype).astype(F32)[None], axis=1)
+    return f.astype(dtype), beta.astype(dtype)
+
+
+def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+                     A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5):
+    """kda_decode with f and beta from their projections' inputs (see gates)."""
+    f_BHK, beta_BH = gates(fa_BR, f_b_RHK, x_BD, b_DH)
+    return kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                      dt_bias_HK, o_norm_w_K, eps=eps)
+
+
 def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                dt_bias_HK, o_norm_w_K, *, eps=1e-5):
     """Speculative verify: outputs for all T new tokens, state untouched.
