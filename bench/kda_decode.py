@@ -184,6 +184,7 @@ def main(out_dir, fla_from=None):
         print(case, flush=True)
         results["cases"].append(case)
 
+    results["gates"] = gates_cases()
     if fla_from:
         old = {f"{c['B']}x{c['H']}": c for c in json.loads(pathlib.Path(fla_from).read_text())["cases"]}
         results["fla"] = f"reused from {fla_from} (same machine kind, same shapes)"
@@ -199,6 +200,37 @@ def main(out_dir, fla_from=None):
         case.update(fla.get(f"{case['B']}x{case['H']}", {}))
     (out_dir / "kda_decode.json").write_text(json.dumps(results, indent=1))
     write_table(results, out_dir / "kda_decode.md")
+
+
+GATE_SHAPES = [(1, 6), (1, 12), (8, 12), (64, 12)]  # TP16 / TP8 ranks at batch 1..64
+
+
+def gates_cases():
+    """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
+    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates")."""
+    from pallas_kernels.kda_decode import bodies, sm90
+    rows = []
+    for B, H in GATE_SHAPES:
+        args = list(make_inputs(11, B, H))
+        r = np.random.default_rng(B * 100 + H)
+        gate_in = [jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
+                   for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128 ** -0.5), ((B, 7168), 1.0),
+                                        ((7168, H), 7168 ** -0.5))]
+        full = [args[0], *gate_in, *args[3:]]
+        want = jax.jit(reference.kda_decode_gates)(*full)
+        row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
+        for fuse in (False, True):
+            f = jax.jit(bodies.entry_points(dict(sm90.TUNING, fuse_gates=fuse))[1])
+            key = "fused" if fuse else "gemv+kernel"
+            try:
+                row[f"{key}_max_err"] = max_err(f(*full), want)
+                row[f"{key}_us"] = device_us(f, *full)
+                row[f"{key}_kernels"] = len(kernel_names(f, *full))
+            except Exception as e:
+                row[f"{key}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+        print("gates", row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def api_tuning():
@@ -228,6 +260,15 @@ def write_table(results, path):
                      f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {var} | "
                      f"{c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
                      f"{fla} | {vs_fla} |")
+    if results.get("gates"):
+        lines += ["", "f_b and b projections (R = 128, D = 7168, bf16): XLA GEMVs then the kernel, or fused into "
+                  "it (tuning fuse_gates); XLA = the reference (projections + step).", "",
+                  "| B | H | XLA us | GEMVs + kernel us (kernels) | fused us (kernels) |", "|---|---|---|---|---|"]
+        fmt = lambda row, k: (f"{row[k + '_us']:.2f} ({row[k + '_kernels']})"  # noqa: E731
+                              if isinstance(row.get(k + "_us"), float) else "x")
+        for g in results["gates"]:
+            lines.append(f"| {g['B']} | {g['H']} | {g['xla_us']:.2f} | {fmt(g, 'gemv+kernel')} | "
+                         f"{fmt(g, 'fused')} |")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
