@@ -62,11 +62,11 @@ def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()
     tapped = {}
     for L, lp in enumerate(layers):
         rec = None if record is None else record.setdefault(L, {})
-        last = L + 1 == len(layers)
-        # what follows this layer's MLP: the next layer's attention input, or the output mix + final norm
-        nxt = dict(site=params["out_res"], norm=params["final_norm"], record=record, key="out_res") if last else \
-            dict(site=layers[L + 1]["attn_res"], norm=layers[L + 1]["attn_norm"],
-                 record=None if record is None else record.setdefault(L + 1, {}), key="attn_res")
+        if L + 1 < len(layers):  # what reads this layer's output: the next layer's attention ...
+            site, norm, key = layers[L + 1]["attn_res"], layers[L + 1]["attn_norm"], "attn_res"
+            site_rec = None if record is None else record.setdefault(L + 1, {})
+        else:  # ... or the output mix and the final norm
+            site, norm, key, site_rec = params["out_res"], params["final_norm"], "out_res", record
         with jax.named_scope(f"layer{L}_{cfg.layer_kind(L)}"):
             if cfg.is_block_boundary(L):
                 blocks.append(P)  # the ENTERING prefix, not the mix
@@ -74,8 +74,8 @@ def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()
             P, x = join(comm, attn(L, lp["attn"], x), lp["mlp_norm"], eps, "attn_out", P, blocks, lp["mlp_res"],
                         rec, "mlp_res")
             is_moe = cfg.is_moe(L)
-            P, x = join(comm, ffn_layer(lp["ffn"], x, cfg, is_moe, comm, rec), nxt["norm"], eps,
-                        "moe_out" if is_moe else "mlp_out", P, blocks, nxt["site"], nxt["record"], nxt["key"])
+            P, x = join(comm, ffn_layer(lp["ffn"], x, cfg, is_moe, comm, rec), norm, eps,
+                        "moe_out" if is_moe else "mlp_out", P, blocks, site, site_rec, key)
             if L in taps:
                 tapped[L] = P
     return x, tapped
