@@ -1,4 +1,4 @@
-"""prefill(T) then N decode steps == the full forward over T+N tokens (ragged batches, both cache dtypes)."""
+"""prefill(T) then N decode steps == one pass over the T+N tokens (ragged batches, both cache dtypes)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,18 +12,19 @@ from k3jax import params as P
 from k3jax.config import preset
 
 CFG = preset("tiny")
-# FP8 latent cache: every cached row is rounded to e4m3 (3 mantissa bits: relative error <= 2^-4 per element,
-# checked exactly in test_fp8_rows_within_e4m3_rounding). End to end on the tiny random model the logits move by
-# ~1e-2 relative; now and then the perturbation flips a near-tie in a router's top-k and one sequence moves by
-# ~0.3-1 (0.96 seen). Documented tolerance: median over the B x (N + 1) logit rows <= 0.05 (a wrong scale moves
-# every row by >= 1), every row <= 2 (no blow-up). A median over 3 sequences failed when 2 of them flipped.
-FP8_TOL = 0.05
-# BF16 latent cache: the same fp32 latent is rounded to bf16 on both paths, but prefill and decode sum it in
-# different orders, so now and then one element lands on the other side of a bf16 rounding boundary (2^-8 of
-# that element). One such flip moved a logit row to 1.3e-5 (CI, seed 1620775290) while the other 14 rows sat at
-# 1e-6..8e-6. Documented tolerance: median row <= 1e-5 (a systematic error moves every row), every row <= 1e-3
-# (a wrong position, mask or length moves rows by far more than one rounding flip).
-BF16_TOL, BF16_ROW_MAX = 1e-5, 1e-3
+# What "one pass" is, per cache dtype, and the documented tolerance (median over the B x (N + 1) logit rows: a
+# systematic error moves every row; row max: a wrong position, mask or length moves rows by far more):
+# - bf16: the cache-free full forward. The same fp32 latent is rounded to bf16 on both paths, but prefill and
+#   decode sum it in different orders, so now and then one element lands on the other side of a bf16 rounding
+#   boundary (2^-8 of it): one such flip moved a row to 1.3e-5 (CI, seed 1620775290; the other 14 rows 1e-6 to
+#   8e-6). Median <= 1e-5, rows <= 1e-3.
+# - fp8: one extend over all T+N tokens through the same fp8 cache (so both sides read the same e4m3 rows; the
+#   rounding itself is checked exactly in test_fp8_rows_within_e4m3_rounding). Against the unquantised forward
+#   the tiny random model moves chaotically (medians 0.007-0.07 over 10 seeds, 0.074 failed CI) and a 10%
+#   latent scale bug gives the same range, so that comparison could neither pass reliably nor catch a bug.
+#   Measured over 10 seeds: median 1.0e-6 to 2.0e-6, rows <= 1.9e-5. Median <= 1e-5; rows <= 0.1 (an fp32
+#   order difference can flip one element's e4m3 rounding, 2^-4 of it).
+TOL = {"bf16": (1e-5, 1e-3), "fp8": (1e-5, 0.1)}
 
 
 @pytest.fixture(scope="module")
@@ -31,40 +32,50 @@ def params():
     return P.cast_params(P.init_params(CFG, seed=int(np.random.default_rng().integers(1 << 30))), jnp.float32)
 
 
-@pytest.mark.parametrize("cache_dtype,tol,row_max", [("bf16", BF16_TOL, BF16_ROW_MAX), ("fp8", FP8_TOL, 2.0)])
-def test_prefill_then_decode_equals_full_forward(params, cache_dtype, tol, row_max, rng):
+EXTEND = jax.jit(model.extend, static_argnames=("cfg", "dtype", "backend", "all_logits", "taps"))
+
+
+def _prefill(params, seqs, lens, cache_dtype, all_logits=False):
+    """A fresh cache with each sequence's first lens[b] tokens in one (right-padded) extend."""
+    B = len(seqs)
+    cache = cache_lib.init_cache(CFG, B, 32, jnp.float32, cache_dtype)
+    toks = np.zeros((B, int(lens.max())), np.int32)
+    for b in range(B):
+        toks[b, : lens[b]] = seqs[b][: lens[b]]
+    return EXTEND(params, jnp.asarray(toks), jnp.asarray(lens, jnp.int32), cache, cfg=CFG, dtype=jnp.float32,
+                  all_logits=all_logits)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bf16", "fp8"])
+def test_prefill_then_decode_equals_one_pass(params, cache_dtype, rng):
     B, N = 3, 4
     lens = rng.integers(3, 12, size=B)
     lens[0] = 11  # a long one and shorter ragged ones
     total = lens + N
     seqs = [rng.integers(0, CFG.vocab_size, size=int(t)) for t in total]
-    cache = cache_lib.init_cache(CFG, B, 32, jnp.float32, cache_dtype)
-    T = int(lens.max())
-    toks = np.zeros((B, T), np.int32)
-    for b in range(B):
-        toks[b, : lens[b]] = seqs[b][: lens[b]]
-    ext = jax.jit(model.extend, static_argnames=("cfg", "dtype", "backend", "all_logits", "taps"))
-    logits, cache, _ = ext(params, jnp.asarray(toks), jnp.asarray(lens, jnp.int32), cache, cfg=CFG,
-                           dtype=jnp.float32)
+    logits, cache, _ = _prefill(params, seqs, lens, cache_dtype)
     got = [np.asarray(logits)]
     for i in range(N):
         nxt = np.array([s[lens[b] + i] for b, s in enumerate(seqs)], np.int32)
-        logits, cache, _ = ext(params, jnp.asarray(nxt)[:, None], jnp.ones((B,), jnp.int32), cache, cfg=CFG,
-                               dtype=jnp.float32)
+        logits, cache, _ = EXTEND(params, jnp.asarray(nxt)[:, None], jnp.ones((B,), jnp.int32), cache, cfg=CFG,
+                                  dtype=jnp.float32)
         got.append(np.asarray(logits))
     assert np.array_equal(np.asarray(cache["lengths"]), total)
+    if cache_dtype == "fp8":
+        one = np.asarray(_prefill(params, seqs, total, "fp8", all_logits=True)[0])
     fwd = jax.jit(model.forward, static_argnums=(2, 3))
     errs = []
     for b in range(B):
-        full = np.asarray(fwd(params, jnp.asarray(seqs[b])[None], CFG, jnp.float32))[0]
+        full = one[b] if cache_dtype == "fp8" else np.asarray(fwd(params, jnp.asarray(seqs[b])[None], CFG,
+                                                                  jnp.float32))[0]
         want = full[lens[b] - 1: lens[b] + N]  # logits at the last prompt token and at each decoded token
         mine = np.stack([g[b] for g in got])
         row_errs = [rel_rms(m, w) for m, w in zip(mine, want, strict=True)]
         print(f"{cache_dtype} seq {b} (prompt {lens[b]}): rel RMS per position",
               " ".join(f"{e:.1e}" for e in row_errs))
         errs += row_errs
-    # median over all B x (N + 1) logit rows: a near-tie flip moves a row or two, not half of 15 rows
-    assert np.median(errs) <= tol and max(errs) <= row_max
+    median_tol, row_max = TOL[cache_dtype]
+    assert np.median(errs) <= median_tol and max(errs) <= row_max
 
 
 def test_idle_slot_is_untouched(params, rng):
