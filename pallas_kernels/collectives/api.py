@@ -4,6 +4,10 @@ backend="xla": jax.lax.psum (NCCL). backend="latency_specialized": Pallas Mosaic
 kernel chosen by message size; it falls back to the XLA reference (logged once per reason) on CPU, for
 an axis of size 1, or for a shape/dtype the kernels do not take. Mesh device order must be row-major
 (`jax.make_mesh`), as Mosaic GPU collectives require.
+
+Fused entry points: all_reduce_mix_norm (a layer boundary: all-reduce + AttnRes prefix update + AttnRes mix +
+RMSNorm; what the model uses, through k3jax/layers/boundary.py), all_reduce_add_rmsnorm (residual add +
+RMSNorm) and proj_all_reduce (the row-parallel GEMM before the all-reduce; opt-in, see its plan).
 """
 
 import dataclasses
