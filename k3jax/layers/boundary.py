@@ -29,9 +29,8 @@ def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=N
     a = comm.all_reduce(part, what)
     new = a if prefix is None else prefix + a
     h = new
-    if blocks:
-        out = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps, return_weights=record is not None)
-        h = out if record is None else out[0]
-        if record is not None:
-            record[key] = out[1]  # softmax weights over the sources [N, B, T]
+    if blocks and record is None:
+        h = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps)
+    elif blocks:  # and the softmax weights over the sources [N, B, T]
+        h, record[key] = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps, return_weights=True)
     return new, rms_norm(h, norm_w, eps)
