@@ -259,19 +259,22 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks):
 
 
 @pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
-@pytest.mark.parametrize("n, b, prefix, n_blocks", [(2, 1, True, 8), (2, 64, False, 1), (4, 8, False, 0)])
-def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks):
-  """api -> the exchange kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA (not run)."""
+@pytest.mark.parametrize("n, b, prefix, n_blocks, dtype", [
+    (2, 1, True, 8, jnp.bfloat16), (2, 64, False, 1, jnp.bfloat16), (4, 8, False, 0, jnp.bfloat16),
+    (2, 3, True, 2, jnp.float32)])
+def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks, dtype):
+  """api -> the exchange kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA (not run);
+  float32 is what the TP2 float32 GPU model test runs."""
   from kernel_testbase import DEVICE_KINDS
   monkeypatch.setattr(api, "_platform", lambda: "gpu")
   device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS["sm90"], platform="gpu", num_cores=8)
   mesh = jax.sharding.AbstractMesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
                                    abstract_device=device)
   spec = jax.sharding.NamedSharding(mesh, P("tp"))
-  d = 7168
+  d = 7168 if dtype == jnp.bfloat16 else 512
   shapes = [(n, b, d)] + ([(n, b, d)] if prefix else []) + ([(n, n_blocks, b, d)] if n_blocks else [])
   shapes += [(n, d)] * 3
-  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=spec) for s in shapes]
+  args = [jax.ShapeDtypeStruct(s, dtype, sharding=spec) for s in shapes]
 
   def per_rank(v, *rest):
     rest = [a[0] for a in rest]
