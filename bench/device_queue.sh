@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The queued device runs of bench/NOTES.md ("Queued for the next device session"), one group per device call,
+# each step under its own time limit so a hang cannot eat the call. On the device machine, from the repo root:
+#   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
+#   bash bench/device_queue.sh kda           # nvidia-h200: KDA ring / fused gates tests + bench, verify B=64
+#   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
+# Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
+set -u
+export PYTHONPATH=. JAX_PLATFORMS=cuda
+OUT=${OUT:-/tmp/device_out}
+work=$(mktemp -d)
+
+step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop the group
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$work/$name.log" 2>&1
+  echo "rc=$?" >> "$work/$name.log"
+  tail -15 "$work/$name.log"
+}
+
+case "${1:-}" in
+  collectives)
+    step pytest_mix 240 python3 -m pytest -q -p no:cacheprovider tests/test_collectives.py tests/test_backends_gpu.py \
+      -k "mix or tp2"
+    step bench_mix 150 python3 bench/collectives.py --bench --ops psum_mix_norm,mix_norm --out "$work" --deadline-s 140
+    step diagnose_fused_projection 150 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 140
+    ;;
+  kda)
+    step pytest_kda 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k on_gpu
+    step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    step bench_verify 120 python3 bench/kda_verify.py --no-check --cases 64:12:8,64:6:4,8:12:8 --out "$work"
+    ;;
+  moe)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
+    step rank_slice_packed 560 python3 bench/rank_slice.py --layers 24 --batches 1,64 --moe-impl packed \
+      --out "$work"
+    ;;
+  *)
+    echo "usage: bash bench/device_queue.sh collectives|kda|moe" >&2
+    exit 2
+    ;;
+esac
+mkdir -p "$OUT"
+tar -czf "$OUT/$1.tar.gz" -C "$work" .
+echo "wrote $OUT/$1.tar.gz"
