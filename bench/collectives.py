@@ -37,6 +37,21 @@ def make_mesh(n=2):
                        devices=jax.devices()[:n])
 
 
+def two_gpu_run(out, name, write_md, deadline_s):
+  """What every 2-GPU bench run starts with: a deadline that ends a deadlocked kernel before it eats the
+  device budget, the mesh, and a results dict that save() writes as {name}.json and {name}.md in `out`."""
+  faulthandler.dump_traceback_later(deadline_s, exit=True)
+  os.makedirs(out, exist_ok=True)
+  results = dict(device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}", jax=jax.__version__)
+
+  def save():
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+      json.dump(results, f, indent=1)
+    write_md(results, os.path.join(out, f"{name}.md"))
+
+  return make_mesh(2), results, save
+
+
 def sharded(mesh, fn, n_in):
   """jit(shard_map(fn)) over operands/results with a leading rank axis; returns (call, put)."""
   inner = lambda *a: jax.tree.map(lambda y: y[None], fn(*(v[0] for v in a)))
@@ -322,17 +337,7 @@ def main():
                                               "from --base")
   ap.add_argument("--base", default="bench/results/collectives.json", help="earlier results --ops adds to")
   a = ap.parse_args()
-  faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a deadlocked kernel must not eat the budget
-  os.makedirs(a.out, exist_ok=True)
-  mesh = make_mesh(2)
-  results = dict(device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}", jax=jax.__version__)
-  path = os.path.join(a.out, "collectives.json")
-
-  def save():
-    with open(path, "w") as f:
-      json.dump(results, f, indent=1)
-    write_md(results, os.path.join(a.out, "collectives.md"))
-
+  mesh, results, save = two_gpu_run(a.out, "collectives", write_md, a.deadline_s)
   if a.check:
     results["check"] = check(mesh, np.random.default_rng())
     save()
@@ -345,7 +350,8 @@ def main():
     if ops is not None and os.path.exists(a.base):  # the rows not re-run come from the earlier results
       with open(a.base) as f:
         old = json.load(f)
-      results = {k: v for k, v in old.items() if k not in results} | results
+      for k, v in old.items():
+        results.setdefault(k, v)
       rows = [r for r in old.get("bench", []) if r["op"] not in ops] + rows
     results["bench"] = rows
     save()

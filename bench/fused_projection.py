@@ -15,9 +15,7 @@ bench/collectives.py. Writes DIR/fused_projection.json and DIR/fused_projection.
 """
 
 import argparse
-import faulthandler
 import functools
-import json
 import os
 import sys
 import time
@@ -28,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.collectives import barrier_us, make_mesh, sharded, steady_us  # noqa: E402
+from bench.collectives import barrier_us, sharded, steady_us, two_gpu_run  # noqa: E402
 from pallas_kernels.collectives import api, reference  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -301,17 +299,7 @@ def main():
   ap.add_argument("--deadline-s", type=int, default=540)
   a = ap.parse_args()
   os.environ[api.FUSED_PROJECTION_ENV] = "1"  # this bench measures the (opt-in) fused kernel itself
-  faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a deadlocked kernel must not eat the budget
-  os.makedirs(a.out, exist_ok=True)
-  mesh = make_mesh(2)
-  results = dict(device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}", jax=jax.__version__)
-  path = os.path.join(a.out, "fused_projection.json")
-
-  def save():
-    with open(path, "w") as f:
-      json.dump(results, f, indent=1)
-    write_md(results, os.path.join(a.out, "fused_projection.md"))
-
+  mesh, results, save = two_gpu_run(a.out, "fused_projection", write_md, a.deadline_s)
   if a.check:
     results["check"] = check(mesh, np.random.default_rng())
     save()
