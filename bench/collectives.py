@@ -212,7 +212,7 @@ def time_variant(mesh, name, b, d, repeats=5):
 
   f, put = sharded(mesh, chain, n_in)
   rng = np.random.default_rng(0)
-  args = [rng.standard_normal((mesh.size, b, d)).astype(BF16) * 0.01]
+  args = [(rng.standard_normal((mesh.size, b, d)) * 0.01).astype(BF16)]  # bf16 * float is float32
   if n_in >= 3:
     args += [rng.standard_normal((mesh.size, b, d)).astype(BF16)]
   if n_in == 4:
@@ -232,9 +232,10 @@ def time_variant(mesh, name, b, d, repeats=5):
               us_per_call_mean_incl_skew=float(np.median(per_call)), kernels=per_kernel)
 
 
-def bench(mesh, ops=None):
-  """Every (op, batch, D) row of the grid, or only those of `ops`."""
-  rows = []
+def bench(mesh, ops=None, rows=None, save=lambda: None):
+  """Every (op, batch, D) row of the grid, or only those of `ops`, appended to `rows`; save() after each row
+  (a deadline may end the run)."""
+  rows = [] if rows is None else rows
   grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "one_shot_st")]
   grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("two_shot", "one_shot@4k", "one_shot_st@4k")]
   grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "one_shot_st", "two_shot")]
@@ -250,6 +251,7 @@ def bench(mesh, ops=None):
     except Exception as e:  # keep the other rows; the failure is recorded
       rows.append(dict(op=name, batch=b, d=d, error=repr(e)[:400]))
       print("FAILED", name, b, d, repr(e)[:400], flush=True)
+    save()
   return rows
 
 
@@ -346,15 +348,14 @@ def main():
     save()
   if a.bench:
     ops = None if a.ops is None else set(a.ops.split(","))
-    rows = bench(mesh, ops)
+    results["bench"] = []
     if ops is not None and os.path.exists(a.base):  # the rows not re-run come from the earlier results
       with open(a.base) as f:
         old = json.load(f)
       for k, v in old.items():
         results.setdefault(k, v)
-      rows = [r for r in old.get("bench", []) if r["op"] not in ops] + rows
-    results["bench"] = rows
-    save()
+      results["bench"] = [r for r in old.get("bench", []) if r["op"] not in ops]
+    bench(mesh, ops, results["bench"], save)
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def test_fallback_logs_the_reason_once(rng, caplog):
 
 
 @cpu_only
-@pytest.mark.parametrize("calls", [bench_fp.PAIR, bench_fp.DIAGNOSE["two no-residual calls"]])
+@pytest.mark.parametrize("calls", [bench_fp.PAIR, ((4, 768, 7168, False), (4, 768, 7168, False))])
 def test_stress_harness_on_the_fallback(monkeypatch, calls):
   """The GPU stress loop's checking logic, run on CPU through the fallback (few steps): clean on the right
   sum, and every call counted bad when the result is 5% off."""

@@ -7,6 +7,13 @@ import jax
 import jax.numpy as jnp
 
 
+def round_to(x_f32, dtype):
+  """x rounded to dtype, and kept rounded: XLA GPU's excess-precision pass drops a convert pair
+  f32 -> bf16 -> f32, so a rounding that later fp32 maths reads goes through reduce_precision, which it keeps."""
+  info = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x_f32, info.nexp, info.nmant).astype(dtype)
+
+
 def all_reduce(x, axis_name="tp"):
   """Plain psum (NCCL on GPU)."""
   return jax.lax.psum(x, axis_name)
@@ -18,7 +25,7 @@ def add_rmsnorm(s_f32, residual, norm_w, eps):
   new_f32 = new.astype(jnp.float32)
   inv = jax.lax.rsqrt(jnp.mean(new_f32 * new_f32, axis=-1, keepdims=True) + eps)
   # HF/NeMo order: normalise in fp32, round to the activation dtype, then a bf16 multiply by w.
-  normed = ((new_f32 * inv).astype(residual.dtype).astype(jnp.float32) * norm_w.astype(jnp.float32))
+  normed = round_to(new_f32 * inv, residual.dtype).astype(jnp.float32) * norm_w.astype(jnp.float32)
   return new, normed.astype(residual.dtype)
 
 
@@ -51,14 +58,14 @@ def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps):
     hp = jax.lax.Precision.HIGHEST
     score = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps) * jnp.einsum("n...d,d->n...", v, q, precision=hp)
     alpha = jax.nn.softmax(score, axis=0)
-    h = jnp.einsum("n...,n...d->...d", alpha, v, precision=hp).astype(dtype)
+    h = round_to(jnp.einsum("n...,n...d->...d", alpha, v, precision=hp), dtype)
   hf = h.astype(jnp.float32)
-  n = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)).astype(dtype)
+  n = round_to(hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps), dtype)
   return new, n * norm_w.astype(dtype)
 
 
 def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp"):
   """mix_norm after an fp32 psum of the partials rounded once to their dtype (what the Pallas all-reduce
   returns)."""
-  a = jax.lax.psum(x_partial.astype(jnp.float32), axis_name).astype(x_partial.dtype)
+  a = round_to(jax.lax.psum(x_partial.astype(jnp.float32), axis_name), x_partial.dtype)
   return mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps)
