@@ -3,6 +3,7 @@
 # each step under its own time limit so a hang cannot eat the call. On the device machine, from the repo root:
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA ring / fused gates tests + bench, verify B=64
+#   bash bench/device_queue.sh profile       # nvidia-h200(-x2): mix_norm phases, fused projection B=1, verify B=64
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
 set -u
@@ -31,13 +32,18 @@ case "${1:-}" in
     step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
     step bench_verify 120 python3 bench/kda_verify.py --no-check --cases 64:12:8,64:6:4,8:12:8 --out "$work"
     ;;
+  profile)  # fourth session, after the collectives + kda groups: where the layer-boundary kernel's time goes
+    step mix_norm_profile 150 python3 bench/mix_norm_profile.py "$work"
+    step diagnose_fused_projection 120 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 110
+    step bench_verify 150 python3 bench/kda_verify.py --no-check --cases 64:12:8 --iters 10 --out "$work"
+    ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
     step rank_slice_packed 560 python3 bench/rank_slice.py --layers 24 --batches 1,64 --moe-impl packed \
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh collectives|kda|moe" >&2
+    echo "usage: bash bench/device_queue.sh collectives|kda|profile|moe" >&2
     exit 2
     ;;
 esac

@@ -207,7 +207,7 @@ GATE_SHAPES = [(1, 6), (1, 12), (8, 12), (64, 12)]  # TP16 / TP8 ranks at batch 
 
 def gates_cases():
     """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
-    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates")."""
+    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch")."""
     from pallas_kernels.kda_decode import bodies, sm90
     rows = []
     for B, H in GATE_SHAPES:
@@ -220,7 +220,7 @@ def gates_cases():
         want = jax.jit(reference.kda_decode_gates)(*full)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
         for fuse in (False, True):
-            f = jax.jit(bodies.entry_points(dict(sm90.TUNING, fuse_gates=fuse))[1])
+            f = jax.jit(bodies.entry_points(dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0))[1])
             key = "fused" if fuse else "gemv+kernel"
             try:
                 row[f"{key}_max_err"] = max_err(f(*full), want)

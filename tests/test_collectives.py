@@ -105,21 +105,28 @@ def test_plan_blocks_tile_the_message(rng):
     dtype = rng.choice([jnp.bfloat16, jnp.float32])
     shape = (int(rng.integers(1, 65)), 128 * int(rng.integers(1, 80)))
     m = math.prod(shape) // 128
+    nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+    auto = ("xla" if nbytes < api.PSUM_BELOW_BYTES.get(n, 0) else
+            "one_shot_st" if nbytes <= api.ST_MAX_BYTES else "one_shot")
     for algorithm in (None, "one_shot", "one_shot_st", "two_shot"):
       plan = api.plan_all_reduce(shape, dtype, n, "gpu", algorithm)
+      assert plan.algorithm == (algorithm or auto) or (algorithm, plan.algorithm) == ("two_shot", "one_shot")
+      if plan.algorithm == "xla":  # psum chosen from the measurements
+        assert "measured" in plan.reason
+        continue
       # two-shot needs a block count divisible by n; otherwise the plan falls back to one-shot.
-      assert plan.algorithm == (algorithm or "one_shot_st") or (algorithm, plan.algorithm) == (
-          "two_shot", "one_shot")
       assert m % plan.block_rows == 0
       assert plan.block_rows * 128 * jnp.dtype(dtype).itemsize <= api.BLOCK_BYTES
       if plan.algorithm == "two_shot":
         assert (m // plan.block_rows) % n == 0
-  # small messages take 4 KB blocks (more CTAs), large ones 16 KB.
-  assert api.plan_all_reduce((1, 7168), jnp.bfloat16, 2, "gpu").block_rows == 14  # 4 CTAs
-  assert api.plan_all_reduce((64, 7168), jnp.bfloat16, 2, "gpu").block_rows == 64
+  # the measured choices at 2 ranks: psum for small messages, plain stores, then TMA; 16 KB blocks.
+  assert api.plan_all_reduce((1, 7168), jnp.bfloat16, 2, "gpu").algorithm == "xla"
+  assert api.plan_all_reduce((16, 7168), jnp.bfloat16, 2, "gpu").algorithm == "xla"
+  assert api.plan_all_reduce((32, 7168), jnp.bfloat16, 2, "gpu") == api.Plan("one_shot", 64)
+  assert api.plan_all_reduce((8, 7168), jnp.bfloat16, 4, "gpu") == api.Plan("one_shot_st", 64)
   for b in (1, 8, 64):
     for d in (7168, 3584):
-      assert api.plan_all_reduce((b, d), jnp.bfloat16, 2, "gpu").algorithm != "xla"
+      assert api.plan_all_reduce((b, d), jnp.bfloat16, 4, "gpu").algorithm != "xla"
       plan = api.plan_add_rmsnorm((b, d), jnp.bfloat16, (b, d), jnp.bfloat16, (d,), 2, "gpu")
       assert plan.algorithm == "one_shot_add_rmsnorm" and plan.block_rows == d // 128
 

@@ -204,7 +204,7 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
     from pallas_kernels.kda_decode import bodies
     r = rng()
     x, g = make_inputs(r, 1, 2, 128, jnp.float32), gate_inputs(r, 1, 2, 128, jnp.float32)
-    tuning = dict(_body("sm90").TUNING, fuse_gates=fuse)
+    tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
     _, decode_gates, _, _ = bodies.entry_points(tuning)
     with abstract_gpu("sm90"):
         got = decode_gates(*gate_args_of(x, g), interpret=plgpu.InterpretGPUParams())
@@ -327,7 +327,8 @@ def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
     from pallas_kernels.kda_decode import bodies
     r = rng()
     x, g = make_inputs(r, B, H, 128, jnp.bfloat16), gate_inputs(r, B, H, 128, jnp.bfloat16, R=128, D=7168)
-    _, decode_gates, _, _ = bodies.entry_points(dict(_body("sm90").TUNING, fuse_gates=fuse))
+    tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
+    _, decode_gates, _, _ = bodies.entry_points(tuning)
     got = jax.jit(decode_gates)(*gate_args_of(x, g))
     want = jax.jit(reference.kda_decode_gates)(*gate_args_of(x, g))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):

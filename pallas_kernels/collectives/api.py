@@ -27,12 +27,17 @@ log = logging.getLogger(__name__)
 LANES = 128
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 values per thread in BF16)
-# Up to this message size, 4 KB blocks (more CTAs, shorter per-CTA chains) measured faster than 16 KB:
-# 7.0 vs 7.4 us at 14 KB, 8.0 vs 8.5 us at 112 KB; at 917 KB 16 KB blocks win (12.7 vs 14.0 us).
-SMALL_BLOCK_BYTES, SMALL_MESSAGE_BYTES = 4 * 1024, 128 * 1024
-# Smallest message (bytes per rank) for which two-shot beats one-shot, by axis size. On 2 x H200 it never
-# did up to 917 KB (bench/results/collectives.json): with 2 ranks it moves the same bytes per link in two
-# round trips. Axis sizes not listed (not measured yet) use one-shot.
+# Choices from bench/results/collectives.md (2 x H200, bf16 messages, steady state), by axis size:
+# - psum (NCCL) below PSUM_BELOW_BYTES: 5.5-6.6 us up to 224 KB against the best Pallas one-shot's 6.8-8.5,
+#   of which XLA's cross-device barrier + semaphore memset alone are ~4.2 us; from 448 KB the TMA one-shot
+#   wins (9.4 vs 10.4 us at 448 KB, 10.7 vs 11.5 at 896 KB). Axis sizes not listed (not measured) use Pallas.
+# - plain-store one-shot up to ST_MAX_BYTES (6.8 vs 7.3 us at 14 KB, 7.6 vs 8.0 at 112 KB), TMA one-shot above
+#   (8.5 vs 9.5 at 224 KB, 10.7 vs 14.3 at 896 KB). 4 KB blocks gained nothing over 16 KB (within +-0.2 us
+#   up to 112 KB, 0.7-0.8 us slower at 896 KB).
+# - two-shot: never faster at 2 ranks up to 896 KB (same bytes per link in two round trips); kept for larger
+#   axes, which 2 GPUs could not measure.
+PSUM_BELOW_BYTES = {2: 256 * 1024}
+ST_MAX_BYTES = 128 * 1024
 TWO_SHOT_MIN_BYTES = {2: math.inf}
 MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
 
@@ -74,12 +79,12 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None)
   m = size // LANES
   itemsize = jnp.dtype(dtype).itemsize
   nbytes = size * itemsize
-  if block_bytes is None:
-    block_bytes = SMALL_BLOCK_BYTES if nbytes <= SMALL_MESSAGE_BYTES else BLOCK_BYTES
-  cap_rows = max(1, block_bytes // (LANES * itemsize))
+  cap_rows = max(1, (block_bytes or BLOCK_BYTES) // (LANES * itemsize))
   if algorithm is None:
-    # plain-store one-shot measured 0.2-0.5 us faster than the TMA one-shot at every size (2 x H200).
-    algorithm = "two_shot" if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf) else "one_shot_st"
+    if nbytes < PSUM_BELOW_BYTES.get(n, 0):
+      return Plan("xla", reason=f"psum measured faster below {PSUM_BELOW_BYTES[n] // 1024} KB at {n} ranks")
+    algorithm = ("two_shot" if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf) else
+                 "one_shot_st" if nbytes <= ST_MAX_BYTES else "one_shot")
   if algorithm == "two_shot":
     # need >= n blocks, in a multiple of n, so every rank reduces the same number of blocks.
     r = _largest_divisor_at_most(m, cap_rows)

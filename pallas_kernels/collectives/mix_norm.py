@@ -35,18 +35,42 @@ def _mean_sq(v):
   return jnp.sum(v * v) * (1.0 / v.size)
 
 
+def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
+  """round(sum_i alpha_i v_i) over the N stored blocks (SMEM) and new, in fp32; new itself without blocks."""
+  if not N:
+    return new.astype(F32)
+  q = q_smem[...]
+  sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
+  scores = []
+  for src in sources:
+    v = src()
+    scores.append(lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q))
+  m = scores[0]
+  for sc in scores[1:]:
+    m = jnp.maximum(m, sc)
+  e = [jnp.exp(sc - m) for sc in scores]
+  z = e[0]
+  for ei in e[1:]:
+    z = z + ei
+  h = e[0] / z * sources[0]()  # the second pass reads SMEM again rather than holding N rows in registers
+  for ei, src in zip(e[1:], sources[1:], strict=True):
+    h = h + ei / z * src()
+  return h.astype(dtype).astype(F32)
+
+
 def smem_bytes(Q, C, N, has_prefix, itemsize):
   """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
   return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
 
 
 def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
-             interpret=None):
+             interpret=None, profile_dir=""):
   """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC / blocks_NBQC may be None; w_QC in x's
   dtype, q_QC in fp32.
 
   The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
-  behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM."""
+  behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM.
+  profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
   B, Q, C = x_BQC.shape
   dtype = x_BQC.dtype
   has_prefix, N = prefix_BQC is not None, 0 if blocks_NBQC is None else blocks_NBQC.shape[0]
@@ -73,37 +97,22 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
     for src, dst in loads:
       plgpu.copy_gmem_to_smem(src, dst, bar)
 
-    if exchange:
-      s = exchange_st(x_gmem.at[b], recv_gmem, (b,), axis_name, n, sem)
-    else:
-      s = x_gmem[b].astype(F32)
-    a = s.astype(dtype)  # what the all-reduce hands back
-    plgpu.barrier_wait(bar)
-    new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
-    new_gmem[b] = new
-
-    if N:
-      q = q_smem[...]
-      sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
-      scores = []
-      for src in sources:
-        v = src()
-        scores.append(lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q))
-      m = scores[0]
-      for sc in scores[1:]:
-        m = jnp.maximum(m, sc)
-      e = [jnp.exp(sc - m) for sc in scores]
-      z = e[0]
-      for ei in e[1:]:
-        z = z + ei
-      h = e[0] / z * sources[0]()  # the second pass reads SMEM again rather than holding N rows in registers
-      for ei, src in zip(e[1:], sources[1:], strict=True):
-        h = h + ei / z * src()
-      h = h.astype(dtype).astype(F32)
-    else:
-      h = new.astype(F32)
-    normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
-    normed_gmem[b] = normed.astype(dtype)
+    with jax.named_scope("exchange"):
+      if exchange:
+        s = exchange_st(x_gmem.at[b], recv_gmem, (b,), axis_name, n, sem)
+      else:
+        s = x_gmem[b].astype(F32)
+      a = s.astype(dtype)  # what the all-reduce hands back
+    with jax.named_scope("wait_loads"):
+      plgpu.barrier_wait(bar)
+    with jax.named_scope("prefix"):
+      new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
+      new_gmem[b] = new
+    with jax.named_scope("attnres"):
+      h = _attnres(new, blocks_smem, q_smem, N, eps, dtype)
+    with jax.named_scope("norm"):
+      normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
+      normed_gmem[b] = normed.astype(dtype)
 
   out_type = [jax.ShapeDtypeStruct((B, Q, C), dtype)] * 2
   scratch = [plgpu.SemaphoreType.REGULAR] if exchange else []
@@ -119,7 +128,8 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
       out_type=tuple(out_type),
       scratch_types=scratch,
       grid=(B,), grid_names=("tokens",),
-      compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier),
+      compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier,
+                                           profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
       interpret=interpret,
   )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
   return outs[0], outs[1]

@@ -29,12 +29,12 @@ def entry_points(tuning: dict):
 
     def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                          A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
-        """tuning "fuse_gates": the two projections inside the decode kernel; else XLA's GEMVs (as the model
-        runs them) and then the decode kernel."""
+        """Up to tuning's "fuse_gates_max_batch" the two projections run inside the decode kernel; above it
+        XLA's GEMVs (as the model runs them), then the decode kernel."""
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         launch = kernel.pick_launch(tuning, qkv_B3HK)
-        if tuning.get("fuse_gates") and launch["ring"] is None:
+        if qkv_B3HK.shape[0] <= tuning.get("fuse_gates_max_batch", 0) and launch["ring"] is None:
             return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
                                        **launch)
         dt = x_BD.dtype
