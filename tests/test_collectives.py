@@ -245,9 +245,11 @@ def test_fallback_mix_norm_matches_numpy(rng, backend, prefix, n_blocks):
 
 
 @pytest.mark.skipif(N_GPUS > 0, reason="interpret-mode test, CPU only")
-@pytest.mark.parametrize("prefix, n_blocks", [(True, 3), (False, 1), (False, 0)])
-def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks):
-  """The kernel's epilogue maths in interpret mode (one rank: no exchange, which interpret mode cannot run)."""
+@pytest.mark.parametrize("prefix, n_blocks, online", [(True, 3, True), (True, 3, False), (False, 1, True),
+                                                     (False, 0, True)])
+def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
+  """The kernel's epilogue maths in interpret mode (one rank: no exchange, which interpret mode cannot run),
+  AttnRes in one pass (online softmax, the default) and in two."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
   from kernel_testbase import abstract_gpu
@@ -259,7 +261,8 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks):
   mix_q = rn.astype(np.float32) * rp.astype(np.float32)
   with abstract_gpu("sm90"):
     new, normed = mix_norm.mix_norm(tile(x[0]), tile(p), tile(blocks), tile(mix_q), tile(w), 1e-5,
-                                    axis_name="tp", n=1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+                                    axis_name="tp", n=1, interpret=plgpu.InterpretGPUParams(detect_races=True),
+                                    online=online)
   assert not get_races().races_found
   ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
   _assert_mix_close(np.asarray(new).reshape(b, -1), np.asarray(normed).reshape(b, -1), ref_new, ref_normed)

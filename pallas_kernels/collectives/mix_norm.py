@@ -58,18 +58,43 @@ def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
   return h.astype(dtype).astype(F32)
 
 
+def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
+  """_attnres in one pass (online softmax): a loop over the stored blocks carries the running max score m,
+  the softmax denominator z and the unnormalised mix h, each block read from SMEM once. The same sum up to
+  fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form
+  measured 13.5 us at 8 blocks against 5.2 at 4, superlinear)."""
+  v_new = new.astype(F32)
+  if not N:
+    return v_new
+
+  def score(v):
+    return lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q_smem[...])
+
+  def step(i, carry):
+    m, z, h = carry
+    v = blocks_smem[i].astype(F32)
+    s = score(v)
+    m_next = jnp.maximum(m, s)
+    rescale, e = jnp.exp(m - m_next), jnp.exp(s - m_next)
+    return m_next, z * rescale + e, h * rescale + e * v
+
+  m, z, h = lax.fori_loop(0, N, step, (score(v_new), jnp.float32(1.0), v_new))
+  return (h / z).astype(dtype).astype(F32)
+
+
 def smem_bytes(Q, C, N, has_prefix, itemsize):
   """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
   return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
 
 
 def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
-             interpret=None, profile_dir=""):
+             interpret=None, profile_dir="", online=True):
   """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC / blocks_NBQC may be None; w_QC in x's
   dtype, q_QC in fp32.
 
   The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
   behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM.
+  online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes.
   profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
   B, Q, C = x_BQC.shape
   dtype = x_BQC.dtype
@@ -109,7 +134,7 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
       new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
       new_gmem[b] = new
     with jax.named_scope("attnres"):
-      h = _attnres(new, blocks_smem, q_smem, N, eps, dtype)
+      h = (_attnres_online if online else _attnres)(new, blocks_smem, q_smem, N, eps, dtype)
     with jax.named_scope("norm"):
       normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
       normed_gmem[b] = normed.astype(dtype)
