@@ -3,7 +3,7 @@
 # each step under its own time limit so a hang cannot eat the call. On the device machine, from the repo root:
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA ring / fused gates tests + bench, verify B=64
-#   bash bench/device_queue.sh profile       # nvidia-h200(-x2): mix_norm phases, fused projection B=1, verify B=64
+#   bash bench/device_queue.sh profile       # nvidia-h200-x2: mix_norm / KDA phases, mix_norm on 2 GPUs, B=1 HLO
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
 set -u
@@ -32,10 +32,15 @@ case "${1:-}" in
     step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
     step bench_verify 120 python3 bench/kda_verify.py --no-check --cases 64:12:8,64:6:4,8:12:8 --out "$work"
     ;;
-  profile)  # fourth session, after the collectives + kda groups: where the layer-boundary kernel's time goes
-    step mix_norm_profile 150 python3 bench/mix_norm_profile.py "$work"
-    step diagnose_fused_projection 120 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 110
-    step bench_verify 150 python3 bench/kda_verify.py --no-check --cases 64:12:8 --iters 10 --out "$work"
+  profile)  # fourth session: where the layer-boundary and KDA kernels' time goes; mix_norm online on 2 GPUs
+    export JAX_PLATFORMS=cuda,cpu  # in-kernel traces come back through a host callback
+    step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
+    step kda_profile 80 python3 bench/kda_profile.py "$work"
+    export JAX_PLATFORMS=cuda
+    step pytest_mix 120 python3 -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "mix"
+    step bench_mix 100 python3 bench/collectives.py --bench --ops psum_mix_norm,mix_norm --out "$work" \
+      --deadline-s 95
+    step diagnose_fused_projection 90 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 85
     ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200

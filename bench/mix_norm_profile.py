@@ -2,12 +2,13 @@
 
   python bench/mix_norm_profile.py OUT_DIR
 
-CUPTI device time of pallas_kernels/collectives/mix_norm.py at B = 1 / 8 with 0 / 1 / 4 / 8 stored blocks,
-against XLA's reference.mix_norm of the same work, then Mosaic GPU's in-kernel trace of the kernel's named
-phases (exchange, wait_loads, prefix, attnres, norm) at B = 1. Writes OUT_DIR/mix_norm_profile.json.
+CUPTI device time of pallas_kernels/collectives/mix_norm.py at B = 1 / 8 with 0 / 1 / 4 / 8 stored blocks
+(AttnRes online and two-pass), against XLA's reference.mix_norm of the same work, then Mosaic GPU's in-kernel
+trace of the kernel's named phases (exchange, wait_loads, prefix, attnres, norm) at B = 1. Needs a CPU device
+beside the GPUs (JAX_PLATFORMS=cuda,cpu): the trace is read back through a host callback.
+Writes OUT_DIR/mix_norm_profile.json.
 """
 
-import glob
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.kernel_trace import phases  # noqa: E402
 from pallas_kernels.collectives import mix_norm, reference  # noqa: E402
 
 D, C, EPS = 7168, 128, 1e-5
@@ -33,11 +35,11 @@ def inputs(rng, b, n_blocks):
   return x, p, blk, q, w
 
 
-def kernel_fn(n_blocks, profile_dir=""):
+def kernel_fn(n_blocks, profile_dir="", online=True):
   def f(x, p, blk, q, w):
     t = lambda a: None if a is None else a.reshape(*a.shape[:-1], D // C, C)  # noqa: E731
     return mix_norm.mix_norm(t(x), t(p), t(blk), t(q), t(w), EPS, axis_name="tp", n=1,
-                             profile_dir=profile_dir)
+                             profile_dir=profile_dir, online=online)
   return jax.jit(f) if n_blocks else jax.jit(lambda x, p, blk, q, w: f(x, p, None, q, w))
 
 
@@ -57,21 +59,6 @@ def device_us(f, args, repeats=20):
   return float(np.median(totals)), {k: float(np.median(v)) for k, v in kernels.items()}
 
 
-def phases(trace_dir):
-  """Mean duration (us) of each named phase over the CTAs of the newest trace in trace_dir."""
-  path = sorted(glob.glob(os.path.join(trace_dir, "*.json")))[-1]
-  with open(path) as fh:
-    events = json.load(fh)["traceEvents"]
-  open_at, spans = {}, {}
-  for e in events:
-    key = (e["tid"], e["name"])
-    if e["ph"] == "B":
-      open_at[key] = e["ts"]
-    else:
-      spans.setdefault(e["name"], []).append(e["ts"] - open_at.pop(key))
-  return {k: float(np.mean(v)) for k, v in spans.items()}
-
-
 def main():
   out = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
   os.makedirs(out, exist_ok=True)
@@ -80,19 +67,27 @@ def main():
   for b in (1, 8):
     for n_blocks in (0, 1, 4, 8):
       args = [None if a is None else jnp.asarray(a) for a in inputs(rng, b, n_blocks)]
-      k_us, k_kernels = device_us(kernel_fn(n_blocks), args)
+      k_us, _ = device_us(kernel_fn(n_blocks), args)
+      k2_us, _ = device_us(kernel_fn(n_blocks, online=False), args)
       x_us, x_kernels = device_us(jax.jit(xla_fn), args)
-      row = dict(B=b, blocks=n_blocks, pallas_us=k_us, xla_us=x_us, xla_kernels=len(x_kernels),
-                 pallas_kernels=k_kernels)
+      row = dict(B=b, blocks=n_blocks, pallas_online_us=k_us, pallas_two_pass_us=k2_us, xla_us=x_us,
+                 xla_kernels=len(x_kernels))
       results["rows"].append(row)
       print(row, flush=True)
-  for n_blocks in (0, 8):
-    tdir = os.path.join(out, f"trace_b1_n{n_blocks}")
+      save(out, results)
+  for n_blocks, online in ((0, True), (8, True), (8, False)):
+    name = f"B1 blocks{n_blocks} {'online' if online else 'two-pass'}"
+    tdir = os.path.join(out, "trace " + name)
     os.makedirs(tdir, exist_ok=True)
     args = [None if a is None else jnp.asarray(a) for a in inputs(rng, 1, n_blocks)]
-    jax.block_until_ready(kernel_fn(n_blocks, tdir)(*args))
-    results["phases"][f"B1 blocks{n_blocks}"] = phases(tdir)
-    print("phases", n_blocks, results["phases"][f"B1 blocks{n_blocks}"], flush=True)
+    jax.block_until_ready(kernel_fn(n_blocks, tdir, online)(*args))
+    results["phases"][name] = phases(tdir)
+    print("phases", name, results["phases"][name], flush=True)
+    save(out, results)
+  save(out, results)
+
+
+def save(out, results):
   with open(os.path.join(out, "mix_norm_profile.json"), "w") as fh:
     json.dump(results, fh, indent=1)
 

@@ -15,6 +15,7 @@ Shapes it handles: K = V = 128 (the release), any B and H, bf16 or f32 compute d
 NotImplementedError so the api falls back to the reference.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -80,12 +81,13 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
             return load_state(0)
         return S_0
 
-    if fuse_gates:
-        f_K, beta = _gates(*gate_in, b, h, vec_smem, dtype)
-    else:
-        f_K, beta = gate_in[0].at[b, h], gate_in[1][b, h]
-    o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_K, beta, w_ref, alog_ref, dtb_ref, h,
-                       new_conv_ref.at[b, :, :, h], vec_smem, dtype)
+    with jax.named_scope("prologue"):
+        if fuse_gates:
+            f_K, beta = _gates(*gate_in, b, h, vec_smem, dtype)
+        else:
+            f_K, beta = gate_in[0].at[b, h], gate_in[1][b, h]
+        o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_K, beta, w_ref, alog_ref, dtb_ref, h,
+                           new_conv_ref.at[b, :, :, h], vec_smem, dtype)
 
     def store_state(c, S_new):
         if tma_scratch:  # in place in SMEM, then one TMA store of the tile
@@ -93,14 +95,17 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
         else:
             new_state_ref.at[b, h, :, pl.ds(c * v_chunk, v_chunk)][...] = S_new
 
-    _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
-                v_chunk=v_chunk, dtype=dtype)
+    with jax.named_scope("recurrence"):
+        _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
+                    v_chunk=v_chunk, dtype=dtype)
     if tma_scratch:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
-    _gated_norm(vec_smem, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
+    with jax.named_scope("gated_norm"):
+        _gated_norm(vec_smem, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
     if tma_scratch:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads, not its writes
+        with jax.named_scope("store_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
 
 
 def _ring_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
@@ -251,24 +256,26 @@ def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers.
     ring=(ctas, slots): at most `ctas` persistent CTAs, each cycling its tiles through `slots` SMEM slots
-    (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM)."""
+    (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM). profile_dir: write Mosaic GPU's in-kernel trace
+    of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, ring=ring,
-                   interpret=interpret)
+                   interpret=interpret, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None):
+                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None,
+                 profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer. One CTA
     per (b, h) only (no ring); fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if ring is not None or x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -276,11 +283,11 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, ring=None, interpret=interpret)
+                   v_chunk=v_chunk, tma=tma, ring=None, interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, ring, interpret):
+            *, eps, tile_layout, v_chunk, tma, ring, interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
@@ -306,7 +313,9 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
                   jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
         scratch_types=scratch,
         grid=grid, grid_names=grid_names,
-        compiler_params=_LANE, interpret=interpret,
+        compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0,
+                                            profile_dir=profile_dir),
+        interpret=interpret,
     )
     return kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
                   A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))

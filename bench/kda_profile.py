@@ -1,0 +1,43 @@
+"""Where the KDA decode kernel's time goes at small batch, on one GPU.
+
+  JAX_PLATFORMS=cuda,cpu python bench/kda_profile.py OUT_DIR
+
+For B x H in (1, 6), (1, 12), (8, 12), the launch tuning.json picks: CUPTI device time, then Mosaic GPU's
+in-kernel trace of the named phases (prologue: conv + gates + L2 norms; recurrence: the state read, update and
+output; gated_norm; store_wait: the state's TMA store). Writes OUT_DIR/kda_profile.json.
+"""
+
+import functools
+import json
+import os
+import sys
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.kda_decode import device_us, make_inputs  # noqa: E402
+from bench.kernel_trace import phases  # noqa: E402
+from pallas_kernels.kda_decode import kernel, sm90  # noqa: E402
+
+
+def main():
+  out = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
+  results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=[])
+  for B, H in ((1, 6), (1, 12), (8, 12)):
+    args = make_inputs(0, B, H)
+    launch = kernel.pick_launch(sm90.TUNING, args[0])
+    tdir = os.path.join(out, f"kda trace B{B} H{H}")
+    os.makedirs(tdir, exist_ok=True)
+    f = jax.jit(functools.partial(kernel.decode, eps=1e-5, **launch))
+    traced = jax.jit(functools.partial(kernel.decode, eps=1e-5, profile_dir=tdir, **launch))
+    jax.block_until_ready(traced(*args))
+    row = dict(B=B, H=H, launch={k: str(v) for k, v in launch.items()}, us=device_us(f, *args),
+               phases_us=phases(tdir))
+    results["rows"].append(row)
+    print(row, flush=True)
+    with open(os.path.join(out, "kda_profile.json"), "w") as fh:
+      json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
