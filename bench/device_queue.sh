@@ -4,6 +4,7 @@
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA ring / fused gates tests + bench, verify B=64
 #   bash bench/device_queue.sh profile       # nvidia-h200-x2: mix_norm / KDA phases, mix_norm on 2 GPUs, B=1 HLO
+#   bash bench/device_queue.sh verify        # nvidia-h200-x2: fused projection tests + stress, TP2 model
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
 set -u
@@ -41,6 +42,11 @@ case "${1:-}" in
     step bench_mix 100 python3 bench/collectives.py --bench --ops psum_mix_norm,mix_norm --out "$work" \
       --deadline-s 95
     step diagnose_fused_projection 90 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 85
+    ;;
+  verify)  # fourth session: the fused projection with the stress oracle fixed; the TP2 model with online mix_norm
+    step pytest_fused_projection 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+    step pytest_tp2 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_gpu.py -k tp2
+    step diagnose_fused_projection 80 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 75
     ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200

@@ -331,8 +331,6 @@ def test_pallas_fp32_residual(rng):
 
 @gpu2
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="known bug: calls without a residual come out wrong back to back on 2 H200 "
-                                        "(298 of 300); the api keeps the kernel opt-in until it is fixed")
 def test_pallas_back_to_back_stress(rng):
   """300 loop steps x 2 different fused calls back to back on fresh device-drawn data, all checked."""
   report = stress(_mesh(2), steps=300, seed=int(rng.integers(2**31)))
