@@ -220,9 +220,11 @@ def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_
 PROJ_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PROJ_MAX_TOKENS = 64  # one WGMMA M tile of tokens
 PROJ_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA; the rest for barriers and Mosaic's own scratch
-# The fused kernel is opt-in: on 2 H200s it is right in single calls (every real and random shape tested)
-# but ~all calls WITHOUT a residual came out wrong in a back-to-back loop (298 of 300; 0 of 300 with one),
-# and NaN inside the model. Until that is found, latency_specialized uses GEMM + the one-shot all-reduce.
+# The fused kernel is opt-in because it is slower: on 2 H200s it is right (real and random shapes, 300 back-to-
+# back stress steps; the "back-to-back bug" of the second session was the stress oracle, bench/NOTES.md), but
+# it measured 12.5 vs 11.2 us against XLA's dot + psum at B = 1 (K 768, D 7168) and 16.7 vs 15.9 at B = 64;
+# it won only at K 1536, B 64 (19.2 vs 22.5). The model's row-parallel sublayers hand their partials to the
+# layer-boundary kernel instead (all_reduce_mix_norm).
 FUSED_PROJECTION_ENV = "K3JAX_FUSED_PROJECTION"
 H100_SMS = 132
 
@@ -307,8 +309,8 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xl
       None if residual_BD is None else residual_BD.shape, None if residual_BD is None else residual_BD.dtype,
       n, _platform(), common.gpu_arch(), _num_sms(), tile_d, max_stages)
   if plan.algorithm != "xla" and not fused_projection_enabled():
-    plan = ProjPlan("xla", reason=f"fused projection is opt-in ({FUSED_PROJECTION_ENV}=1): wrong sums in "
-                                  "back-to-back calls on H200, see bench/NOTES.md")
+    plan = ProjPlan("xla", reason=f"fused projection is opt-in ({FUSED_PROJECTION_ENV}=1): measured slower "
+                                  "than XLA's dot + psum on H200, see bench/NOTES.md")
   if plan.algorithm == "xla":
     common.log_once("proj_all_reduce", plan.reason)
     return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
