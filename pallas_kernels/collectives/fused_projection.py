@@ -50,9 +50,9 @@ def tile_k_for(K):
 def smem_bytes(K, n, tile_d=TILE_D, max_stages=MAX_STAGES, itemsize=2, res_itemsize=2):
   """SMEM one CTA allocates: the GEMM pipeline, the exchange scratch and the residual buffer, side by side.
 
-  The exchange scratch used to reuse the pipeline's bytes (sequential scopes); it was moved beside them to
-  test whether that caused the open back-to-back bug (api.py, bench/NOTES.md). It did not (297 -> 298 bad
-  calls of 300 without a residual); the layout stays, as it costs no more than the SMEM budget allows."""
+  The exchange scratch used to reuse the pipeline's bytes (sequential scopes); it was moved beside them while
+  hunting a suspected back-to-back bug (which turned out to be the test's oracle, bench/NOTES.md); the layout
+  stays, as it costs no more than the SMEM budget allows."""
   tk = tile_k_for(K)
   stages = max(2, min(max_stages, K // tk))
   pipeline = stages * (M_PAD * tk + tk * tile_d) * itemsize

@@ -47,8 +47,8 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
 def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                      A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
     """kda_decode from the gate projections' inputs: f = fa @ f_b, beta logits = x @ b (fa = x @ f_a). A body
-    whose tuning says "fuse_gates" computes them in the decode kernel (two fewer launches per KDA layer);
-    otherwise it runs the two projections, then its decode kernel."""
+    computes them in the decode kernel up to its tuning's "fuse_gates_max_batch" (two fewer launches per KDA
+    layer); above it runs the two projections, then its decode kernel."""
     return _dispatch("kda_decode_gates", backend, (qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV,
                                                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K),
                      dict(eps=eps))
