@@ -48,6 +48,9 @@ case "${1:-}" in
     step pytest_tp2 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_gpu.py -k tp2
     step diagnose_fused_projection 80 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 75
     ;;
+  chunked)  # fourth session's last minutes: the KDA decode with one TMA per state slice, against the api path
+    step kda_chunked 100 python3 bench/kda_decode.py --quick "$work"
+    ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
     step rank_slice_packed 560 python3 bench/rank_slice.py --layers 24 --batches 1,64 --moe-impl packed \

@@ -116,12 +116,13 @@ def fla_case(fwd, args):
 
 # Same kernel, other launch shapes: (v_chunk, tma, ring). The api row is whatever tuning.json picks.
 # ring (ctas, slots): persistent CTAs over a TMA ring; 132 = one CTA per H200 SM (3 slots fill its SMEM).
+# tma "chunked": one TMA load and store per v_chunk slice instead of one per tile.
 VARIANTS = [(32, False, None), (128, False, None), (32, True, None), (64, True, None), (128, True, None),
-            (32, True, (132, 3)), (32, True, (132, 2))]
+            (32, "chunked", None), (32, True, (132, 3)), (32, True, (132, 2))]
 
 
 def variant_name(v_chunk, tma, ring=None):
-    name = f"{'tma' if tma else 'ldg'} v{v_chunk}"
+    name = f"{'tma-chunked' if tma == 'chunked' else 'tma' if tma else 'ldg'} v{v_chunk}"
     return name if ring is None else f"{name} ring{ring[1]}x{ring[0]}"
 
 
@@ -299,8 +300,29 @@ def main_regs():
         jax.block_until_ready(variant_fn(*v)(*args))
 
 
+def main_quick(out_dir):
+    """tma-chunked v32 against the api path (tma v32 at 6 and 6144 tiles, ldg v32 at 768) at the shapes that
+    decide the launch table, CUPTI: a short GPU call. Writes OUT/kda_chunked.json."""
+    ref = jax.jit(reference.kda_decode)
+    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
+           "tma-chunked v32": variant_fn(32, "chunked", None)}
+    rows = []
+    for B, H in [(1, 6), (64, 12), (64, 96)]:
+        args = make_inputs(7, B, H)
+        want = ref(*args)
+        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6)
+        for name, f in fns.items():
+            row[name + "_max_err"] = max_err(f(*args), want)
+            row[name + "_us"] = device_us(f, *args)
+        rows.append(row)
+        print(row, flush=True)
+        pathlib.Path(out_dir, "kda_chunked.json").write_text(json.dumps(rows, indent=1))
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--regs"]:
+    if sys.argv[1:2] == ["--quick"]:
+        main_quick(sys.argv[2])
+    elif sys.argv[1:2] == ["--regs"]:
         main_regs()
     elif sys.argv[1:2] == ["--fla"]:
         main_fla(sys.argv[2])

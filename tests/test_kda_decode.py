@@ -134,7 +134,7 @@ def _variant(arch, tma, ring=None):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -258,7 +258,7 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, ring", [(False, None), (True, None), (True, (132, 3))])
+@pytest.mark.parametrize("tma, ring", [(False, None), (True, None), ("chunked", None), (True, (132, 3))])
 def test_kernel_lowers_for_cuda(arch, tma, ring):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)

@@ -53,22 +53,32 @@ def pick_launch(tuning, qkv_B3HK):
                 ring=None if ring is None else (ring["ctas"], ring["slots"]))
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False):
     """One CTA per (b, h). Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state,
-    conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv; scratch vec_smem (+ TMA tile, barrier)."""
+    conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv; scratch vec_smem (+ TMA tile, barrier;
+    chunked: one barrier per v_chunk column slice, each slice loaded and stored by its own TMA)."""
     n_in = 12 if fuse_gates else 10
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
     y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch = refs[n_in:]
     b = lax.axis_index("b")
     h = lax.axis_index("h")
 
-    if tma_scratch:  # the whole tile HBM -> SMEM by one TMA, issued first: in flight during the prologue
+    n_chunks = state_ref.shape[-1] // v_chunk
+    if tma_scratch:  # the tile HBM -> SMEM by TMA, issued first: in flight during the prologue
         tile_smem, tile_bar = tma_scratch
-        plgpu.copy_gmem_to_smem(state_ref.at[b, h], tile_smem, tile_bar)
+        if chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+            for c in range(n_chunks):
+                cols = pl.ds(c * v_chunk, v_chunk)
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, cols], tile_smem.at[c], tile_bar.at[c])
+        else:
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h], tile_smem, tile_bar)
 
     def load_state(c):  # columns [c*v_chunk, (c+1)*v_chunk) into registers
         cols = pl.ds(c * v_chunk, v_chunk)
         if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
+            if chunked:
+                plgpu.barrier_wait(tile_bar.at[c])
+                return plgpu.load(tile_smem.at[c], layout=tile_layout)
             return plgpu.load(tile_smem.at[:, cols], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, cols], layout=tile_layout, optimized=False)  # ld.global
 
@@ -77,7 +87,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
 
     def first_chunk():
         if tma_scratch:
-            plgpu.barrier_wait(tile_bar)
+            if not chunked:
+                plgpu.barrier_wait(tile_bar)
             return load_state(0)
         return S_0
 
@@ -90,15 +101,20 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False):
                            new_conv_ref.at[b, :, :, h], vec_smem, dtype)
 
     def store_state(c, S_new):
-        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
-            tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
+        cols = pl.ds(c * v_chunk, v_chunk)
+        if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
+            tile_smem.at[c][...] = S_new
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_ref.at[b, h, :, cols])
+        elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
+            tile_smem.at[:, cols][...] = S_new
         else:
-            new_state_ref.at[b, h, :, pl.ds(c * v_chunk, v_chunk)][...] = S_new
+            new_state_ref.at[b, h, :, cols][...] = S_new
 
     with jax.named_scope("recurrence"):
         _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
                     v_chunk=v_chunk, dtype=dtype)
-    if tma_scratch:
+    if tma_scratch and not chunked:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
     with jax.named_scope("gated_norm"):
@@ -263,7 +279,9 @@ _STATIC = ("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret", "profile
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
-    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers.
+    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
+    stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
+    lands, and each slice's write starts as soon as it is updated).
     ring=(ctas, slots): at most `ctas` persistent CTAs, each cycling its tiles through `slots` SMEM slots
     (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM). profile_dir: write Mosaic GPU's in-kernel trace
     of the named phases there (bench/kda_profile.py)."""
@@ -293,18 +311,23 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     V = state_BHKV.shape[-1]
     if V % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
-    if ring is not None and (not tma or ring[1] < 2):
+    if ring is not None and (tma is not True or ring[1] < 2):
         raise NotImplementedError(f"ring={ring} needs tma=True and >= 2 slots")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
-    body, grid, grid_names = functools.partial(_body, fuse_gates=fuse_gates), (B, H), ("b", "h")
+    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked")
+    grid, grid_names = (B, H), ("b", "h")
     if ring is not None:
         ctas, slots = min(ring[0], B * H), ring[1]
         body, grid, grid_names = _ring_body, (ctas,), ("cta",)
         scratch += [plgpu.SMEM((slots, K, V), F32, transforms=_SWIZZLED), plgpu.SMEM((slots, 3, K), dtype),
                     plgpu.SMEM((slots, 3, _CONV_TAPS - 1, K), dtype), plgpu.SMEM((slots, K), gate_in[0].dtype),
                     plgpu.SMEM((slots, K), gate_BHK.dtype), plgpu.Barrier(num_arrivals=5, num_barriers=slots)]
+    elif tma == "chunked":
+        # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
+        scratch += [plgpu.SMEM((V // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
+                    plgpu.Barrier(num_barriers=V // v_chunk)]
     elif tma:
         scratch += [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
