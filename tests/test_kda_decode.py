@@ -175,7 +175,7 @@ def test_gates_reference_matches_numpy(dtype):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
     """The decode kernel with the f_b and b projections inside (issue 6 stretch goal) vs the reference."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -241,7 +241,7 @@ def test_ring_needs_tma():
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 def test_fused_gates_lower_for_cuda(arch, tma):
     """The fused-gates kernel at a TP8 rank's real shape (R = 128, D = 7168), lowered (not run)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
