@@ -2,7 +2,8 @@
 # The queued device runs of bench/NOTES.md ("Queued for the next device session"), one group per device call,
 # each step under its own time limit so a hang cannot eat the call. On the device machine, from the repo root:
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
-#   bash bench/device_queue.sh kda           # nvidia-h200: KDA ring / fused gates tests + bench, verify B=64
+#   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants)
+#   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200-x2: mix_norm / KDA phases, mix_norm on 2 GPUs, B=1 HLO
 #   bash bench/device_queue.sh verify        # nvidia-h200-x2: fused projection tests + stress, TP2 model
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
@@ -31,7 +32,10 @@ case "${1:-}" in
   kda)
     step pytest_kda 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k on_gpu
     step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
-    step bench_verify 120 python3 bench/kda_verify.py --no-check --cases 64:12:8,64:6:4,8:12:8 --out "$work"
+    ;;
+  kda_verify)  # ran past 120 s and 150 s without a case in the fourth session: fewer compiles, more time
+    step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
+      --out "$work"
     ;;
   profile)  # fourth session: where the layer-boundary and KDA kernels' time goes; mix_norm online on 2 GPUs
     export JAX_PLATFORMS=cuda,cpu  # in-kernel traces come back through a host callback
@@ -57,7 +61,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh collectives|kda|profile|moe" >&2
+    echo "usage: bash bench/device_queue.sh collectives|kda|kda_verify|profile|verify|chunked|moe" >&2
     exit 2
     ;;
 esac

@@ -33,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=30, help="CUPTI-timed runs per case (median)")
     p.add_argument("--cases", default=None, help="B:H:T,... to time instead of the full matrix")
     p.add_argument("--no-check", action="store_true", help="skip the correctness pass at real shapes")
+    p.add_argument("--no-variants", action="store_true",
+                   help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)")
     return p.parse_args(argv)
 
 
@@ -101,7 +103,7 @@ def main(opts):
     variants = {("tma" if tma else "ldg"): (
         jax.jit(functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)),
         jax.jit(functools.partial(verify_kernel.commit, tile_layout=layout, v_chunk=32, tma=tma)))
-        for tma in VARIANTS}
+        for tma in ([] if opts.no_variants else VARIANTS)}
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    hbm_peak_Bps=HBM_PEAK, iterations=opts.iters, cases=[], correctness=[])
 
