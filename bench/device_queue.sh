@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The queued device runs of bench/NOTES.md ("Queued for the next device session"), one group per device call,
-# each step under its own time limit so a hang cannot eat the call. On the device machine, from the repo root:
-#   bash bench/device_queue.sh collectives   # nvidia-h200-x2: layer-boundary kernel tests + bench, diagnosis
+# Device runs, one group per device call (bench/NOTES.md says which are queued), each step under its own time
+# limit so a hang cannot eat the call. On the device machine, from the repo root:
+#   bash bench/device_queue.sh gpu2_tests    # nvidia-h200-x2: every 2-GPU test (collectives, fused projection,
+#                                            #   TP2 model vs XLA), ~4 min
+#   bash bench/device_queue.sh collectives   # nvidia-h200-x2: collectives bench (all rows), fused projection bench
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants)
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
-#   bash bench/device_queue.sh profile       # nvidia-h200-x2: mix_norm / KDA phases, mix_norm on 2 GPUs, B=1 HLO
-#   bash bench/device_queue.sh verify        # nvidia-h200-x2: fused projection tests + stress, TP2 model
+#   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
 set -u
@@ -23,11 +24,14 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop
 }
 
 case "${1:-}" in
+  gpu2_tests)
+    step pytest_collectives 200 python3 -m pytest -q -p no:cacheprovider tests/test_collectives.py \
+      tests/test_fused_projection.py
+    step pytest_tp2 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_gpu.py -k tp2
+    ;;
   collectives)
-    step pytest_mix 200 python3 -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "mix"
-    # every row again: until this run the bench's x was float32 (bf16 array * 0.01), i.e. twice the bytes
     step bench 330 python3 bench/collectives.py --bench --out "$work" --deadline-s 320
-    step diagnose_fused_projection 150 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 140
+    step bench_fused_projection 240 python3 bench/fused_projection.py --bench --out "$work" --deadline-s 230
     ;;
   kda)
     step pytest_kda 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k on_gpu
@@ -37,23 +41,10 @@ case "${1:-}" in
     step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
       --out "$work"
     ;;
-  profile)  # fourth session: where the layer-boundary and KDA kernels' time goes; mix_norm online on 2 GPUs
+  profile)
     export JAX_PLATFORMS=cuda,cpu  # in-kernel traces come back through a host callback
     step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
     step kda_profile 80 python3 bench/kda_profile.py "$work"
-    export JAX_PLATFORMS=cuda
-    step pytest_mix 120 python3 -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "mix"
-    step bench_mix 100 python3 bench/collectives.py --bench --ops psum_mix_norm,mix_norm --out "$work" \
-      --deadline-s 95
-    step diagnose_fused_projection 90 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 85
-    ;;
-  verify)  # fourth session: the fused projection with the stress oracle fixed; the TP2 model with online mix_norm
-    step pytest_fused_projection 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
-    step pytest_tp2 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_gpu.py -k tp2
-    step diagnose_fused_projection 80 python3 bench/fused_projection.py --diagnose --out "$work" --deadline-s 75
-    ;;
-  chunked)  # fourth session's last minutes: the KDA decode with one TMA per state slice, against the api path
-    step kda_chunked 100 python3 bench/kda_decode.py --quick "$work"
     ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
@@ -61,7 +52,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh collectives|kda|kda_verify|profile|verify|chunked|moe" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda|kda_verify|profile|moe" >&2
     exit 2
     ;;
 esac
