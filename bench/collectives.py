@@ -189,9 +189,12 @@ def variants():
                                                      block_bytes=4096)),
       "psum_add_rmsnorm": (3, lambda x, r, w: reference.all_reduce_add_rmsnorm(x, r, w, EPS, "tp")),
       "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", backend=ls)),
-      # a layer boundary: all-reduce + prefix update + AttnRes over MIX_BLOCKS stored blocks + RMSNorm
-      "psum_mix_norm": (4, lambda x, p, blk, w: reference.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp")),
-      "mix_norm": (4, lambda x, p, blk, w: api.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp", backend=ls)),
+      # a layer boundary: all-reduce + prefix update + AttnRes over MIX_BLOCKS stored blocks (each its own
+      # operand, as the model holds them) + RMSNorm
+      "psum_mix_norm": (3 + MIX_BLOCKS, lambda x, p, w, *blk: reference.all_reduce_mix_norm(
+          x, p, blk, w, w, w, EPS, "tp")),
+      "mix_norm": (3 + MIX_BLOCKS, lambda x, p, w, *blk: api.all_reduce_mix_norm(
+          x, p, blk, w, w, w, EPS, "tp", backend=ls)),
   }
 
 
@@ -213,12 +216,9 @@ def time_variant(mesh, name, b, d, repeats=5):
   f, put = sharded(mesh, chain, n_in)
   rng = np.random.default_rng(0)
   args = [(rng.standard_normal((mesh.size, b, d)) * 0.01).astype(BF16)]  # bf16 * float is float32
-  if n_in >= 3:
-    args += [rng.standard_normal((mesh.size, b, d)).astype(BF16)]
-  if n_in == 4:
-    args += [rng.standard_normal((mesh.size, MIX_BLOCKS, b, d)).astype(BF16)]
-  if n_in >= 3:
-    args += [np.ones((mesh.size, d), BF16)]
+  if n_in >= 3:  # residual / prefix, norm weight, then the stored blocks
+    args += [rng.standard_normal((mesh.size, b, d)).astype(BF16), np.ones((mesh.size, d), BF16)]
+  args += [rng.standard_normal((mesh.size, b, d)).astype(BF16) for _ in range(n_in - len(args))]
   args = put(*args)
   per_call, kernels = [], {}
   for _ in range(repeats):

@@ -29,7 +29,7 @@ BF16 = ml_dtypes.bfloat16
 def inputs(rng, b, n_blocks):
   x = rng.standard_normal((b, D)).astype(BF16)
   p = rng.standard_normal((b, D)).astype(BF16)
-  blk = rng.standard_normal((n_blocks, b, D)).astype(BF16) if n_blocks else None
+  blk = tuple(rng.standard_normal((b, D)).astype(BF16) for _ in range(n_blocks))  # as the model holds them
   q = (rng.standard_normal(D) / np.sqrt(D)).astype(np.float32)
   w = (1 + 0.1 * rng.standard_normal(D)).astype(BF16)
   return x, p, blk, q, w
@@ -37,10 +37,10 @@ def inputs(rng, b, n_blocks):
 
 def kernel_fn(n_blocks, profile_dir="", online=True):
   def f(x, p, blk, q, w):
-    t = lambda a: None if a is None else a.reshape(*a.shape[:-1], D // C, C)  # noqa: E731
-    return mix_norm.mix_norm(t(x), t(p), t(blk), t(q), t(w), EPS, axis_name="tp", n=1,
+    t = lambda a: a.reshape(*a.shape[:-1], D // C, C)  # noqa: E731
+    return mix_norm.mix_norm(t(x), t(p), [t(b) for b in blk], t(q), t(w), EPS, axis_name="tp", n=1,
                              profile_dir=profile_dir, online=online)
-  return jax.jit(f) if n_blocks else jax.jit(lambda x, p, blk, q, w: f(x, p, None, q, w))
+  return jax.jit(f)
 
 
 def xla_fn(x, p, blk, q, w):
@@ -66,7 +66,7 @@ def main():
   results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=[], phases={})
   for b in (1, 8):
     for n_blocks in (0, 1, 4, 8):
-      args = [None if a is None else jnp.asarray(a) for a in inputs(rng, b, n_blocks)]
+      args = jax.tree.map(jnp.asarray, inputs(rng, b, n_blocks))
       k_us, _ = device_us(kernel_fn(n_blocks), args)
       k2_us, _ = device_us(kernel_fn(n_blocks, online=False), args)
       x_us, x_kernels = device_us(jax.jit(xla_fn), args)
@@ -79,7 +79,7 @@ def main():
     name = f"B1 blocks{n_blocks} {'online' if online else 'two-pass'}"
     tdir = os.path.join(out, "trace " + name)
     os.makedirs(tdir, exist_ok=True)
-    args = [None if a is None else jnp.asarray(a) for a in inputs(rng, 1, n_blocks)]
+    args = jax.tree.map(jnp.asarray, inputs(rng, 1, n_blocks))
     jax.block_until_ready(kernel_fn(n_blocks, tdir, online)(*args))
     results["phases"][name] = phases(tdir)
     print("phases", name, results["phases"][name], flush=True)

@@ -199,7 +199,7 @@ def _mix_call(mesh, x, p, blocks, weights, backend):
   def per_rank(v, *rest):
     rest = list(rest)
     pv = rest.pop(0) if p is not None else None
-    bv = rest.pop(0) if blocks is not None else None
+    bv = tuple(rest.pop(0)) if blocks is not None else None  # [N, ...] -> N blocks, as the model holds them
     return api.all_reduce_mix_norm(v, pv, bv, *rest, 1e-5, "tp", backend=backend)
 
   return _sharded(mesh, per_rank, len(operands), 2), operands
@@ -221,13 +221,12 @@ def _assert_mix_close(new, normed, ref_new, ref_normed):
 def test_plan_mix_norm():
   ok = dict(x_dtype=jnp.bfloat16, n=2, platform="gpu")
   for b, d, p, nb in [(1, 7168, True, 8), (64, 7168, False, 1), (8, 3584, False, 0)]:
-    plan = api.plan_mix_norm((b, d), prefix_shape=(b, d) if p else None,
-                             blocks_shape=(nb, b, d) if nb else None, **ok)
+    plan = api.plan_mix_norm((b, d), prefix_shape=(b, d) if p else None, block_shapes=[(b, d)] * nb, **ok)
     assert plan.algorithm == "mix_norm" and plan.block_rows == d // 128
   for kw in [dict(platform="cpu"), dict(n=1), dict(x_dtype=jnp.int32), dict(prefix_shape=(2, 7168)),
-             dict(blocks_shape=(3, 2, 7168)), dict(x_shape=(1, 7000)), dict(x_shape=(1, 16384)),
-             dict(x_dtype=jnp.float32, blocks_shape=(8, 1, 7168))]:  # 8 fp32 blocks overflow SMEM
-    args = dict(ok, x_shape=(1, 7168), prefix_shape=(1, 7168), blocks_shape=(3, 1, 7168)) | kw
+             dict(block_shapes=[(1, 7168), (2, 7168)]), dict(x_shape=(1, 7000)), dict(x_shape=(1, 16384)),
+             dict(x_dtype=jnp.float32, block_shapes=[(1, 7168)] * 8)]:  # 8 fp32 blocks overflow SMEM
+    args = dict(ok, x_shape=(1, 7168), prefix_shape=(1, 7168), block_shapes=[(1, 7168)] * 3) | kw
     assert api.plan_mix_norm(**args).algorithm == "xla", kw
 
 
@@ -260,7 +259,8 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
   tile = lambda a: None if a is None else jnp.asarray(a).reshape(*a.shape[:-1], q, 128)  # noqa: E731
   mix_q = rn.astype(np.float32) * rp.astype(np.float32)
   with abstract_gpu("sm90"):
-    new, normed = mix_norm.mix_norm(tile(x[0]), tile(p), tile(blocks), tile(mix_q), tile(w), 1e-5,
+    new, normed = mix_norm.mix_norm(tile(x[0]), tile(p), [] if blocks is None else [tile(b) for b in blocks],
+                                    tile(mix_q), tile(w), 1e-5,
                                     axis_name="tp", n=1, interpret=plgpu.InterpretGPUParams(detect_races=True),
                                     online=online)
   assert not get_races().races_found
@@ -282,14 +282,13 @@ def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_bloc
                                    abstract_device=device)
   spec = jax.sharding.NamedSharding(mesh, P("tp"))
   d = 7168 if dtype == jnp.bfloat16 else 512
-  shapes = [(n, b, d)] + ([(n, b, d)] if prefix else []) + ([(n, n_blocks, b, d)] if n_blocks else [])
-  shapes += [(n, d)] * 3
+  shapes = [(n, b, d)] * (1 + prefix + n_blocks) + [(n, d)] * 3  # x, prefix, each block, weights
   args = [jax.ShapeDtypeStruct(s, dtype, sharding=spec) for s in shapes]
 
   def per_rank(v, *rest):
     rest = [a[0] for a in rest]
     pv = rest.pop(0) if prefix else None
-    bv = rest.pop(0) if n_blocks else None
+    bv = [rest.pop(0) for _ in range(n_blocks)]
     new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", backend="latency_specialized")
     return new[None], normed[None]
 
@@ -298,6 +297,7 @@ def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_bloc
   with jax.sharding.use_abstract_mesh(mesh):
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "stablehlo.all_reduce" not in text
+  assert "stablehlo.concatenate" not in text  # the blocks go in as they are: no stacked copy per boundary
 
 
 # --------------------------------------------------------------------------------- GPU: the kernels
@@ -385,7 +385,7 @@ def test_pallas_mix_norm_back_to_back(rng):
 
   def loop(x, p, blocks, rn, rp, w, xl, wl):
     def body(i, out):
-      new, normed = api.all_reduce_mix_norm(x[i], p[i], blocks[i], rn, rp, w, 1e-5, "tp",
+      new, normed = api.all_reduce_mix_norm(x[i], p[i], tuple(blocks[i]), rn, rp, w, 1e-5, "tp",
                                             backend="latency_specialized")
       lat = api.all_reduce_mix_norm(xl[i], None, None, wl, wl, wl, 1e-5, "tp", backend="latency_specialized")
       return tuple(o.at[i].set(v) for o, v in zip(out, (new, normed, *lat), strict=True))

@@ -22,9 +22,8 @@ def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=N
         from pallas_kernels.collectives import api
 
         comm.counts[what] += 1
-        stacked = jnp.stack(blocks) if blocks else None
         res_norm, res_proj = (mix["norm"], mix["proj"]) if blocks else (None, None)
-        return api.all_reduce_mix_norm(part, prefix, stacked, res_norm, res_proj, norm_w, eps, comm.axis,
+        return api.all_reduce_mix_norm(part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis,
                                        backend=comm.backend)
     a = comm.all_reduce(part, what)
     new = a if prefix is None else prefix + a

@@ -167,19 +167,20 @@ MAX_MIX_LANE_ROWS = 64  # D <= 8192: a token row is 64 fp32 values per thread fo
 MIX_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA: bf16 K3 (8 blocks + prefix) stages 172 KB
 
 
-def plan_mix_norm(x_shape, x_dtype, prefix_shape, blocks_shape, n, platform):
-  """Whether the layer-boundary kernel (mix_norm.py) takes these per-rank operands; pure, tested on CPU."""
+def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform):
+  """Whether the layer-boundary kernel (mix_norm.py) takes these per-rank operands (block_shapes: one shape
+  per stored block); pure, tested on CPU."""
   reason = _common_reason(x_dtype, n, platform)
   d = x_shape[-1] if x_shape else 0
   if not reason and prefix_shape is not None and tuple(prefix_shape) != tuple(x_shape):
     reason = f"prefix{prefix_shape} is not shaped like x{x_shape}"
-  if not reason and blocks_shape is not None and tuple(blocks_shape[1:]) != tuple(x_shape):
-    reason = f"blocks{blocks_shape} are not [N, *x{x_shape}]"
+  if not reason and any(tuple(s) != tuple(x_shape) for s in block_shapes):
+    reason = f"blocks {list(block_shapes)} are not shaped like x{x_shape}"
   if not reason and (d % LANES or d // LANES > MAX_MIX_LANE_ROWS or math.prod(x_shape) == 0):
     reason = f"feature size {d}"
   if not reason:
     from pallas_kernels.collectives import mix_norm
-    n_blocks = 0 if blocks_shape is None else blocks_shape[0]
+    n_blocks = len(block_shapes)
     smem = mix_norm.smem_bytes(d // LANES, LANES, n_blocks, prefix_shape is not None, jnp.dtype(x_dtype).itemsize)
     if smem > MIX_SMEM_BUDGET:
       reason = f"{n_blocks} blocks of {d} x {jnp.dtype(x_dtype).name} need {smem} B of SMEM per CTA"
@@ -192,13 +193,16 @@ def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_
                         backend="xla", skip_barrier=False):
   """A layer boundary in one launch: (P', normed) with a = allreduce(x_partial), P' = a or round(prefix + a),
   normed = RMSNorm(AttnRes(blocks + [P'])) * norm_w (reference.mix_norm has the exact maths). prefix None:
-  a block boundary; blocks None: no AttnRes (res_norm_w / res_proj_w unused), e.g. routed_expert_norm."""
+  a block boundary; blocks: the stored blocks, a sequence of arrays shaped like x_partial (each its own kernel
+  operand: no stacked copy per boundary); empty or None: no AttnRes (res_norm_w / res_proj_w unused), e.g.
+  routed_expert_norm."""
   if backend not in ("xla", "latency_specialized"):
     raise ValueError(f"unknown backend {backend}")
+  blocks = tuple(blocks or ())
   plan = Plan("xla", reason="backend xla")
   if backend == "latency_specialized":
     plan = plan_mix_norm(x_partial.shape, x_partial.dtype, None if prefix is None else prefix.shape,
-                         None if blocks is None else blocks.shape, lax.axis_size(axis_name), _platform())
+                         [b.shape for b in blocks], lax.axis_size(axis_name), _platform())
     if plan.algorithm == "xla":
       _log_fallback_once(plan.reason)
   if plan.algorithm == "xla":
@@ -208,10 +212,11 @@ def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_
 
   q, shape, dtype = plan.block_rows, x_partial.shape, x_partial.dtype
   tile = lambda a: None if a is None else a.reshape(*a.shape[:a.ndim - len(shape)], -1, q, LANES)  # noqa: E731
-  mix_q = (jnp.ones(shape[-1], jnp.float32) if blocks is None
-           else res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32))
+  mix_q = (res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32) if blocks
+           else jnp.ones(shape[-1], jnp.float32))
   new, normed = mix_norm.mix_norm(
-      tile(x_partial), tile(prefix), tile(blocks), mix_q.reshape(q, LANES), norm_w.astype(dtype).reshape(q, LANES),
+      tile(x_partial), tile(prefix), [tile(b) for b in blocks], mix_q.reshape(q, LANES),
+      norm_w.astype(dtype).reshape(q, LANES),
       eps, axis_name=axis_name, n=lax.axis_size(axis_name), skip_barrier=skip_barrier)
   return new.reshape(shape), normed.reshape(shape)
 

@@ -87,10 +87,11 @@ def smem_bytes(Q, C, N, has_prefix, itemsize):
   return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
 
 
-def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
+def mix_norm(x_BQC, prefix_BQC, blocks, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
              interpret=None, profile_dir="", online=True):
-  """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC / blocks_NBQC may be None; w_QC in x's
-  dtype, q_QC in fp32.
+  """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC may be None; blocks: the N stored blocks,
+  a sequence of [B, Q, C] arrays (each its own operand, so the caller's list needs no stacked copy), may be
+  empty; w_QC in x's dtype, q_QC in fp32.
 
   The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
   behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM.
@@ -98,14 +99,15 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
   profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
   B, Q, C = x_BQC.shape
   dtype = x_BQC.dtype
-  has_prefix, N = prefix_BQC is not None, 0 if blocks_NBQC is None else blocks_NBQC.shape[0]
+  blocks = tuple(blocks or ())
+  has_prefix, N = prefix_BQC is not None, len(blocks)
   exchange = n > 1
 
   def body(*refs):
     refs = list(refs)
     x_gmem = refs.pop(0)
     prefix_gmem = refs.pop(0) if has_prefix else None
-    blocks_gmem = refs.pop(0) if N else None
+    blocks_gmem = [refs.pop(0) for _ in range(N)]
     q_gmem, w_gmem, new_gmem, normed_gmem = refs[:4]
     refs = refs[4:]
     recv_gmem = refs.pop(0) if exchange else None
@@ -118,7 +120,7 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
     # Everything the epilogue reads, in flight while the partials are exchanged (one barrier counts all).
     loads = [(q_gmem, q_smem), (w_gmem, w_smem)]
     loads += [(prefix_gmem.at[b], prefix_smem)] if has_prefix else []
-    loads += [(blocks_gmem.at[:, b], blocks_smem)] if N else []
+    loads += [(blk.at[b], blocks_smem.at[i]) for i, blk in enumerate(blocks_gmem)]
     for src, dst in loads:
       plgpu.copy_gmem_to_smem(src, dst, bar)
 
@@ -144,10 +146,10 @@ def mix_norm(x_BQC, prefix_BQC, blocks_NBQC, q_QC, w_QC, eps, *, axis_name, n, s
   if exchange:
     out_type.append(jax.ShapeDtypeStruct((n, B, Q, C), dtype))
   scratch += [plgpu.SMEM((Q, C), F32), plgpu.SMEM((Q, C), dtype),
-              plgpu.Barrier(num_arrivals=2 + has_prefix + bool(N))]
+              plgpu.Barrier(num_arrivals=2 + has_prefix + N)]
   scratch += [plgpu.SMEM((Q, C), dtype)] if has_prefix else []
   scratch += [plgpu.SMEM((N, Q, C), dtype)] if N else []
-  operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + ([blocks_NBQC] if N else [])
+  operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + list(blocks)
   outs = plgpu.kernel(
       body,
       out_type=tuple(out_type),

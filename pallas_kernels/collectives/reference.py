@@ -46,14 +46,15 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp"):
 
 def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps):
   """A layer boundary after an all-reduce (K3_SPEC §2.1-2.3), with a = the all-reduced sublayer output:
-  P' = a (no prefix: block boundary) or round(P + a); h = AttnRes(blocks + [P']) (P' without blocks);
-  returns (P', RMSNorm(h) * w). AttnRes in fp32 with one rounding; HF RMSNorm order (w in h's dtype)."""
+  P' = a (no prefix: block boundary) or round(P + a); h = AttnRes(blocks + [P']) (P' without blocks; blocks is
+  a sequence of arrays shaped like a, or None); returns (P', RMSNorm(h) * w). AttnRes in fp32 with one
+  rounding; HF RMSNorm order (w in h's dtype)."""
   dtype = a.dtype
   new = a if prefix is None else (prefix.astype(jnp.float32) + a.astype(jnp.float32)).astype(dtype)
-  if blocks is None:
+  if not blocks:
     h = new
   else:
-    v = jnp.concatenate([blocks.astype(jnp.float32), new[None].astype(jnp.float32)])  # [N, ..., D]
+    v = jnp.stack([b.astype(jnp.float32) for b in (*blocks, new)])  # [N + 1, ..., D]
     q = res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     score = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps) * jnp.einsum("n...d,d->n...", v, q, precision=hp)
