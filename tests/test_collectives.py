@@ -268,22 +268,30 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
   _assert_mix_close(np.asarray(new).reshape(b, -1), np.asarray(normed).reshape(b, -1), ref_new, ref_normed)
 
 
-@pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
-@pytest.mark.parametrize("n, b, prefix, n_blocks, dtype", [
-    (2, 1, True, 8, jnp.bfloat16), (2, 64, False, 1, jnp.bfloat16), (4, 8, False, 0, jnp.bfloat16),
-    (2, 3, True, 2, jnp.float32)])
-def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks, dtype):
-  """api -> the exchange kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA (not run);
-  float32 is what the TP2 float32 GPU model test runs."""
+def _lower_for_cuda(monkeypatch, n, per_rank, shapes, dtype):
+  """StableHLO text of jit(shard_map(per_rank)) over per-rank operands [n, *shape] on an abstract n x H100
+  mesh, lowered for CUDA (not run; the api plans as on a GPU). per_rank gets [1, ...] slices."""
   from kernel_testbase import DEVICE_KINDS
   monkeypatch.setattr(api, "_platform", lambda: "gpu")
   device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS["sm90"], platform="gpu", num_cores=8)
   mesh = jax.sharding.AbstractMesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
                                    abstract_device=device)
   spec = jax.sharding.NamedSharding(mesh, P("tp"))
-  d = 7168 if dtype == jnp.bfloat16 else 512
-  shapes = [(n, b, d)] * (1 + prefix + n_blocks) + [(n, d)] * 3  # x, prefix, each block, weights
   args = [jax.ShapeDtypeStruct(s, dtype, sharding=spec) for s in shapes]
+  f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=(P("tp"),) * 2,
+                            check_vma=False))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
+@pytest.mark.parametrize("n, b, prefix, n_blocks, dtype", [
+    (2, 1, True, 8, jnp.bfloat16), (2, 64, False, 1, jnp.bfloat16), (4, 8, False, 0, jnp.bfloat16),
+    (2, 3, True, 2, jnp.float32)])
+def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks, dtype):
+  """api -> the exchange kernel inside shard_map, lowered for CUDA; float32 is what the TP2 float32 GPU model
+  test runs."""
+  d = 7168 if dtype == jnp.bfloat16 else 512
 
   def per_rank(v, *rest):
     rest = [a[0] for a in rest]
@@ -292,12 +300,37 @@ def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_bloc
     new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", backend="latency_specialized")
     return new[None], normed[None]
 
-  f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=(P("tp"),) * 2,
-                            check_vma=False))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  # x, prefix, each block, weights
+  text = _lower_for_cuda(monkeypatch, n, per_rank, [(n, b, d)] * (1 + prefix + n_blocks) + [(n, d)] * 3, dtype)
   assert "mosaic_gpu" in text and "stablehlo.all_reduce" not in text
   assert "stablehlo.concatenate" not in text  # the blocks go in as they are: no stacked copy per boundary
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
+@pytest.mark.parametrize("backend, n_blocks", [("latency_specialized", 3), ("latency_specialized", 0),
+                                               ("xla", 3)])
+def test_model_boundary_is_one_kernel(monkeypatch, backend, n_blocks):
+  """The model's layer boundary (k3jax.layers.boundary.join, the stored blocks as the trunk's list) under a
+  sharded Comm: with latency_specialized one Mosaic GPU launch and nothing else collective, no stacked copy
+  of the blocks; with xla the NCCL all-reduce and no Mosaic kernel."""
+  from k3jax.comm import Comm
+  from k3jax.layers import boundary
+  b, d = 2, 7168
+
+  def per_rank(part, prefix, *rest):
+    rest = [a[0] for a in rest]
+    blocks, (rn, rp, w) = rest[:n_blocks], rest[n_blocks:]
+    comm = Comm("tp", backend)
+    new, normed = boundary.join(comm, part[0], w, 1e-5, "attn_out", prefix[0], blocks, {"norm": rn, "proj": rp})
+    assert comm.counts == {"attn_out": 1}
+    return new[None], normed[None]
+
+  text = _lower_for_cuda(monkeypatch, 2, per_rank, [(2, b, d)] * (2 + n_blocks) + [(2, d)] * 3, jnp.bfloat16)
+  mosaic_calls = text.count("@mosaic_gpu")
+  if backend == "latency_specialized":
+    assert mosaic_calls == 1 and "stablehlo.all_reduce" not in text and "stablehlo.concatenate" not in text
+  else:
+    assert mosaic_calls == 0 and "stablehlo.all_reduce" in text
 
 
 # --------------------------------------------------------------------------------- GPU: the kernels
