@@ -88,19 +88,22 @@ def smem_bytes(Q, C, N, has_prefix, itemsize):
 
 
 def mix_norm(x_BQC, prefix_BQC, blocks, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
-             interpret=None, profile_dir="", online=True):
+             interpret=None, profile_dir="", online=None):
   """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC may be None; blocks: the N stored blocks,
   a sequence of [B, Q, C] arrays (each its own operand, so the caller's list needs no stacked copy), may be
   empty; w_QC in x's dtype, q_QC in fp32.
 
   The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
   behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM.
-  online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes.
+  online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
+  default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
+  5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
   profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
   B, Q, C = x_BQC.shape
   dtype = x_BQC.dtype
   blocks = tuple(blocks or ())
   has_prefix, N = prefix_BQC is not None, len(blocks)
+  online = N > 1 if online is None else online
   exchange = n > 1
 
   def body(*refs):
