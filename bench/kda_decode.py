@@ -114,20 +114,17 @@ def fla_case(fwd, args):
     return total / ITERS, err
 
 
-# Same kernel, other launch shapes: (v_chunk, tma, ring). The api row is whatever tuning.json picks.
-# ring (ctas, slots): persistent CTAs over a TMA ring; 132 = one CTA per H200 SM (3 slots fill its SMEM).
+# Same kernel, other launch shapes: (v_chunk, tma). The api row is whatever tuning.json picks.
 # tma "chunked": one TMA load and store per v_chunk slice instead of one per tile.
-VARIANTS = [(32, False, None), (128, False, None), (32, True, None), (64, True, None), (128, True, None),
-            (32, "chunked", None), (32, True, (132, 3)), (32, True, (132, 2))]
+VARIANTS = [(32, False), (128, False), (32, True), (64, True), (128, True), (32, "chunked")]
 
 
-def variant_name(v_chunk, tma, ring=None):
-    name = f"{'tma-chunked' if tma == 'chunked' else 'tma' if tma else 'ldg'} v{v_chunk}"
-    return name if ring is None else f"{name} ring{ring[1]}x{ring[0]}"
+def variant_name(v_chunk, tma):
+    return f"{'tma-chunked' if tma == 'chunked' else 'tma' if tma else 'ldg'} v{v_chunk}"
 
 
-def variant_fn(v_chunk, tma, ring):
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, ring=ring,
+def variant_fn(v_chunk, tma):
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma,
                                      tile_layout=kernel.plgpu.Layout.WGMMA))
 
 
@@ -305,7 +302,7 @@ def main_quick(out_dir):
     decide the launch table, CUPTI: a short GPU call. Writes OUT/kda_chunked.json."""
     ref = jax.jit(reference.kda_decode)
     fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
-           "tma-chunked v32": variant_fn(32, "chunked", None)}
+           "tma-chunked v32": variant_fn(32, "chunked")}
     rows = []
     for B, H in [(1, 6), (64, 12), (64, 96)]:
         args = make_inputs(7, B, H)

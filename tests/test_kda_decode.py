@@ -121,14 +121,14 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, ring=None):
-    """A body's kernel with its tuned tile layout and a given staging (direct ld/st.global, TMA via SMEM, or
-    persistent CTAs over a TMA ring)."""
+def _variant(arch, tma):
+    """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
+    of the whole tile via SMEM, or one TMA per column slice)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
-    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma, ring=ring)
+    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)
 
 
 @cpu_only
@@ -214,33 +214,6 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("slots", [2, 3])
-def test_ring_interpret_matches_reference(arch, slots):
-    """Persistent CTAs over a TMA ring: 2 CTAs walk 9 tiles (5 and 4), so slots are reused and the ring wraps;
-    fresh random inputs, bf16 or f32 drawn per run."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-    r = rng()
-    dtype = ("bf16", "f32")[int(r.integers(2))]
-    x = make_inputs(r, 3, 3, 128, DTYPES[dtype])
-    want = reference.kda_decode(*args_of(x))
-    with abstract_gpu(arch):
-        got = _variant(arch, True, ring=(2, slots))(*args_of(x),
-                                                    interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not get_races().races_found
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert_close(a, b, **TOL[dtype], what=f"{name} ({dtype})")
-
-
-def test_ring_needs_tma():
-    x = make_inputs(rng(), 1, 2, 128, jnp.float32)
-    with abstract_gpu("sm90"), pytest.raises(NotImplementedError, match="ring"):
-        _variant("sm90", False, ring=(2, 3))(*args_of(x))
-
-
-@cpu_only
-@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
 def test_fused_gates_lower_for_cuda(arch, tma):
     """The fused-gates kernel at a TP8 rank's real shape (R = 128, D = 7168), lowered (not run)."""
@@ -258,12 +231,12 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, ring", [(False, None), (True, None), ("chunked", None), (True, (132, 3))])
-def test_kernel_lowers_for_cuda(arch, tma, ring):
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
+def test_kernel_lowers_for_cuda(arch, tma):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        lowered = jax.jit(_variant(arch, tma, ring)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(_variant(arch, tma)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
 
@@ -272,11 +245,10 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     from pallas_kernels.kda_decode import kernel
     tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
                                             {"max_tiles": 64, "v_chunk": 64, "tma": False},
-                                            {"max_tiles": None, "v_chunk": 32, "tma": True,
-                                             "ring": {"ctas": 132, "slots": 3}}]}
-    for B, H, want in [(1, 4, (16, True, None)), (1, 5, (64, False, None)), (64, 96, (32, True, (132, 3)))]:
+                                            {"max_tiles": None, "v_chunk": 32, "tma": "chunked"}]}
+    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (64, 96, (32, "chunked"))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
-        assert (got["v_chunk"], got["tma"], got["ring"]) == want, (B, H, got)
+        assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
 
 
 def test_api_body_runs_its_tuning():
@@ -309,12 +281,13 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("B, H, slots", [(8, 12, 3), (64, 12, 3), (64, 96, 2)])
-def test_ring_on_gpu_matches_reference(B, H, slots, dtype):
-    """The persistent ring at real shapes (f32 fills 216 of 227 KiB of SMEM with 3 slots)."""
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("B, H", [(1, 6), (64, 12)])
+def test_stagings_on_gpu_match_reference(B, H, tma, dtype):
+    """Every state staging at real shapes, whichever the tuning picks for them."""
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
-    got = jax.jit(_variant("sm90", True, ring=(132, slots)))(*args_of(x))
+    got = jax.jit(_variant("sm90", tma))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 

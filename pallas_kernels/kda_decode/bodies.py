@@ -34,7 +34,7 @@ def entry_points(tuning: dict):
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         launch = kernel.pick_launch(tuning, qkv_B3HK)
-        if qkv_B3HK.shape[0] <= tuning.get("fuse_gates_max_batch", 0) and launch["ring"] is None:
+        if qkv_B3HK.shape[0] <= tuning.get("fuse_gates_max_batch", 0):
             return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
                                        **launch)
         dt = x_BD.dtype

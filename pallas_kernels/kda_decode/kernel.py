@@ -48,9 +48,7 @@ def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
-    ring = entry.get("ring")  # {"ctas": .., "slots": ..}: persistent CTAs over a TMA ring (decode only)
-    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
-                ring=None if ring is None else (ring["ctas"], ring["slots"]))
+    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"])
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False):
@@ -124,66 +122,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
 
 
-def _ring_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
-               y_ref, new_state_ref, new_conv_ref, vec_smem, tiles_smem, qkv_smem, conv_smem, f_smem, gate_smem,
-               bars, *, tile_layout, v_chunk, eps, dtype):
-    """Persistent variant: a fixed grid of CTAs, each walking the tiles cta, cta + ctas, ... through a ring of
-    `slots` SMEM slots. A slot holds a tile's state and its O(K) inputs, loaded by TMA `slots - 1` tiles ahead,
-    so with 3 slots the next tile's bytes are in flight while this one is computed and stored (a
-    one-CTA-per-tile grid loads, computes and stores in lockstep when there are ~1-5 waves). With 2 slots the
-    next load only overlaps this tile's store and norm. The state is updated in place in the slot and
-    TMA-stored; the slot is reloaded once that store has read it."""
-    slots = tiles_smem.shape[0]
-    H = qkv_ref.shape[2]
-    n_tiles = qkv_ref.shape[0] * H
-    cta, ctas = lax.axis_index("cta"), lax.axis_size("cta")
-    n_mine = (n_tiles - cta + ctas - 1) // ctas  # tiles cta, cta + ctas, ... < n_tiles
-
-    def tile_bh(i):
-        t = cta + i * ctas
-        return t // H, t % H
-
-    def issue(i):  # the i-th tile of this CTA -> slot i % slots; one barrier counts all five copies
-        s, (b, h) = i % slots, tile_bh(i)
-        for src, dst in ((state_ref.at[b, h], tiles_smem), (qkv_ref.at[b, :, h], qkv_smem),
-                         (conv_ref.at[b, :, :, h], conv_smem), (f_ref.at[b, h], f_smem),
-                         (gate_ref.at[b, h], gate_smem)):
-            plgpu.copy_gmem_to_smem(src, dst.at[s], bars.at[s])
-
-    for j in range(slots - 1):
-        @pl.when(j < n_mine)
-        def _prime(j=j):  # pl.when runs the body at trace time; j is bound for the linter
-            issue(j)
-
-    @pl.loop(0, n_mine)
-    def _tile(i):
-        s, (b, h) = i % slots, tile_bh(i)
-        tile = tiles_smem.at[s]
-        o_gain = _prologue_after(bars.at[s], qkv_smem.at[s], conv_smem.at[s], f_smem.at[s], beta_ref[b, h],
-                                 w_ref, alog_ref, dtb_ref, h, new_conv_ref.at[b, :, :, h], vec_smem, dtype)
-
-        def load_state(c):
-            return plgpu.load(tile.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
-
-        def store_state(c, S_new):
-            tile.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
-
-        _recurrence(lambda: load_state(0), load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, dtype=dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile, new_state_ref.at[b, h])
-        _gated_norm(vec_smem, gate_smem.at[s], onw_ref, y_ref.at[b, h], eps, dtype)
-        # Tile i + slots - 1 goes into tile i - 1's slot: that tile's store (issued one tile ago, so long
-        # done) must have read it; only this tile's store may still be reading.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-
-        @pl.when(i + slots - 1 < n_mine)
-        def _next():
-            issue(i + slots - 1)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
     """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
     f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
@@ -202,16 +140,10 @@ def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
     return vec_smem.at[6], jnp.sum(acc).astype(dtype)
 
 
-def _prologue_after(bar, *args):
-    """_prologue once the slot's TMA loads (state tile and O(K) inputs) have landed."""
-    plgpu.barrier_wait(bar)
-    return _prologue(*args)
-
-
 def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv_33K, vec_smem, dtype):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
     (§4.3). Writes the new conv window, leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
-    beta (k̂ · q̂) of the output correction. Inputs are refs (GMEM, or SMEM where the ring staged them)."""
+    beta (k̂ · q̂) of the output correction. Inputs are GMEM refs."""
     K = vec_smem.shape[-1]
     x = []
     for i in range(3):
@@ -272,59 +204,49 @@ def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "ring", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None, profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
-    lands, and each slice's write starts as soon as it is updated).
-    ring=(ctas, slots): at most `ctas` persistent CTAs, each cycling its tiles through `slots` SMEM slots
-    (TMA only; 3 slots = 192 KiB + inputs, one CTA per SM). profile_dir: write Mosaic GPU's in-kernel trace
-    of the named phases there (bench/kda_profile.py)."""
+    lands, and each slice's write starts as soon as it is updated). A persistent variant (a ring of SMEM slots
+    per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, ring=ring,
+                   dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    interpret=interpret, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, ring=None, interpret=None,
+                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None,
                  profile_dir=""):
-    """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer. One CTA
-    per (b, h) only (no ring); fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
-    if ring is not None or x_BD.shape[1] % qkv_B3HK.shape[-1]:
-        raise NotImplementedError(f"fused gates: ring={ring}, f_b {f_b_RHK.shape}, x {x_BD.shape}")
+    """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
+    fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
+    if x_BD.shape[1] % qkv_B3HK.shape[-1]:
+        raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, ring=None, interpret=interpret, profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, ring, interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
     if V % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
-    if ring is not None and (tma is not True or ring[1] < 2):
-        raise NotImplementedError(f"ring={ring} needs tma=True and >= 2 slots")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked")
-    grid, grid_names = (B, H), ("b", "h")
-    if ring is not None:
-        ctas, slots = min(ring[0], B * H), ring[1]
-        body, grid, grid_names = _ring_body, (ctas,), ("cta",)
-        scratch += [plgpu.SMEM((slots, K, V), F32, transforms=_SWIZZLED), plgpu.SMEM((slots, 3, K), dtype),
-                    plgpu.SMEM((slots, 3, _CONV_TAPS - 1, K), dtype), plgpu.SMEM((slots, K), gate_in[0].dtype),
-                    plgpu.SMEM((slots, K), gate_BHK.dtype), plgpu.Barrier(num_arrivals=5, num_barriers=slots)]
-    elif tma == "chunked":
+    if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         scratch += [plgpu.SMEM((V // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
                     plgpu.Barrier(num_barriers=V // v_chunk)]
@@ -335,7 +257,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                   jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
         scratch_types=scratch,
-        grid=grid, grid_names=grid_names,
+        grid=(B, H), grid_names=("b", "h"),
         compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0,
                                             profile_dir=profile_dir),
         interpret=interpret,
