@@ -94,7 +94,7 @@ def mix_norm(x_BQC, prefix_BQC, blocks, q_QC, w_QC, eps, *, axis_name, n, skip_b
   empty; w_QC in x's dtype, q_QC in fp32.
 
   The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
-  behind the exchange's round trip and both AttnRes passes (scores, then the weighted sum) read SMEM.
+  behind the exchange's round trip and AttnRes reads them from SMEM.
   online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
   default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
   5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
