@@ -4,32 +4,29 @@ Every row-parallel sublayer (KDA/MLA o_proj, dense FFN down, MoE latent_up + sha
 partial sum. `join` all-reduces it, adds it to the running prefix P, mixes the stored blocks and P with AttnRes
 and applies the next RMSNorm: what the next sublayer reads. Under tp with decode_backend="latency_specialized"
 that is one Pallas launch (pallas_kernels.collectives.mix_norm) instead of an all-reduce and 3-4 XLA kernels;
-otherwise (and when AttnRes weights are recorded) it is the all-reduce of `Comm` and the XLA ops below.
+otherwise (and when AttnRes weights are recorded) it is the all-reduce of `Comm` and the same maths in XLA
+(pallas_kernels.collectives.reference.mix_norm, also the kernel's fallback and oracle).
 """
 
-import jax.numpy as jnp
-
 from k3jax.comm import Comm
-from k3jax.layers.attn_res import attn_res
-from k3jax.layers.common import rms_norm
+from pallas_kernels.collectives import reference
 
 
 def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=None, record=None, key=None):
     """-> (P', normed): P' = allreduce(part) (+ prefix; None at a block boundary), h = AttnRes(blocks + [P'];
     mix = {"norm", "proj"}) or P' when there are no blocks, normed = rms_norm(h, norm_w). record[key] gets the
     AttnRes weights [N, ...] when record is a dict (notebooks; XLA path)."""
+    res_norm, res_proj = (mix["norm"], mix["proj"]) if blocks else (None, None)
     if comm.fuses_boundaries and record is None:
         from pallas_kernels.collectives import api
 
         comm.counts[what] += 1
-        res_norm, res_proj = (mix["norm"], mix["proj"]) if blocks else (None, None)
         return api.all_reduce_mix_norm(part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis,
                                        backend=comm.backend)
     a = comm.all_reduce(part, what)
-    new = a if prefix is None else prefix + a
-    h = new
-    if blocks and record is None:
-        h = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps)
-    elif blocks:  # and the softmax weights over the sources [N, B, T]
-        h, record[key] = attn_res(jnp.stack([*blocks, new]), mix["norm"], mix["proj"], eps, return_weights=True)
-    return new, rms_norm(h, norm_w, eps)
+    if record is None:
+        return reference.mix_norm(a, prefix, blocks, res_norm, res_proj, norm_w, eps)
+    new, normed, alpha = reference.mix_norm(a, prefix, blocks, res_norm, res_proj, norm_w, eps, return_weights=True)
+    if alpha is not None:  # the softmax weights over the sources [N, B, T]
+        record[key] = alpha
+    return new, normed

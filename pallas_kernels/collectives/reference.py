@@ -1,10 +1,14 @@
 """XLA versions of the collectives: the fallback path and the test oracle.
 
-All functions run inside `jax.shard_map` and reduce over `axis_name`.
+The all-reduce functions run inside `jax.shard_map` and reduce over `axis_name`. The layer-boundary maths they
+fuse (attn_res, rms_norm, mix_norm) is also what the model's XLA path runs (k3jax/layers/boundary.py): one
+implementation for both.
 """
 
 import jax
 import jax.numpy as jnp
+
+F32 = jnp.float32
 
 
 def round_to(x_f32, dtype):
@@ -19,14 +23,32 @@ def all_reduce(x, axis_name="tp"):
   return jax.lax.psum(x, axis_name)
 
 
+def rms_norm(x, w, eps):
+  """HF/NeMo RMSNorm over the last axis: fp32 statistics, the normalised value rounded to x's dtype, then a
+  multiply by w in that dtype."""
+  xf = x.astype(F32)
+  return round_to(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype) * w.astype(x.dtype)
+
+
+def attn_res(sources, norm_w, proj_w, eps, return_weights=False):
+  """Attention Residuals (K3_SPEC §2.1): a softmax over depth of the sources (the stored blocks in storage
+  order, then the live prefix P; a sequence, or an array stacked on its leading axis) with scores
+  rsqrt(mean(v^2) + eps) * (v . q), q = norm_w * proj_w (only the product enters). fp32 end to end (no bf16
+  round trip of the normalised keys), one rounding to the sources' dtype. -> mix (, weights [N, ...])."""
+  dtype = sources[0].dtype
+  v = jnp.stack([s.astype(F32) for s in sources])  # [N, ..., D]
+  q = norm_w.astype(F32) * proj_w.astype(F32)
+  hp = jax.lax.Precision.HIGHEST
+  alpha = jax.nn.softmax(jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps) * jnp.einsum("n...d,d->n...", v, q,
+                                                                                     precision=hp), axis=0)
+  out = round_to(jnp.einsum("n...,n...d->...d", alpha, v, precision=hp), dtype)
+  return (out, alpha) if return_weights else out
+
+
 def add_rmsnorm(s_f32, residual, norm_w, eps):
-  """new = round(residual + s); normed = round(round(new * rsqrt(mean(new^2) + eps)) * w) (K3_SPEC 1)."""
-  new = (residual.astype(jnp.float32) + s_f32).astype(residual.dtype)
-  new_f32 = new.astype(jnp.float32)
-  inv = jax.lax.rsqrt(jnp.mean(new_f32 * new_f32, axis=-1, keepdims=True) + eps)
-  # HF/NeMo order: normalise in fp32, round to the activation dtype, then a bf16 multiply by w.
-  normed = round_to(new_f32 * inv, residual.dtype).astype(jnp.float32) * norm_w.astype(jnp.float32)
-  return new, normed.astype(residual.dtype)
+  """new = round(residual + s); normed = RMSNorm(new) * w (K3_SPEC 1)."""
+  new = (residual.astype(F32) + s_f32).astype(residual.dtype)
+  return new, rms_norm(new, norm_w, eps)
 
 
 def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp"):
@@ -44,25 +66,17 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp"):
   return (residual_BD.astype(jnp.float32) + s).astype(residual_BD.dtype)
 
 
-def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps):
+def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, return_weights=False):
   """A layer boundary after an all-reduce (K3_SPEC §2.1-2.3), with a = the all-reduced sublayer output:
-  P' = a (no prefix: block boundary) or round(P + a); h = AttnRes(blocks + [P']) (P' without blocks; blocks is
-  a sequence of arrays shaped like a, or None); returns (P', RMSNorm(h) * w). AttnRes in fp32 with one
-  rounding; HF RMSNorm order (w in h's dtype)."""
-  dtype = a.dtype
-  new = a if prefix is None else (prefix.astype(jnp.float32) + a.astype(jnp.float32)).astype(dtype)
-  if not blocks:
-    h = new
-  else:
-    v = jnp.stack([b.astype(jnp.float32) for b in (*blocks, new)])  # [N + 1, ..., D]
-    q = res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
-    score = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps) * jnp.einsum("n...d,d->n...", v, q, precision=hp)
-    alpha = jax.nn.softmax(score, axis=0)
-    h = round_to(jnp.einsum("n...,n...d->...d", alpha, v, precision=hp), dtype)
-  hf = h.astype(jnp.float32)
-  n = round_to(hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps), dtype)
-  return new, n * norm_w.astype(dtype)
+  P' = a (no prefix: block boundary) or round(P + a); h = attn_res(blocks + [P']) (P' without blocks; blocks
+  is a sequence of arrays shaped like a, or None); returns (P', rms_norm(h, w)), and the AttnRes weights
+  (None without blocks) if return_weights."""
+  new = a if prefix is None else (prefix.astype(F32) + a.astype(F32)).astype(a.dtype)
+  h, alpha = new, None
+  if blocks:
+    h, alpha = attn_res([*blocks, new], res_norm_w, res_proj_w, eps, return_weights=True)
+  out = (new, rms_norm(h, norm_w, eps))
+  return (*out, alpha) if return_weights else out
 
 
 def all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp"):
