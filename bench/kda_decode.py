@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import traceback
@@ -19,13 +18,12 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.mosaic.gpu import profiler
 
+from bench.device_time import ITERS, device_us, kernel_names
 from pallas_kernels.kda_decode import api, kernel, reference
 
 HBM_PEAK = 4.8e12  # H200 datasheet
 SHAPES = [(1, 6), (1, 12), (1, 96), (8, 6), (8, 12), (8, 96), (64, 6), (64, 12), (64, 96)]
-ITERS = 30
 
 
 def make_inputs(seed, B, H, K=128, dtype=jnp.bfloat16):
@@ -41,18 +39,6 @@ def make_inputs(seed, B, H, K=128, dtype=jnp.bfloat16):
 
 def step_bytes(args, outs):
     return sum(a.nbytes for a in args) + sum(o.nbytes for o in outs)
-
-
-def device_us(f, *args):
-    """Median over ITERS runs of the summed CUPTI kernel time of one call, in microseconds."""
-    f(*args)
-    _, times = profiler.measure(f, iterations=ITERS)(*args)
-    return 1e3 * statistics.median(times)
-
-
-def kernel_names(f, *args):
-    _, per_kernel = profiler.measure(f, aggregate=False)(*args)
-    return [name for name, _ in per_kernel]
 
 
 def load_fla():

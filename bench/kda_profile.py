@@ -15,7 +15,8 @@ import sys
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.kda_decode import device_us, make_inputs  # noqa: E402
+from bench.device_time import device_us  # noqa: E402
+from bench.kda_decode import make_inputs  # noqa: E402
 from bench.kernel_trace import phases  # noqa: E402
 from pallas_kernels.kda_decode import kernel, sm90  # noqa: E402
 

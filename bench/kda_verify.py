@@ -11,14 +11,13 @@ import argparse
 import functools
 import json
 import pathlib
-import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.mosaic.gpu import profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from bench.device_time import device_us, kernel_names
 from pallas_kernels.kda_decode import api, reference, verify_kernel
 
 HBM_PEAK = 4.8e12  # H200 datasheet
@@ -62,18 +61,6 @@ def verify_bytes(args, y, data):
 
 def commit_bytes(args, data, accepted, out):
     return nbytes(args[4], args[5], data, accepted, out)
-
-
-def device_us(f, *args, iters):
-    """Median over iters runs of the summed CUPTI kernel time of one call, in microseconds."""
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=iters)(*args)
-    return 1e3 * statistics.median(times)
-
-
-def n_kernels(f, *args):
-    _, per_kernel = profiler.measure(f, aggregate=False)(*args)
-    return len(per_kernel)
 
 
 def pair(verify, commit):
@@ -129,11 +116,11 @@ def main(opts):
         case["pallas_verify_us"] = device_us(ker_v, *args, iters=opts.iters)
         case["pallas_commit_us"] = device_us(ker_c, args[4], args[5], kdata, acc, iters=opts.iters)
         case["pallas_us"] = device_us(ker_pair, args, acc, iters=opts.iters)
-        case["pallas_kernels"] = n_kernels(ker_pair, args, acc)
+        case["pallas_kernels"] = len(kernel_names(ker_pair, args, acc))
         case["xla_verify_us"] = device_us(ref_v, *args, iters=opts.iters)
         case["xla_commit_us"] = device_us(ref_c, args[4], args[5], data, acc, iters=opts.iters)
         case["xla_us"] = device_us(ref_pair, args, acc, iters=opts.iters)
-        case["xla_kernels"] = n_kernels(ref_pair, args, acc)
+        case["xla_kernels"] = len(kernel_names(ref_pair, args, acc))
         case["variants_us"] = {}
         for name, (v, c) in variants.items():
             try:

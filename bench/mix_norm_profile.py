@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.device_time import device_us, kernel_names  # noqa: E402
 from bench.kernel_trace import phases  # noqa: E402
 from pallas_kernels.collectives import mix_norm, reference  # noqa: E402
 
@@ -47,18 +48,6 @@ def xla_fn(x, p, blk, q, w):
   return reference.mix_norm(x, p, blk, q, jnp.ones_like(q), w, EPS)
 
 
-def device_us(f, args, repeats=20):
-  from jax.experimental.mosaic.gpu import profiler
-  f(*args)  # compile
-  totals, kernels = [], {}
-  for _ in range(repeats):
-    _, t = profiler.measure(f, aggregate=False)(*args)
-    totals.append(sum(ms for _, ms in t) * 1e3)
-    for k, ms in t:
-      kernels.setdefault(k[:40], []).append(ms * 1e3)
-  return float(np.median(totals)), {k: float(np.median(v)) for k, v in kernels.items()}
-
-
 def main():
   out = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
   os.makedirs(out, exist_ok=True)
@@ -67,11 +56,9 @@ def main():
   for b in (1, 8):
     for n_blocks in (0, 1, 4, 8):
       args = jax.tree.map(jnp.asarray, inputs(rng, b, n_blocks))
-      k_us, _ = device_us(kernel_fn(n_blocks), args)
-      k2_us, _ = device_us(kernel_fn(n_blocks, online=False), args)
-      x_us, x_kernels = device_us(jax.jit(xla_fn), args)
-      row = dict(B=b, blocks=n_blocks, pallas_online_us=k_us, pallas_two_pass_us=k2_us, xla_us=x_us,
-                 xla_kernels=len(x_kernels))
+      row = dict(B=b, blocks=n_blocks, pallas_online_us=device_us(kernel_fn(n_blocks), *args),
+                 pallas_two_pass_us=device_us(kernel_fn(n_blocks, online=False), *args),
+                 xla_us=device_us(jax.jit(xla_fn), *args), xla_kernels=len(kernel_names(jax.jit(xla_fn), *args)))
       results["rows"].append(row)
       print(row, flush=True)
       save(out, results)
