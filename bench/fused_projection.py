@@ -105,25 +105,12 @@ def check(mesh, rng):
   return rows
 
 
+# (B, K, D, residual) of the two calls per stress step. The B = 1 call is the case that exposed the oracle bug
+# in normal() below (results/fused_projection_diagnosis.json, bench/NOTES.md).
 PAIR = ((4, 768, 7168, True), (1, 1536, 3584, False))
 
 
-def _pad8(x, w, r):
-  """The kernel on x (and r) padded with zero rows to 8 tokens, sliced back."""
-  b = x.shape[0]
-  pad = lambda a: None if a is None else jnp.pad(a, ((0, 8 - b), (0, 0)))  # noqa: E731
-  return api.proj_all_reduce(pad(x), w, pad(r), "tp", backend=LS)[:b]
-
-
-# How a stress call computes its result (a call's optional 5th field; "kernel" by default).
-CALL_KINDS = {
-    "kernel": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", backend=LS),
-    "xla": lambda x, w, r: reference.proj_all_reduce(x, w, r, "tp"),
-    "pad8": _pad8,
-}  # (B, K, D, residual) of the two calls per step
-
-
-def stress(mesh, steps=300, seed=0, calls=PAIR, hlo_path=None):
+def stress(mesh, steps=300, seed=0, calls=PAIR):
   """`steps` loop iterations on device, each running `calls` back to back on fresh random data.
 
   Data is drawn on device inside the loop (per step and rank), and the only other kernels between the
@@ -135,7 +122,7 @@ def stress(mesh, steps=300, seed=0, calls=PAIR, hlo_path=None):
   def normal(key, shape, std):
     # round_to, not astype: at B = 1 XLA turns the oracle's f32 GEMV into a multiply-reduce fusion and, by
     # its excess-precision rule, drops the f32 -> bf16 -> f32 round trip, so the oracle (and XLA's own path)
-    # saw the unrounded draws while the kernel reads the bf16 ones: rounds 1-4 of the "back-to-back bug".
+    # saw the unrounded draws while the kernel read the bf16 ones: the "back-to-back bug" of earlier sessions.
     return reference.round_to(jax.random.normal(key, shape, jnp.float32) * std, jnp.bfloat16)
 
   def loop(key):
@@ -145,36 +132,31 @@ def stress(mesh, steps=300, seed=0, calls=PAIR, hlo_path=None):
     def body(i, out):
       step_key = jax.random.fold_in(key, i)
       new = []
-      for c, call in enumerate(calls):
-        b, k, d, has_res = call[:4]
+      for c, (b, k, d, has_res) in enumerate(calls):
         kr, k_me = jax.random.split(jax.random.fold_in(step_key, c))
         kx, kw = jax.random.split(jax.random.fold_in(k_me, me))
         x, w = normal(kx, (b, k), 1.0), normal(kw, (k, d), (k * n) ** -0.5)
         r = normal(kr, (b, d), 1.0) if has_res else None  # same key on every rank: a replicated residual
-        y = CALL_KINDS[call[4] if len(call) > 4 else "kernel"](x, w, r)
+        y = api.proj_all_reduce(x, w, r, "tp", backend=LS)
         f32 = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),  # noqa: E731
                                    precision=jax.lax.Precision.HIGHEST)
         new += [y, jnp.zeros((b, d), jnp.bfloat16) if r is None else r, f32(x, w), f32(jnp.abs(x), jnp.abs(w))]
       return tuple(o.at[i].set(v) for o, v in zip(out, new, strict=True))
 
     shapes = []
-    for b, _, d, *_ in calls:
+    for b, _, d, _ in calls:
       shapes += [((b, d), jnp.bfloat16)] * 2 + [((b, d), jnp.float32)] * 2
     init = tuple(jnp.zeros((steps, *s), dt) for s, dt in shapes)
     return jax.lax.fori_loop(0, steps, body, init)
 
   keys = np.broadcast_to(np.asarray(jax.random.key_data(jax.random.key(seed))), (n, 2)).copy()
   f, put = sharded(mesh, loop, 1)
-  if hlo_path:  # the optimised HLO: operand layouts and buffer sharing around the kernel's custom call
-    with open(hlo_path, "w") as fh:
-      fh.write(f.lower(*put(keys)).compile().as_text())
   t0 = time.perf_counter()
   outs = [np.asarray(v) for v in f(*put(keys))]
   wall = time.perf_counter() - t0
   report = dict(steps=steps, calls=len(calls) * steps, bad_calls=0, per_call=[], residual_ranks_identical=True,
                 wall_s_incl_compile=wall)
-  for c, call in enumerate(calls):
-    b, k, d, has_res = call[:4]
+  for c, (b, k, d, has_res) in enumerate(calls):
     y, r, p, a = outs[4 * c:4 * c + 4]
     # Host oracle: the FP32 local products summed over ranks in float64 (+ the residual).
     ref = p.astype(np.float64).sum(0) + r[0].astype(np.float64)
@@ -182,34 +164,8 @@ def stress(mesh, steps=300, seed=0, calls=PAIR, hlo_path=None):
     bad = int(proj_bad(y, ref, scale, axis=(1, 2)).sum())
     report["bad_calls"] += bad
     report["residual_ranks_identical"] &= bool(np.all(r == r[:1]))
-    report["per_call"].append(dict(B=b, K=k, D=d, residual=has_res, kind=call[4] if len(call) > 4 else "kernel",
-                                   bad=bad, max_rel_err=max_rel_err(y[0], ref)))
+    report["per_call"].append(dict(B=b, K=k, D=d, residual=has_res, bad=bad, max_rel_err=max_rel_err(y[0], ref)))
   return report
-
-
-# The hunt for the "back-to-back bug" (results/fused_projection_diagnosis.json, one key per round): the
-# failure needed no second call, only B = 1 inside the device loop; the HLO showed XLA rewriting the oracle's
-# B = 1 GEMV as a multiply-reduce fusion over the unrounded f32 draws. With the draws rounded by
-# reduce_precision (normal() above) the B = 1 loop is clean. --diagnose keeps the last round as a check.
-FAILING = (1, 1536, 3584)
-DIAGNOSE_SHAPES = [FAILING, (2, 1536, 3584)]
-DIAGNOSE = {
-    "B=1 kernel": ((*FAILING, False),),
-    "B=2 kernel": ((2, 1536, 3584, False),),
-}
-
-
-def diagnose_direct(mesh, rng):
-  """The same shapes called directly on host-drawn data: one row per shape."""
-  rows = []
-  for b, k, d in DIAGNOSE_SHAPES:
-    x, w, r = draw(rng, mesh.size, b, k, d, residual=False)
-    ref, scale = oracle(x, w, r)
-    y = run_proj(mesh, x, w, r)
-    rows.append(dict(shape=[b, k, d], bad=int(proj_bad(y, ref, scale, axis=-1).sum()),
-                     max_rel_err=max_rel_err(y[0], ref)))
-    print("direct", rows[-1], flush=True)
-  return rows
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -332,7 +288,6 @@ def main():
   ap.add_argument("--check", action="store_true")
   ap.add_argument("--bench", action="store_true")
   ap.add_argument("--stress-steps", type=int, default=300)
-  ap.add_argument("--diagnose", action="store_true", help="the stress loop over the DIAGNOSE call sets")
   ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
   ap.add_argument("--deadline-s", type=int, default=540)
   a = ap.parse_args()
@@ -344,15 +299,6 @@ def main():
     results["stress"] = stress(mesh, a.stress_steps, seed=int(np.random.default_rng().integers(2**31)))
     print("stress", results["stress"], flush=True)
     save()
-  if a.diagnose:
-    results["diagnose_direct"] = diagnose_direct(mesh, np.random.default_rng(1))
-    save()
-    results["diagnose"] = {}
-    for name, calls in DIAGNOSE.items():
-      hlo = os.path.join(a.out, name.replace(" ", "_").replace(",", "") + ".hlo.txt")
-      results["diagnose"][name] = stress(mesh, min(a.stress_steps, 100), seed=1, calls=calls, hlo_path=hlo)
-      print(name, results["diagnose"][name]["per_call"], flush=True)
-      save()
   if a.bench:
     results["bench"] = []
     bench(mesh, results["bench"], save)
