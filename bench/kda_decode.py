@@ -289,7 +289,9 @@ def main_quick(out_dir):
     ref = jax.jit(reference.kda_decode)
     fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
            "tma-chunked v32": variant_fn(32, "chunked")}
-    rows = []
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=[])
     for B, H in [(1, 6), (64, 12), (64, 96)]:
         args = make_inputs(7, B, H)
         want = ref(*args)
@@ -297,9 +299,9 @@ def main_quick(out_dir):
         for name, f in fns.items():
             row[name + "_max_err"] = max_err(f(*args), want)
             row[name + "_us"] = device_us(f, *args)
-        rows.append(row)
+        results["rows"].append(row)
         print(row, flush=True)
-        pathlib.Path(out_dir, "kda_chunked.json").write_text(json.dumps(rows, indent=1))
+        pathlib.Path(out_dir, "kda_chunked.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
