@@ -4,6 +4,7 @@
 #   bash bench/device_queue.sh gpu2_tests    # nvidia-h200-x2: every 2-GPU test (collectives, fused projection,
 #                                            #   TP2 model vs XLA), ~4 min
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: collectives bench (all rows), fused projection bench
+#   bash bench/device_queue.sh kda_split     # nvidia-h200: the cluster split of V: GPU tests + short bench
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants)
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
@@ -33,6 +34,10 @@ case "${1:-}" in
     step bench 330 python3 bench/collectives.py --bench --out "$work" --deadline-s 320
     step bench_fused_projection 240 python3 bench/fused_projection.py --bench --out "$work" --deadline-s 230
     ;;
+  kda_split)
+    step pytest_split 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k stagings_on_gpu
+    step bench_split 240 python3 bench/kda_decode.py --split "$work"
+    ;;
   kda)
     step pytest_kda 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k on_gpu
     step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
@@ -52,7 +57,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda|kda_verify|profile|moe" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe" >&2
     exit 2
     ;;
 esac

@@ -100,17 +100,21 @@ def fla_case(fwd, args):
     return total / ITERS, err
 
 
-# Same kernel, other launch shapes: (v_chunk, tma). The api row is whatever tuning.json picks.
-# tma "chunked": one TMA load and store per v_chunk slice instead of one per tile.
-VARIANTS = [(32, False), (128, False), (32, True), (64, True), (128, True), (32, "chunked")]
+# Same kernel, other launch shapes: (v_chunk, tma, v_split). The api row is whatever tuning.json picks.
+# tma "chunked": one TMA load and store per v_chunk slice instead of one per tile; v_split: CTAs per tile.
+VARIANTS = [(32, False, 1), (128, False, 1), (32, True, 1), (64, True, 1), (128, True, 1), (32, "chunked", 1),
+            (32, "chunked", 4)]
+# The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
+SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (32, "chunked", 2), (64, True, 2)]
 
 
-def variant_name(v_chunk, tma):
-    return f"{'tma-chunked' if tma == 'chunked' else 'tma' if tma else 'ldg'} v{v_chunk}"
+def variant_name(v_chunk, tma, v_split=1):
+    staging = "tma-chunked" if tma == "chunked" else "tma" if tma else "ldg"
+    return f"{staging} v{v_chunk}" + (f" split{v_split}" if v_split > 1 else "")
 
 
-def variant_fn(v_chunk, tma):
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma,
+def variant_fn(v_chunk, tma, v_split=1):
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, v_split=v_split,
                                      tile_layout=kernel.plgpu.Layout.WGMMA))
 
 
@@ -283,30 +287,34 @@ def main_regs():
         jax.block_until_ready(variant_fn(*v)(*args))
 
 
-def main_quick(out_dir):
-    """tma-chunked v32 against the api path (tma v32 at 6 and 6144 tiles, ldg v32 at 768) at the shapes that
-    decide the launch table, CUPTI: a short GPU call. Writes OUT/kda_chunked.json."""
+def main_split(out_dir):
+    """The cluster split of V (SPLIT_VARIANTS) against the api path and the XLA reference at the tile counts
+    where one CTA's serial chain is the time, CUPTI: a short GPU call. Writes OUT/kda_split.json.
+    (The chunked-TMA quick run of the fourth session is results/kda_chunked.json.)"""
     ref = jax.jit(reference.kda_decode)
-    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
-           "tma-chunked v32": variant_fn(32, "chunked")}
+    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
+    fns.update({variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS})
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=[])
-    for B, H in [(1, 6), (64, 12), (64, 96)]:
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
+    for B, H in [(1, 6), (1, 12), (8, 12), (2, 96)]:
         args = make_inputs(7, B, H)
         want = ref(*args)
         row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6)
         for name, f in fns.items():
-            row[name + "_max_err"] = max_err(f(*args), want)
-            row[name + "_us"] = device_us(f, *args)
+            try:  # a variant that fails to compile or run on this GPU is a row entry, not the end of the run
+                row[name + "_max_err"] = max_err(f(*args), want)
+                row[name + "_us"] = device_us(f, *args)
+            except Exception as e:  # noqa: BLE001
+                row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
         results["rows"].append(row)
         print(row, flush=True)
-        pathlib.Path(out_dir, "kda_chunked.json").write_text(json.dumps(results, indent=1))
+        pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--quick"]:
-        main_quick(sys.argv[2])
+    if sys.argv[1:2] == ["--split"]:
+        main_split(sys.argv[2])
     elif sys.argv[1:2] == ["--regs"]:
         main_regs()
     elif sys.argv[1:2] == ["--fla"]:

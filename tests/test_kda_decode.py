@@ -121,14 +121,15 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma):
+def _variant(arch, tma, v_split=1, gates=False):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
-    of the whole tile via SMEM, or one TMA per column slice)."""
+    of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
-    return functools.partial(kernel.decode, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)
+    return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
+                             v_chunk=32, tma=tma, v_split=v_split)
 
 
 @cpu_only
@@ -146,6 +147,44 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, **TOL[dtype], what=name)
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("v_split, dtype", [(4, "f32"), (2, "bf16")])
+def test_cluster_split_interpret_matches_reference(arch, tma, v_split, dtype):
+    """V split over a cluster of v_split CTAs per tile (one or two 32-column chunks each, o gathered through
+    GMEM behind a cluster barrier for the gated norm) vs the reference; B = 3 so clusters of different (b, h)
+    run side by side."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    x = make_inputs(rng(), 3, 1, 128, DTYPES[dtype])
+    want = reference.kda_decode(*args_of(x))
+    with abstract_gpu(arch):
+        got = _variant(arch, tma, v_split)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@cpu_only
+def test_cluster_split_needs_its_barrier(monkeypatch):
+    """The split kernel's gather is load-bearing: without the cluster barrier CTA 0 reads o before its peers
+    wrote it (interpret mode then sees uninitialised GMEM or a race)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.kda_decode import kernel
+    monkeypatch.setattr(kernel, "_cluster_sync", lambda bar, fences: None)
+    x = make_inputs(rng(), 1, 2, 128, jnp.float32)
+    want = reference.kda_decode(*args_of(x))
+    with abstract_gpu("sm90"):
+        got = _variant("sm90", "chunked", 4)(*args_of(x), interpret=plgpu.InterpretGPUParams(
+            detect_races=True, uninitialized_memory="nan"))
+    ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
+    assert get_races().races_found or not ok
 
 
 def gate_inputs(r, B, H, K, dtype, R=16, D=256):
@@ -232,11 +271,12 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
-def test_kernel_lowers_for_cuda(arch, tma):
+@pytest.mark.parametrize("v_split", [1, 4])
+def test_kernel_lowers_for_cuda(arch, tma, v_split):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        lowered = jax.jit(_variant(arch, tma)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(_variant(arch, tma, v_split)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
 
@@ -283,11 +323,12 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
 @pytest.mark.parametrize("B, H", [(1, 6), (64, 12)])
-def test_stagings_on_gpu_match_reference(B, H, tma, dtype):
-    """Every state staging at real shapes, whichever the tuning picks for them."""
+@pytest.mark.parametrize("v_split", [1, 4])
+def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split):
+    """Every state staging, one CTA or a 4-CTA cluster per tile, at real shapes, whichever the tuning picks."""
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
-    got = jax.jit(_variant("sm90", tma))(*args_of(x))
+    got = jax.jit(_variant("sm90", tma, v_split))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 

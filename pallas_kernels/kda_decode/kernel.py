@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.pallas.mosaic_gpu.helpers import inline_ptx as _inline_ptx  # jax's own; not exported in 0.11.2
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -48,37 +49,49 @@ def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
-    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"])
+    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
+                v_split=entry.get("v_split", 1))
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False):
-    """One CTA per (b, h). Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state,
-    conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv; scratch vec_smem (+ TMA tile, barrier;
-    chunked: one barrier per v_chunk column slice, each slice loaded and stored by its own TMA)."""
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, fences=True):
+    """One CTA per (b, h), or with v_split > 1 a cluster of v_split CTAs per (b, h), CTA s owning state columns
+    [s V/v_split, (s+1) V/v_split). Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate,
+    state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv (+ o_xchg with v_split); scratch
+    vec_smem (+ the cluster barrier with v_split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column
+    slice, each slice loaded and stored by its own TMA)."""
     n_in = 12 if fuse_gates else 10
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
-    y_ref, new_state_ref, new_conv_ref, vec_smem, *tma_scratch = refs[n_in:]
+    y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
+    o_xchg_ref = rest.pop(0) if v_split > 1 else None
+    vec_smem = rest.pop(0)
+    xchg_bar = rest.pop(0) if v_split > 1 else None
+    tma_scratch = rest
     b = lax.axis_index("b")
     h = lax.axis_index("h")
+    s = lax.axis_index("s") if v_split > 1 else 0
+    V = state_ref.shape[-1]
+    n_chunks = V // v_split // v_chunk
+    col0 = s * (V // v_split)  # this CTA's first state column
+    my_cols = pl.ds(col0, V // v_split)
 
-    n_chunks = state_ref.shape[-1] // v_chunk
+    def gcols(c):  # chunk c's columns in the whole tile (state in GMEM, vec_smem rows)
+        return pl.ds(col0 + c * v_chunk, v_chunk)
+
     if tma_scratch:  # the tile HBM -> SMEM by TMA, issued first: in flight during the prologue
         tile_smem, tile_bar = tma_scratch
         if chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
-                cols = pl.ds(c * v_chunk, v_chunk)
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, cols], tile_smem.at[c], tile_bar.at[c])
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[c], tile_bar.at[c])
         else:
-            plgpu.copy_gmem_to_smem(state_ref.at[b, h], tile_smem, tile_bar)
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
-    def load_state(c):  # columns [c*v_chunk, (c+1)*v_chunk) into registers
-        cols = pl.ds(c * v_chunk, v_chunk)
+    def load_state(c):  # chunk c's v_chunk columns into registers
         if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
             if chunked:
                 plgpu.barrier_wait(tile_bar.at[c])
                 return plgpu.load(tile_smem.at[c], layout=tile_layout)
-            return plgpu.load(tile_smem.at[:, cols], layout=tile_layout)
-        return plgpu.load(state_ref.at[b, h, :, cols], layout=tile_layout, optimized=False)  # ld.global
+            return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
+        return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
@@ -96,30 +109,54 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         else:
             f_K, beta = gate_in[0].at[b, h], gate_in[1][b, h]
         o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_K, beta, w_ref, alog_ref, dtb_ref, h,
-                           new_conv_ref.at[b, :, :, h], vec_smem, dtype)
+                           new_conv_ref.at[b, :, :, h], vec_smem, dtype, write_conv=s == 0)
 
     def store_state(c, S_new):
-        cols = pl.ds(c * v_chunk, v_chunk)
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
             tile_smem.at[c][...] = S_new
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_ref.at[b, h, :, cols])
+            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_ref.at[b, h, :, gcols(c)])
         elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
-            tile_smem.at[:, cols][...] = S_new
+            tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
         else:
-            new_state_ref.at[b, h, :, cols][...] = S_new
+            new_state_ref.at[b, h, :, gcols(c)][...] = S_new
+
+    def put_o(c, o_C):  # o goes where the gated norm reads it: own SMEM, or GMEM for the cluster's CTA 0
+        (vec_smem.at[5, gcols(c)] if v_split == 1 else o_xchg_ref.at[b, h, gcols(c)])[...] = o_C
 
     with jax.named_scope("recurrence"):
-        _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, dtype=dtype)
+        _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
+                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype)
     if tma_scratch and not chunked:
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
+        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
-        _gated_norm(vec_smem, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
+        if v_split == 1:
+            _gated_norm(vec_smem.at[5], gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
+        else:
+            _cluster_sync(xchg_bar, fences)
+            pl.when(s == 0)(lambda: _gated_norm(o_xchg_ref.at[b, h], gate_ref.at[b, h], onw_ref, y_ref.at[b, h],
+                                                eps, dtype))
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
+
+
+def _cluster_sync(bar, fences):
+    """Every CTA's GMEM writes before this are visible to every CTA of the cluster after it.
+
+    The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
+    only; so all threads sync first (bar.sync inside commit_smem), then fence at cluster scope, and fence
+    again after the wait before reading. Every CTA waits, not only the reader: a CTA must not exit while a
+    peer's arrive may still target its SMEM barrier. Interpret mode (fences=False) has no caches to order and
+    cannot run inline PTX."""
+    plgpu.commit_smem()
+    if fences:
+        _inline_ptx("fence.acq_rel.cluster;")
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    if fences:
+        _inline_ptx("fence.acq_rel.cluster;")
 
 
 def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
@@ -140,18 +177,26 @@ def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
     return vec_smem.at[6], jnp.sum(acc).astype(dtype)
 
 
-def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv_33K, vec_smem, dtype):
+def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv_33K, vec_smem, dtype,
+              write_conv=True):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
-    (§4.3). Writes the new conv window, leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
-    beta (k̂ · q̂) of the output correction. Inputs are GMEM refs."""
+    (§4.3). Writes the new conv window (where write_conv: one CTA of a cluster), leaves the tile-side vectors
+    in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output correction. Inputs are GMEM refs."""
     K = vec_smem.shape[-1]
     x = []
     for i in range(3):
         window = [conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]]
         y = sum(plgpu.load(w_ref.at[i, h, :, j]) * u.astype(F32) for j, u in enumerate(window))
         x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
-        for j in range(_CONV_TAPS - 1):  # the window slides by one: keep the newest three pre-conv inputs
-            new_conv_33K.at[i, j][...] = window[j + 1]
+
+        def slide(i=i, window=window):  # the window slides by one: keep the newest three pre-conv inputs
+            for j in range(_CONV_TAPS - 1):
+                new_conv_33K.at[i, j][...] = window[j + 1]
+
+        if write_conv is True:
+            slide()
+        else:
+            pl.when(write_conv)(slide)
     q, k, v = x
     g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_K[...].astype(F32) + dtb_ref.at[h][...]))
     beta = _sigmoid(beta.astype(F32))
@@ -166,13 +211,13 @@ def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv
     return beta * jnp.sum(kn * qn)
 
 
-def _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, *, tile_layout, v_chunk, dtype):
+def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *, tile_layout, v_chunk,
+                n_chunks, col0, dtype):
     """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
-    independent given k̂, q̂), the next chunk's read in flight while this one is reduced and written.
-    first_chunk() gives chunk 0 (waiting for its TMA where there is one) after the vectors are broadcast.
-    o (rounded to dtype) -> vec_smem row 5."""
+    independent given k̂, q̂), the next chunk's read in flight while this one is reduced and written: n_chunks
+    chunks from state column col0. first_chunk() gives chunk 0 (waiting for its TMA where there is one) after
+    the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C)."""
     K = vec_smem.shape[-1]
-    V = K
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
 
@@ -181,21 +226,21 @@ def _recurrence(first_chunk, load_state, store_state, vec_smem, o_gain, *, tile_
 
     kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
     S_next = first_chunk()
-    for c in range(V // v_chunk):
+    for c in range(n_chunks):
         S_KC = S_next
-        if c + 1 < V // v_chunk:
+        if c + 1 < n_chunks:
             S_next = load_state(c + 1)
-        cols = pl.ds(c * v_chunk, v_chunk)
+        cols = pl.ds(col0 + c * v_chunk, v_chunk)
         delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - jnp.sum(S_KC * kd, axis=0)
         o_C = jnp.sum(S_KC * qd, axis=0) + o_gain * delta_C
         store_state(c, S_KC * decay_r + bk * bcast(delta_C, 1))
-        vec_smem.at[5, cols][...] = o_C.astype(dtype).astype(F32)
+        put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
-    """Gated RMSNorm (§4.6): o rounded to the compute dtype, then fp32 to one final rounding."""
-    K = vec_smem.shape[-1]
-    o = vec_smem.at[5][...]
+def _gated_norm(o_K, gate_K, onw_ref, y_K, eps, dtype):
+    """Gated RMSNorm (§4.6): o (a ref, already rounded to the compute dtype), then fp32 to one final rounding."""
+    K = o_K.shape[-1]
+    o = o_K[...]
     n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
     y_K[...] = (n * _sigmoid(gate_K[...].astype(F32))).astype(dtype)
 
@@ -204,26 +249,29 @@ def _gated_norm(vec_smem, gate_K, onw_ref, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None, profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
     lands, and each slice's write starts as soon as it is updated). A persistent variant (a ring of SMEM slots
     per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
+    the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
+    o through GMEM (one cluster barrier) for the gated norm, which needs the whole row.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   interpret=interpret, profile_dir=profile_dir)
+                   v_split=v_split, interpret=interpret, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, interpret=None,
+                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, interpret=None,
                  profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
@@ -232,35 +280,44 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, interpret=interpret, profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
-    if V % v_chunk or v_chunk % (32 if tma else 8):
-        raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
+    Vs = V // v_split  # state columns per CTA
+    if V % v_split or Vs % v_chunk or v_chunk % (32 if tma else 8):
+        raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
+    out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+                jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
     scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
-    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked")
+    cluster = {}
+    if v_split > 1:  # o gathered through GMEM (an output nobody reads) behind one all-to-all cluster barrier
+        out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
+        scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
+        cluster = dict(cluster=(v_split,), cluster_names=("s",))
+    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
+                             fences=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
-        scratch += [plgpu.SMEM((V // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
-                    plgpu.Barrier(num_barriers=V // v_chunk)]
+        scratch += [plgpu.SMEM((Vs // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
+                    plgpu.Barrier(num_barriers=Vs // v_chunk)]
     elif tma:
-        scratch += [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()]
+        scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
-        out_type=(jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
-                  jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)),
+        out_type=tuple(out_type),
         scratch_types=scratch,
-        grid=(B, H), grid_names=("b", "h"),
+        grid=(B, H), grid_names=("b", "h"), **cluster,
         compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0,
                                             profile_dir=profile_dir),
         interpret=interpret,
     )
-    return kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
+    outs = kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
                   A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
+    return outs[:3]  # (y, state, conv); with v_split the gather buffer is dropped

@@ -44,10 +44,12 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 def pick_launch(tuning, qkv_BT3HK):
     """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
-    per-slice TMA ("chunked"), which only the decode kernel has (whole-tile TMA here)."""
+    per-slice TMA ("chunked") and the cluster split of V ("v_split"), which only the decode kernel has (whole-tile
+    TMA, one CTA per tile here)."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     launch["tma"] = bool(launch["tma"])
+    del launch["v_split"]
     return launch
 
 
