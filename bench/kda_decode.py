@@ -101,21 +101,23 @@ def fla_case(fwd, args):
 
 
 # Same kernel, other launch shapes: (v_chunk, tma, v_split). The api row is whatever tuning.json picks.
-# tma "chunked": one TMA load and store per v_chunk slice instead of one per tile; v_split: CTAs per tile.
+# tma "chunked": one TMA load and store per v_chunk slice instead of one per tile; v_split: CTAs per tile
+# (a cluster), with o gathered for the gated norm through GMEM or CTA 0's SMEM (gather, optional 4th entry).
 VARIANTS = [(32, False, 1), (128, False, 1), (32, True, 1), (64, True, 1), (128, True, 1), (32, "chunked", 1),
             (32, "chunked", 4)]
 # The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
-SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (32, "chunked", 2), (64, True, 2)]
+SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (32, "chunked", 2), (64, True, 2),
+                  (32, "chunked", 4, "dsmem"), (32, False, 4, "dsmem"), (32, True, 4, "dsmem")]
 
 
-def variant_name(v_chunk, tma, v_split=1):
+def variant_name(v_chunk, tma, v_split=1, gather="gmem"):
     staging = "tma-chunked" if tma == "chunked" else "tma" if tma else "ldg"
-    return f"{staging} v{v_chunk}" + (f" split{v_split}" if v_split > 1 else "")
+    return f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
 
 
-def variant_fn(v_chunk, tma, v_split=1):
+def variant_fn(v_chunk, tma, v_split=1, gather="gmem"):
     return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, v_split=v_split,
-                                     tile_layout=kernel.plgpu.Layout.WGMMA))
+                                     gather=gather, tile_layout=kernel.plgpu.Layout.WGMMA))
 
 
 def max_err(got, want):

@@ -121,7 +121,7 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem"):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
     of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -129,7 +129,7 @@ def _variant(arch, tma, v_split=1, gates=False):
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather)
 
 
 @cpu_only
@@ -271,12 +271,14 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
-@pytest.mark.parametrize("v_split", [1, 4])
-def test_kernel_lowers_for_cuda(arch, tma, v_split):
-    """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU."""
+@pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
+def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
+    """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
+    (the only CPU check of the peer-SMEM gather, which interpret mode cannot run; the GPU tests run it)."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        lowered = jax.jit(_variant(arch, tma, v_split)).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
+        f = _variant(arch, tma, v_split, gather=gather)
+        lowered = jax.jit(f).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
 
@@ -301,6 +303,19 @@ def test_api_body_runs_its_tuning():
         assert_close(a, b, **TOL["f32"])
 
 
+@pytest.mark.parametrize("launch", [dict(v_split=3), dict(v_split=8, tma=True), dict(v_split=4, gather="dsmem"),
+                                    dict(v_split=4, gather="tmem")])
+def test_kernel_refuses_impossible_launches(launch):
+    """Splits that do not tile V into whole chunks, and gathers interpret mode cannot run, refuse up front."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import kernel
+    x = make_inputs(rng(), 1, 1, 128, jnp.float32)
+    kw = dict(eps=1e-5, tile_layout=plgpu.Layout.WGMMA, v_chunk=32, tma="chunked") | launch
+    with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
+        kernel.decode(*args_of(x), interpret=plgpu.InterpretGPUParams(), **kw)
+
+
 def test_kernel_refuses_unsupported_shapes():
     x = make_inputs(rng(), 1, 2, 16, jnp.float32)
     with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
@@ -323,12 +338,13 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
 @pytest.mark.parametrize("B, H", [(1, 6), (64, 12)])
-@pytest.mark.parametrize("v_split", [1, 4])
-def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split):
-    """Every state staging, one CTA or a 4-CTA cluster per tile, at real shapes, whichever the tuning picks."""
+@pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
+def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
+    """Every state staging, one CTA or a 4-CTA cluster per tile (o gathered through GMEM or CTA 0's SMEM), at
+    real shapes, whichever the tuning picks."""
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
-    got = jax.jit(_variant("sm90", tma, v_split))(*args_of(x))
+    got = jax.jit(_variant("sm90", tma, v_split, gather=gather))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 

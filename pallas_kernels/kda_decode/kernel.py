@@ -50,19 +50,21 @@ def pick_launch(tuning, qkv_B3HK):
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
-                v_split=entry.get("v_split", 1))
+                v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"))
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, fences=True):
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
+          fences=True):
     """One CTA per (b, h), or with v_split > 1 a cluster of v_split CTAs per (b, h), CTA s owning state columns
-    [s V/v_split, (s+1) V/v_split). Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate,
-    state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y, state, conv (+ o_xchg with v_split); scratch
+    [s V/v_split, (s+1) V/v_split), whose o reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's
+    SMEM. Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w,
+    A_log, dt_bias, o_norm_w; outputs y, state, conv (+ o_xchg with v_split and gmem); scratch
     vec_smem (+ the cluster barrier with v_split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column
     slice, each slice loaded and stored by its own TMA)."""
     n_in = 12 if fuse_gates else 10
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
     y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
-    o_xchg_ref = rest.pop(0) if v_split > 1 else None
+    o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
     vec_smem = rest.pop(0)
     xchg_bar = rest.pop(0) if v_split > 1 else None
     tma_scratch = rest
@@ -121,8 +123,16 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         else:
             new_state_ref.at[b, h, :, gcols(c)][...] = S_new
 
-    def put_o(c, o_C):  # o goes where the gated norm reads it: own SMEM, or GMEM for the cluster's CTA 0
-        (vec_smem.at[5, gcols(c)] if v_split == 1 else o_xchg_ref.at[b, h, gcols(c)])[...] = o_C
+    # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of the cluster's CTA 0, or GMEM
+    if v_split == 1:
+        o_dst = vec_smem.at[5]
+    elif gather == "dsmem":
+        o_dst = plgpu.cluster_ref(vec_smem, {"s": 0}).at[5]
+    else:
+        o_dst = o_xchg_ref.at[b, h]
+
+    def put_o(c, o_C):
+        o_dst.at[gcols(c)][...] = o_C
 
     with jax.named_scope("recurrence"):
         _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
@@ -135,15 +145,15 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
             _gated_norm(vec_smem.at[5], gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
         else:
             _cluster_sync(xchg_bar, fences)
-            pl.when(s == 0)(lambda: _gated_norm(o_xchg_ref.at[b, h], gate_ref.at[b, h], onw_ref, y_ref.at[b, h],
-                                                eps, dtype))
+            o_src = vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
+            pl.when(s == 0)(lambda: _gated_norm(o_src, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype))
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
 
 
 def _cluster_sync(bar, fences):
-    """Every CTA's GMEM writes before this are visible to every CTA of the cluster after it.
+    """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
 
     The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
     only; so all threads sync first (bar.sync inside commit_smem), then fence at cluster scope, and fence
@@ -249,12 +259,13 @@ def _gated_norm(o_K, gate_K, onw_ref, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, interpret=None, profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", interpret=None,
+           profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -262,17 +273,18 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
-    o through GMEM (one cluster barrier) for the gated norm, which needs the whole row.
+    o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
+    which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, interpret=interpret, profile_dir=profile_dir)
+                   v_split=v_split, gather=gather, interpret=interpret, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, interpret=None,
-                 profile_dir=""):
+                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
+                 interpret=None, profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -280,29 +292,33 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, interpret=interpret, profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, interpret=interpret,
+                   profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
     Vs = V // v_split  # state columns per CTA
     if V % v_split or Vs % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
+    if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
+        raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                 jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
     scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
     cluster = {}
-    if v_split > 1:  # o gathered through GMEM (an output nobody reads) behind one all-to-all cluster barrier
-        out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
+    if v_split > 1:  # o gathered (through GMEM: an output nobody reads) behind one all-to-all cluster barrier
+        if gather == "gmem":
+            out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
-                             fences=interpret is None)
+                             gather=gather, fences=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         scratch += [plgpu.SMEM((Vs // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),

@@ -49,7 +49,7 @@ def pick_launch(tuning, qkv_BT3HK):
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     launch["tma"] = bool(launch["tma"])
-    del launch["v_split"]
+    del launch["v_split"], launch["gather"]
     return launch
 
 
