@@ -32,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=30, help="CUPTI-timed runs per case (median)")
     p.add_argument("--cases", default=None, help="B:H:T,... to time instead of the full matrix")
     p.add_argument("--no-check", action="store_true", help="skip the correctness pass at real shapes")
+    p.add_argument("--split", action="store_true",
+                   help="time only verify on a cluster of 4 CTAs per tile (both stagings, both gathers) against "
+                        "the api and XLA verify at the few-tile shapes -> kda_verify_split.json")
     p.add_argument("--no-variants", action="store_true",
                    help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)")
     return p.parse_args(argv)
@@ -75,6 +78,36 @@ def pair(verify, commit):
 def max_err(got, want):
     return float(max(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)))
+
+
+def main_split(opts):
+    """Verify alone: the cluster split of V (kernel.decode's v_split, 4 CTAs per tile) where one CTA's serial
+    T-step chains are the time. CUPTI, median of opts.iters."""
+    ref_v = jax.jit(reference.kda_verify)
+    fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v}
+    for tma in (False, True):
+        for gather in ("gmem", "dsmem"):
+            fns[f"{'tma' if tma else 'ldg'} split4 {gather}"] = jax.jit(functools.partial(
+                verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, v_chunk=32, tma=tma, v_split=4,
+                gather=gather))
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time of verify, median of {opts.iters}", rows=[])
+    shapes = [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")] if opts.cases else \
+        [(1, 6, 4), (1, 6, 8), (1, 12, 4), (8, 12, 4)]
+    for B, H, T in shapes:
+        args, _ = make_inputs(7, B, H, T)
+        want = ref_v(*args)
+        row = dict(B=B, H=H, T=T)
+        for name, f in fns.items():
+            try:  # a variant that fails here is a row entry, not the end of the run
+                row[name + "_max_err"] = max_err(f(*args), want)
+                row[name + "_us"] = device_us(f, *args, iters=opts.iters)
+            except Exception as e:  # noqa: BLE001
+                row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+        results["rows"].append(row)
+        print(row, flush=True)
+        pathlib.Path(opts.out, "kda_verify_split.json").write_text(json.dumps(results, indent=1))
 
 
 def main(opts):
@@ -165,4 +198,5 @@ def write_table(results, path):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    options = parse_args()
+    (main_split if options.split else main)(options)

@@ -24,10 +24,12 @@ def _layout(arch):
     return getattr(plgpu.Layout, {"sm90": sm90, "sm100": sm100}[arch].TUNING["layout"])
 
 
-def _kernels(arch, tma, interpret=None):
+def _kernels(arch, tma, interpret=None, v_split=1, gather="gmem"):
+    """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none)."""
     from pallas_kernels.kda_decode import verify_kernel
     kw = dict(tile_layout=_layout(arch), v_chunk=32, tma=tma, interpret=interpret)
-    return functools.partial(verify_kernel.verify, eps=1e-5, **kw), functools.partial(verify_kernel.commit, **kw)
+    return (functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, **kw),
+            functools.partial(verify_kernel.commit, **kw))
 
 
 def numpy_steps(x, T):
@@ -85,6 +87,25 @@ def test_verify_then_commit_interpret_equals_sequential_decode(arch, tma, dtype,
 
 
 @cpu_only
+@pytest.mark.parametrize("T", [2, 8])
+@pytest.mark.parametrize("arch,tma,dtype,v_split", [("sm90", False, "f32", 4), ("sm100", True, "bf16", 2)])
+def test_split_verify_interpret_matches_reference(arch, tma, dtype, v_split, T):
+    """verify on a cluster of v_split CTAs per tile (each its columns' T steps and delta, o gathered through GMEM
+    for CTA 0's gated norms) == XLA verify, commit data included; B = 3 clusters side by side."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    x = make_inputs(rng(), 3, 1, 128, DTYPES[dtype], T=T)
+    verify, _ = _kernels(arch, tma, plgpu.InterpretGPUParams(detect_races=True), v_split=v_split)
+    with abstract_gpu(arch):
+        y, data = verify(*args_of(x))
+    assert not get_races().races_found
+    y_want, data_want = reference.kda_verify(*args_of(x))
+    assert y.dtype == y_want.dtype and y.shape == y_want.shape
+    assert_close(y, y_want, **TOL[dtype], what="y vs XLA")
+    assert_commit_data_close(data, data_want, dtype)
+
+
+@cpu_only
 def test_commit_interpret_every_prefix():
     """Commit kernel == XLA commit for every accepted count 0..T at once (sequence b accepts b tokens)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -132,13 +153,15 @@ def test_bodies_run_their_tuning(arch):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma", [False, True])
-def test_kernels_lower_for_cuda(arch, tma):
-    """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU."""
+@pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
+def test_kernels_lower_for_cuda(arch, tma, v_split, gather):
+    """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU
+    (the only CPU check of verify's peer-SMEM gather)."""
     r = rng()
     x = make_inputs(r, 8, 12, 128, jnp.bfloat16, T=8)
     _, data = reference.kda_verify(*args_of(x))
     accepted = jnp.asarray(r.integers(0, 9, 8), jnp.int32)
-    verify, commit = _kernels(arch, tma)
+    verify, commit = _kernels(arch, tma, v_split=v_split, gather=gather)
     with abstract_gpu(arch):
         texts = [jax.jit(verify).trace(*args_of(x)).lower(lowering_platforms=("cuda",)).as_text(),
                  jax.jit(commit).trace(x["state"], x["conv"], data, accepted)
@@ -218,7 +241,21 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
         assert_close(a, b, **TOL[dtype], what=name)
     # the commit kernel itself, with sm90's launch (its body refuses the commit: tuning.json "commit")
     from pallas_kernels.kda_decode import sm90, verify_kernel
-    launch = verify_kernel.pick_launch(sm90.TUNING, x["qkv"])
+    launch = verify_kernel.pick_launch(sm90.TUNING, x["qkv"], split=False)
     got = jax.jit(functools.partial(verify_kernel.commit, **launch))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=f"commit kernel {name}")
+
+
+@gpu_only
+@pytest.mark.parametrize("gather", ["gmem", "dsmem"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("B, H, T", [(1, 6, 4), (8, 12, 8)])
+def test_split_verify_on_gpu_matches_reference(B, H, T, tma, gather):
+    """verify on a 4-CTA cluster per tile at real shapes, bf16, both gathers, against the XLA verify."""
+    x = make_inputs(rng(), B, H, 128, jnp.bfloat16, T=T)
+    y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
+    verify, _ = _kernels("sm90", tma, v_split=4, gather=gather)
+    y, data = jax.jit(verify)(*args_of(x))
+    assert_close(y, y_want, **TOL["bf16"], what="y")
+    assert_commit_data_close(data, data_want, "bf16")

@@ -58,6 +58,6 @@ def entry_points(tuning: dict):
         qkv_BT3HK = commit_data["new_inputs_BT3HK"]
         verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
         return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
-                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK))
+                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK, split=False))
 
     return kda_decode, kda_decode_gates, kda_verify, kda_commit

@@ -1,7 +1,8 @@
 """Speculative verify and commit of KDA decode as two Mosaic GPU kernels: the maths of reference.kda_verify and
 reference.kda_commit, with kernel.py's one-read algebra of a step.
 
-verify: T = 1..8 new tokens. One CTA (one warpgroup) per (b, h), like kernel.py. The state tile is read from
+verify: T = 1..8 new tokens. One CTA (one warpgroup) per (b, h), or a cluster of v_split CTAs each owning
+V / v_split state columns, like kernel.py. The state tile is read from
 HBM once and never written. First the O(K) vectors of every token are formed, one channel per thread, and
 parked in SMEM. Then the tile comes to registers v_chunk columns at a time (columns are independent given those
 vectors), and all T steps run on each piece there; the running state S_1..S_{T-1} never leaves the chip.
@@ -42,14 +43,15 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
     kernel.check_supported(jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype), state_BHKV, conv_B3WHK)
 
 
-def pick_launch(tuning, qkv_BT3HK):
+def pick_launch(tuning, qkv_BT3HK, split=True):
     """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
-    per-slice TMA ("chunked") and the cluster split of V ("v_split"), which only the decode kernel has (whole-tile
-    TMA, one CTA per tile here)."""
+    per-slice TMA ("chunked"), which only the decode kernel has (whole-tile TMA here); split=False (commit)
+    also drops the cluster split of V, which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     launch["tma"] = bool(launch["tma"])
-    del launch["v_split"], launch["gather"]
+    if not split:
+        del launch["v_split"], launch["gather"]
     return launch
 
 
@@ -78,15 +80,28 @@ def _bcaster(tile_layout, K, v_chunk):
 _KD, _QD, _DECAY, _BK, _V, _O, _DELTA = range(7)
 
 
-def _verify_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref,
-                 y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, vec_smem, gain_smem, *tma_scratch,
-                 tile_layout, v_chunk, eps, dtype):
+def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True):
+    """Inputs qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y and the commit data
+    (k̂, decay, beta, delta) (+ o_xchg with v_split and gmem); scratch vec_smem, gain_smem (+ the cluster
+    barrier with v_split) (+ TMA tile and barrier). With v_split, CTA s runs the T steps on its columns and
+    writes their delta; CTA 0 writes the per-token vectors and, after gathering o as kernel.py does, y."""
+    qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:10]
+    y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, *rest = refs[10:]
+    split = v_split > 1
+    o_xchg_ref = rest.pop(0) if split and gather == "gmem" else None
+    vec_smem, gain_smem, *rest = rest
+    xchg_bar = rest.pop(0) if split else None
+    tma_scratch = rest
     b = lax.axis_index("b")
     h = lax.axis_index("h")
+    s = lax.axis_index("s") if split else 0
     T, _, K = vec_smem.shape
     V = state_ref.shape[-1]
+    Vs = V // v_split
+    col0 = s * Vs  # this CTA's first state column
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
-    load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
+    load_state, wait_state = _tile_reader(state_ref.at[b, h, :, pl.ds(col0, Vs)], tma_scratch, tile_layout,
+                                          v_chunk)
     S_next = None if tma_scratch else load_state(0)  # the first ld.global read hides behind the prologue
 
     # O(K) work of every token (§4.2, §4.3), thread t owning channel t. Token t convolves the 3 pre-conv
@@ -105,9 +120,16 @@ def _verify_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref,
         qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
         kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
         decay = jnp.exp(g)
-        kn_ref.at[b, t, h][...] = kn
-        decay_ref.at[b, t, h][...] = decay
-        beta_out_ref[b, t, h] = beta
+
+        def commit_vectors(t=t, kn=kn, decay=decay, beta=beta):
+            kn_ref.at[b, t, h][...] = kn
+            decay_ref.at[b, t, h][...] = decay
+            beta_out_ref[b, t, h] = beta
+
+        if split:
+            pl.when(s == 0)(commit_vectors)
+        else:
+            commit_vectors()
         vec_smem.at[t, _KD][...] = decay * kn
         vec_smem.at[t, _QD][...] = decay * qn
         vec_smem.at[t, _DECAY][...] = decay
@@ -120,11 +142,21 @@ def _verify_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref,
     def rows(t, i):
         return bcast(plgpu.load(vec_smem.at[t, i], layout=row_layout), 0)
 
+    if not split:
+        o_rows = vec_smem.at[:, _O]
+    elif gather == "dsmem":
+        o_rows = plgpu.cluster_ref(vec_smem, {"s": 0}).at[:, _O]
+    else:
+        o_rows = o_xchg_ref.at[b, :, h]
+
     def step(cols, t, S_KC):  # token t on one column piece of the running state
         delta_C = plgpu.load(vec_smem.at[t, _V, cols], layout=col_layout) - jnp.sum(S_KC * rows(t, _KD), 0)
         o_C = jnp.sum(S_KC * rows(t, _QD), axis=0) + gain_smem[t] * delta_C
-        vec_smem.at[t, _O, cols][...] = o_C.astype(dtype).astype(F32)
-        vec_smem.at[t, _DELTA, cols][...] = delta_C
+        o_rows.at[t, cols][...] = o_C.astype(dtype).astype(F32)
+        if split:  # this CTA's columns of delta straight out; one CTA writes whole rows below
+            delta_ref.at[b, t, h, cols][...] = delta_C
+        else:
+            vec_smem.at[t, _DELTA, cols][...] = delta_C
         return S_KC * rows(t, _DECAY) + rows(t, _BK) * bcast(delta_C, 1)  # unused after the last token
 
     # The T steps (§4.4) on each column piece of the tile, the next piece's read in flight meanwhile. A loop
@@ -132,47 +164,70 @@ def _verify_body(qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref,
     wait_state()
     if tma_scratch:
         S_next = load_state(0)
-    for c in range(V // v_chunk):
+    n_chunks = Vs // v_chunk
+    for c in range(n_chunks):
         S_KC = S_next
-        if c + 1 < V // v_chunk:
+        if c + 1 < n_chunks:
             S_next = load_state(c + 1)
-        lax.fori_loop(0, T, functools.partial(step, pl.ds(c * v_chunk, v_chunk)), S_KC)
+        lax.fori_loop(0, T, functools.partial(step, pl.ds(col0 + c * v_chunk, v_chunk)), S_KC)
 
     # Gated RMSNorm (§4.6) per token, and delta out as whole coalesced rows.
-    for t in range(T):
-        o = vec_smem.at[t, _O][...]
-        n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
-        y_ref.at[b, t, h][...] = (n * _sigmoid(gate_ref.at[b, t, h][...].astype(F32))).astype(dtype)
-        delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
+    def norm_rows():
+        o_src = o_xchg_ref.at[b, :, h] if split and gather == "gmem" else vec_smem.at[:, _O]
+        for t in range(T):
+            o = o_src.at[t][...]
+            n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
+            y_ref.at[b, t, h][...] = (n * _sigmoid(gate_ref.at[b, t, h][...].astype(F32))).astype(dtype)
+            if not split:
+                delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
+
+    if split:
+        kernel._cluster_sync(xchg_bar, fences)
+        pl.when(s == 0)(norm_rows)
+    else:
+        norm_rows()
 
 
-def _tma_scratch(tma, K, V):  # the whole tile in 128-byte swizzled SMEM + its load barrier
+def _tma_scratch(tma, K, V):  # the whole tile (or a CTA's V columns of it) in 128-byte swizzled SMEM + barrier
     return [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()] if tma else []
 
 
-def _check_chunk(V, v_chunk, tma):
-    if V % v_chunk or v_chunk % (32 if tma else 8):
-        raise NotImplementedError(f"v_chunk={v_chunk} does not tile V={V} (tma={tma})")
+def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None):
+    if V % v_split or (V // v_split) % v_chunk or v_chunk % (32 if tma else 8):
+        raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
+    if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
+        raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather",
+                                             "interpret"))
 def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, interpret=None):
-    """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read."""
+           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None):
+    """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
+    cluster split of V (the T steps on a CTA's columns are the serial chain it shortens)."""
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
-    _check_chunk(V, v_chunk, tma)
+    _check_chunk(V, v_chunk, tma, v_split, gather, interpret)
     dtype = qkv_BT3HK.dtype
+    out_type = [jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
+                jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
+                jax.ShapeDtypeStruct((B, T, H, V), F32)]
+    scratch = [plgpu.SMEM((T, 7, K), F32), plgpu.SMEM((T,), F32)]
+    cluster = {}
+    if v_split > 1:
+        if gather == "gmem":
+            out_type.append(jax.ShapeDtypeStruct((B, T, H, V), F32))
+        scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
+        cluster = dict(cluster=(v_split,), cluster_names=("s",))
     kernel_fn = plgpu.kernel(
-        functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
-        out_type=(jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
-                  jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
-                  jax.ShapeDtypeStruct((B, T, H, V), F32)),
-        scratch_types=[plgpu.SMEM((T, 7, K), F32), plgpu.SMEM((T,), F32), *_tma_scratch(tma, K, V)],
-        grid=(B, H), grid_names=("b", "h"),
+        functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype,
+                          v_split=v_split, gather=gather, fences=interpret is None),
+        out_type=tuple(out_type),
+        scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split)],
+        grid=(B, H), grid_names=("b", "h"), **cluster,
         compiler_params=_LANE, interpret=interpret,
     )
-    y, kn, decay, beta, delta = kernel_fn(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
+    y, kn, decay, beta, delta, *_ = kernel_fn(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
                                           conv_w_3HKW.astype(F32), A_log_H.astype(F32),
                                           dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
     return y, dict(kn_BTHK=kn, decay_BTHK=decay, beta_BTH=beta, delta_BTHV=delta, new_inputs_BT3HK=qkv_BT3HK)
