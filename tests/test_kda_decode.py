@@ -316,6 +316,29 @@ def test_kernel_refuses_impossible_launches(launch):
         kernel.decode(*args_of(x), interpret=plgpu.InterpretGPUParams(), **kw)
 
 
+def test_body_runs_a_split_launch_entry():
+    """A tuning launch entry with v_split reaches decode and verify (the commit keeps one CTA per tile)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import bodies
+    tuning = dict(_body("sm90").TUNING, commit="kernel",
+                  launch=[{"max_tiles": None, "v_chunk": 32, "tma": "chunked", "v_split": 2, "gather": "gmem"}])
+    decode, _, verify, commit = bodies.entry_points(tuning)
+    r = rng()
+    x, xt = make_inputs(r, 1, 2, 128, jnp.float32), make_inputs(r, 1, 2, 128, jnp.float32, T=2)
+    interpret = plgpu.InterpretGPUParams()
+    with abstract_gpu("sm90"):
+        got = decode(*args_of(x), interpret=interpret)
+        y, data = verify(*args_of(xt), interpret=interpret)
+        state, _ = commit(xt["state"], xt["conv"], data, jnp.asarray([2], jnp.int32), interpret=interpret)
+    for a, b in zip(got, reference.kda_decode(*args_of(x)), strict=True):
+        assert_close(a, b, **TOL["f32"])
+    y_want, data_want = reference.kda_verify(*args_of(xt))
+    assert_close(y, y_want, **TOL["f32"], what="verify y")
+    want = reference.kda_commit(xt["state"], xt["conv"], data_want, jnp.asarray([2], jnp.int32))[0]
+    assert_close(state, want, **TOL["f32"], what="commit state")
+
+
 def test_kernel_refuses_unsupported_shapes():
     x = make_inputs(rng(), 1, 2, 16, jnp.float32)
     with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
