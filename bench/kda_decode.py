@@ -108,6 +108,9 @@ VARIANTS = [(32, False, 1), (128, False, 1), (32, True, 1), (64, True, 1), (128,
 # The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
 SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (32, "chunked", 2), (64, True, 2),
                   (32, "chunked", 4, "dsmem"), (32, False, 4, "dsmem"), (32, True, 4, "dsmem")]
+# At ~2 waves of tiles (768) a half tile per CTA may keep more bytes in flight per SM (a 32 KiB TMA slice: up to
+# 7 CTAs per SM by SMEM instead of 3): the bandwidth question, asked after the latency rows.
+SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, "chunked", 2), (32, False, 2)]
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem"):
@@ -294,12 +297,14 @@ def main_split(out_dir):
     where one CTA's serial chain is the time, CUPTI: a short GPU call. Writes OUT/kda_split.json.
     (The chunked-TMA quick run of the fourth session is results/kda_chunked.json.)"""
     ref = jax.jit(reference.kda_decode)
-    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
-    fns.update({variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS})
+    base = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
+    latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS})
+    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS})
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
-    for B, H in [(1, 6), (1, 12), (8, 12), (2, 96)]:
+    for B, H, fns in [(1, 6, latency), (1, 12, latency), (8, 12, latency), (2, 96, latency), (64, 12, bandwidth),
+                      (8, 96, bandwidth)]:
         args = make_inputs(7, B, H)
         want = ref(*args)
         row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6)
