@@ -35,9 +35,9 @@ case "${1:-}" in
     step bench_fused_projection 240 python3 bench/fused_projection.py --bench --out "$work" --deadline-s 230
     ;;
   kda_split)
-    step pytest_split 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+    step pytest_split 180 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
       tests/test_kda_verify_kernel.py -k "stagings_on_gpu or split_verify_on_gpu"
-    step bench_split 200 python3 bench/kda_decode.py --split "$work"
+    step bench_split 220 python3 bench/kda_decode.py --split "$work"
     step bench_verify_split 150 python3 bench/kda_verify.py --split --iters 20 --out "$work"
     ;;
   kda)

@@ -106,11 +106,12 @@ def fla_case(fwd, args):
 VARIANTS = [(32, False, 1), (128, False, 1), (32, True, 1), (64, True, 1), (128, True, 1), (32, "chunked", 1),
             (32, "chunked", 4)]
 # The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
-SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (32, "chunked", 2), (64, True, 2),
+SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (64, True, 2),
                   (32, "chunked", 4, "dsmem"), (32, False, 4, "dsmem"), (32, True, 4, "dsmem")]
-# At ~2 waves of tiles (768) a half tile per CTA may keep more bytes in flight per SM (a 32 KiB TMA slice: up to
-# 7 CTAs per SM by SMEM instead of 3): the bandwidth question, asked after the latency rows.
-SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, "chunked", 2), (32, False, 2)]
+# At ~2 waves of tiles (768) smaller CTAs may keep more bytes in flight per SM (a 32 KiB TMA slice: up to 7 CTAs
+# per SM by SMEM instead of 3; fla runs 4 CTAs of 32 columns per head at every batch): the bandwidth
+# question, asked after the latency rows.
+SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, True, 4)]
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem"):
