@@ -63,24 +63,48 @@ def ragged_prompts(rng, cfg, B):
 _extend = jax.jit(model.extend, static_argnames=("cfg", "dtype"))
 
 
+# Verify scores K + 1 tokens in one extend where the baseline takes T = 1 steps: the same maths in another fp32
+# summation order, ~1e-5 of the logits' RMS apart (bf16 cache). Where the baseline's top two logits are closer
+# than NEAR_TIE of that RMS, either token is a correct greedy choice and the two paths may part there; a random
+# tiny model puts ~3e-4 of its steps that close (top-2 gap / RMS has density ~3.3 at 0, measured over 3840 rows).
+NEAR_TIE = 1e-4
+
+
 def baseline_greedy(params, cfg, prompt, n_prompt, max_new):
-    """Plain greedy decoding with model.extend: ragged prefill, then T=1 steps."""
+    """Plain greedy decoding with model.extend: ragged prefill, then T=1 steps. -> (tokens [B, max_new], sure
+    [B]: how many leading tokens of each row are clear argmaxes, i.e. precede its first near-tie)."""
     B = prompt.shape[0]
     cache = cache_lib.init_cache(cfg, B, prompt.shape[1] + max_new + 1, F32, "bf16")
     logits, cache, _ = _extend(params, jnp.asarray(prompt), jnp.asarray(n_prompt), cache, cfg=cfg, dtype=F32)
-    toks = [jnp.argmax(logits, -1).astype(jnp.int32)]
+    toks, tie = [jnp.argmax(logits, -1).astype(jnp.int32)], [_near_tie(logits)]
     for _ in range(max_new - 1):
         one = jnp.ones((B,), jnp.int32)
         logits, cache, _ = _extend(params, toks[-1][:, None], one, cache, cfg=cfg, dtype=F32)
         toks.append(jnp.argmax(logits, -1).astype(jnp.int32))
-    return np.stack([np.asarray(t) for t in toks], axis=1)
+        tie.append(_near_tie(logits))
+    tie = np.stack(tie, axis=1)
+    sure = np.where(tie.any(1), tie.argmax(1), max_new)
+    if np.any(sure < max_new):
+        print(f"near-tie: comparing only the first {sure.tolist()} tokens")
+    return np.stack([np.asarray(t) for t in toks], axis=1), sure
+
+
+def _near_tie(logits_BV):
+    x = np.asarray(logits_BV, np.float64)
+    top2 = np.sort(x, -1)[:, -2:]
+    return top2[:, 1] - top2[:, 0] < NEAR_TIE * np.sqrt(np.mean(x * x, -1))
+
+
+def assert_same_greedy(got, want, sure):
+    for b, n in enumerate(sure):
+        np.testing.assert_array_equal(np.asarray(got)[b, :n], want[b, :n], err_msg=f"row {b}")
 
 
 def test_greedy_speculative_equals_greedy(tiny, rng):
     cfg, params = tiny
     B, K, max_new = 3, 4, 14
     prompt, n_prompt = ragged_prompts(rng, cfg, B)
-    want = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
+    want, sure = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
     ref = np.zeros((B, prompt.shape[1] + max_new + K + 2), np.int32)  # the true token at every position
     for b in range(B):
         seq = np.concatenate([prompt[b, : n_prompt[b]], want[b]])
@@ -93,8 +117,10 @@ def test_greedy_speculative_equals_greedy(tiny, rng):
                                        seed=int(rng.integers(1 << 30)))
         acc = st["accepted_per_step"]
         print(f"p_right={p_right}: steps={st['steps']} accepted={acc.tolist()}")
-        np.testing.assert_array_equal(np.asarray(got), want)
+        assert_same_greedy(got, want, sure)
         live = acc[acc >= 0]
+        if np.any(sure < max_new):  # past a near-tie the table's "true" tokens need not be the model's
+            continue
         if p_right == 0.0:
             assert np.all(live == 0) and st["steps"] == max_new - 1
         if p_right == 1.0:
@@ -109,12 +135,12 @@ def test_ngram_drafter_host_loop(tiny, rng):
     B, K, max_new = 3, 3, 14  # same B and max_new as above: the baseline's compiled steps are reused
     prompt, n_prompt = ragged_prompts(rng, cfg, B)
     prompt[:, 6:12] = prompt[:, 0:6]  # repeats so that lookups hit sometimes
-    want = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
+    want, sure = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
     seen = []
     got, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=NgramDrafter(), num_draft=K,
                                    max_new_tokens=max_new, dtype=F32, on_device_loop=False,
                                    on_step=lambda i, s: seen.append(i))
-    np.testing.assert_array_equal(np.asarray(got), want)
+    assert_same_greedy(got, want, sure)
     assert seen == list(range(1, st["steps"] + 1))
 
 
