@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import near_tie
 
 from k3jax import cache as cache_lib
 from k3jax import model, speculative
@@ -63,36 +64,24 @@ def ragged_prompts(rng, cfg, B):
 _extend = jax.jit(model.extend, static_argnames=("cfg", "dtype"))
 
 
-# Verify scores K + 1 tokens in one extend where the baseline takes T = 1 steps: the same maths in another fp32
-# summation order, ~1e-5 of the logits' RMS apart (bf16 cache). Where the baseline's top two logits are closer
-# than NEAR_TIE of that RMS, either token is a correct greedy choice and the two paths may part there; a random
-# tiny model puts ~3e-4 of its steps that close (top-2 gap / RMS has density ~3.3 at 0, measured over 3840 rows).
-NEAR_TIE = 1e-4
-
-
 def baseline_greedy(params, cfg, prompt, n_prompt, max_new):
     """Plain greedy decoding with model.extend: ragged prefill, then T=1 steps. -> (tokens [B, max_new], sure
-    [B]: how many leading tokens of each row are clear argmaxes, i.e. precede its first near-tie)."""
+    [B]: how many leading tokens of each row are clear argmaxes, i.e. precede its first near-tie). Verify scores
+    K + 1 tokens in one extend: the same maths in another fp32 order, so it may part from this at a near-tie."""
     B = prompt.shape[0]
     cache = cache_lib.init_cache(cfg, B, prompt.shape[1] + max_new + 1, F32, "bf16")
     logits, cache, _ = _extend(params, jnp.asarray(prompt), jnp.asarray(n_prompt), cache, cfg=cfg, dtype=F32)
-    toks, tie = [jnp.argmax(logits, -1).astype(jnp.int32)], [_near_tie(logits)]
+    toks, tie = [jnp.argmax(logits, -1).astype(jnp.int32)], [near_tie(logits)]
     for _ in range(max_new - 1):
         one = jnp.ones((B,), jnp.int32)
         logits, cache, _ = _extend(params, toks[-1][:, None], one, cache, cfg=cfg, dtype=F32)
         toks.append(jnp.argmax(logits, -1).astype(jnp.int32))
-        tie.append(_near_tie(logits))
+        tie.append(near_tie(logits))
     tie = np.stack(tie, axis=1)
     sure = np.where(tie.any(1), tie.argmax(1), max_new)
     if np.any(sure < max_new):
         print(f"near-tie: comparing only the first {sure.tolist()} tokens")
     return np.stack([np.asarray(t) for t in toks], axis=1), sure
-
-
-def _near_tie(logits_BV):
-    x = np.asarray(logits_BV, np.float64)
-    top2 = np.sort(x, -1)[:, -2:]
-    return top2[:, 1] - top2[:, 0] < NEAR_TIE * np.sqrt(np.mean(x * x, -1))
 
 
 def assert_same_greedy(got, want, sure):
