@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fixtures_demo import tiny_ckpt  # noqa: F401  (session fixture)
-from helpers import rel_rms
+from helpers import near_tie, rel_rms
 
 from k3jax import checkpoint, model
 from k3jax.engine import MAX_BATCH, Engine, GenerationError
@@ -47,8 +47,9 @@ def test_greedy_reproduces_full_forward_argmax(run):
         logits = np.asarray(jax.jit(model.forward, static_argnums=(2, 3))(run.params, jnp.asarray(ids), run.cfg,
                                                                           jnp.float32))
     for b, (p, t) in enumerate(zip(run.prompts, run.res.tokens, strict=True)):
-        want = logits[b, len(p) - 1: len(p) - 1 + N_NEW].argmax(-1)
-        np.testing.assert_array_equal(t, want, err_msg=f"sequence {b}")
+        lg = logits[b, len(p) - 1: len(p) - 1 + N_NEW]
+        clear = ~near_tie(lg)  # teacher forcing: every position stands alone, so only near-ties are skipped
+        np.testing.assert_array_equal(np.asarray(t)[clear], lg.argmax(-1)[clear], err_msg=f"sequence {b}")
     assert run.res.prompt_lengths == [len(p) for p in run.prompts]
     assert run.res.decode_tokens == len(run.prompts) * (N_NEW - 1)  # the first token comes from prefill
 

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 from fixtures_demo import tiny_ckpt  # noqa: F401  (session fixture)
+from helpers import near_tie
 
 from k3jax import checkpoint, generate, score
 from k3jax.tokenizer import Tokenizer
@@ -44,7 +45,9 @@ def test_greedy_prompt_ids_match_score_argmax(tiny_ckpt, tmp_path, capsys, rng):
     assert score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "ids.npy"), "--out",
                        str(tmp_path / "lg.npy")]) == 0
     logits = np.load(tmp_path / "lg.npy")
-    np.testing.assert_array_equal(logits[len(ids) - 1:].argmax(-1), g)
+    lg = logits[len(ids) - 1:]
+    clear = ~near_tie(lg)  # teacher forcing: each position stands alone; near-ties may go either way in fp32
+    np.testing.assert_array_equal(lg.argmax(-1)[clear], np.asarray(g)[clear])
 
 
 @pytest.fixture
