@@ -20,8 +20,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and self.temperature == self.temperature):
-            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would sample uniformly, ignoring the model
+            raise SamplingError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
