@@ -41,8 +41,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if all(v is None for v in explicit) and not any(v in os.environ for v in _LAUNCHER_VARS):
         return False  # single process: nothing to join
-    if coordinator is not None and None in (num_processes, process_id) and not any(
-            v in os.environ for v in _LAUNCHER_VARS[:3]):
+    launched = any(v in os.environ for v in _LAUNCHER_VARS[:3])  # a launcher that jax can read the rest from
+    if coordinator is None and not launched:  # else jax's own error: "coordinator_address should be defined."
+        raise ValueError("multi-process start needs --coordinator HOST:PORT (process 0's address; or "
+                         "JAX_COORDINATOR_ADDRESS) with --num-processes and --process-id")
+    if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process-id must be in 0..{num_processes - 1} (--num-processes {num_processes}), "
+                         f"got {process_id}")
+    if coordinator is not None and None in (num_processes, process_id) and not launched:
         raise ValueError("multi-process start needs --num-processes and --process-id (or JAX_NUM_PROCESSES and "
                          f"JAX_PROCESS_ID) with --coordinator {coordinator}")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
