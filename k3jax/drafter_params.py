@@ -188,11 +188,39 @@ def params_to_hf(flat: dict[tuple, np.ndarray], c: DSparkConfig) -> dict[str, np
     return out
 
 
+def read_config(ckpt_dir: str) -> DSparkConfig:
+    """The drafter's config alone (no weights), with a message saying what is wrong with the directory."""
+    if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
+        what = "no such directory" if not os.path.isdir(ckpt_dir) else "no config.json in it"
+        raise ValueError(f"--draft-checkpoint {ckpt_dir}: {what}; pass an HF DSpark drafter directory "
+                         "(config.json + *.safetensors)")
+    try:
+        return DSparkConfig.from_hf(ckpt_dir)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{ckpt_dir}/config.json: not a DSpark drafter config ({e})") from None
+
+
+def check_target(c: DSparkConfig, target) -> None:
+    """Refuse a drafter made for another target model, before any weight is read: it shares the target's
+    embedding and lm_head (vocab, hidden size) and reads the target's hidden states at `target_layer_ids`.
+    Without this the mismatch surfaces as an einsum shape error deep inside the jitted loop."""
+    pairs = (("vocab_size", c.vocab_size, target.vocab_size), ("hidden_size", c.hidden_size, target.hidden_size),
+             ("target_hidden_size", c.target_hidden_size, target.hidden_size),
+             ("target_num_hidden_layers", c.target_num_hidden_layers, target.num_hidden_layers))
+    bad = [f"{name}={ours} (target: {theirs})" for name, ours, theirs in pairs if ours != theirs]
+    taps = [t for t in c.target_layer_ids if not 0 <= t < target.num_hidden_layers]
+    if taps:
+        bad.append(f"target_layer_ids {taps} outside the target's {target.num_hidden_layers} layers")
+    if bad:
+        raise ValueError(f"the DSpark drafter was made for another target model: {'; '.join(bad)}. "
+                         "Pass the drafter released with this checkpoint")
+
+
 def load(ckpt_dir: str, dtype=jnp.bfloat16) -> tuple[DSparkConfig, dict]:
     """(config, params) from an HF DSpark directory (config.json + *.safetensors)."""
     from convert.safetensors_io import read, read_header  # noqa: PLC0415  (host-side reader, bf16-capable)
 
-    c = DSparkConfig.from_hf(ckpt_dir)
+    c = read_config(ckpt_dir)
     entries = {}
     for f in sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors"))):
         entries.update({k.removeprefix("model."): e for k, e in read_header(f).items()})
