@@ -48,28 +48,33 @@ def parse_args(argv=None):
     src.add_argument("--prompt-file", help="file holding the prompt text")
     src.add_argument("--prompt-ids", help="raw token ids, comma separated (no tokenizer needed)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in K3's chat markup (one user turn)")
-    ap.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding (the default; same as --temperature 0)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off; "
+                    "needs --temperature > 0)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off; "
+                    "needs --temperature > 0)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per sequence (default 32)")
     ap.add_argument("--max-len", type=int, default=None, help="cache positions per sequence (default: fits)")
     ap.add_argument("--batch", type=int, default=1, help="run the prompt as this many sequences (<= 64)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="compute dtype (float32 for verification)")
-    ap.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8")
-    ap.add_argument("--decode-backend", choices=("auto", "xla", "latency_specialized"), default="auto")
+    ap.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8", help="MLA latent cache dtype")
+    ap.add_argument("--decode-backend", choices=("auto", "xla", "latency_specialized"), default="auto",
+                    help="auto/xla: plain XLA; latency_specialized: Pallas GPU kernels where they apply")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices across all processes)")
     ap.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
-    ap.add_argument("--num-processes", type=int)
-    ap.add_argument("--process-id", type=int)
+    ap.add_argument("--num-processes", type=int, help="processes in a multi-host job (one per host)")
+    ap.add_argument("--process-id", type=int, help="this process's index in 0..num-processes-1")
     ap.add_argument("--spec", choices=("none", "dspark", "ngram", "synthetic"), default="none",
                     help="speculative decoding: DSpark drafter, prompt-lookup n-grams, or synthetic acceptance")
-    ap.add_argument("--num-draft", type=int, default=7, help="draft tokens per step (speculative modes)")
+    # None = not given: a speculative flag without --spec is refused instead of silently ignored
+    ap.add_argument("--num-draft", type=int, default=None, help="draft tokens per step, 1..7 (default 7)")
     ap.add_argument("--draft-checkpoint", help="HF DSpark drafter directory (--spec dspark)")
-    ap.add_argument("--acceptance-length", type=float, default=6.0,
-                    help="--spec synthetic: tokens per step counting the bonus (benchmark mode; text is meaningless)")
+    ap.add_argument("--acceptance-length", type=float, default=None,
+                    help="--spec synthetic: tokens per step counting the bonus (default 6; benchmark mode, "
+                    "text is meaningless)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)
 
@@ -83,12 +88,48 @@ def main(argv=None) -> int:
         return 2
 
 
+def _check_sampling_flags(args, sp) -> None:
+    """Refuse flags that greedy decoding would silently ignore: the user asked for sampling and would get argmax."""
+    if args.greedy and args.temperature != 0:
+        raise ValueError(f"--greedy contradicts --temperature {args.temperature}: give one of them")
+    if sp.greedy and (sp.top_k or sp.top_p < 1):
+        raise ValueError("--top-k/--top-p only act when sampling, and decoding is greedy (temperature 0): "
+                         "add --temperature, e.g. --temperature 0.7")
+
+
+def _check_spec_flags(args) -> None:
+    """Speculative flags: refuse impossible or ignored combinations, then fill in the defaults (in place)."""
+    given = [f for f, v in (("--num-draft", args.num_draft), ("--draft-checkpoint", args.draft_checkpoint),
+                            ("--acceptance-length", args.acceptance_length)) if v is not None]
+    if args.spec == "none" and given:
+        raise ValueError(f"{', '.join(given)} given but --spec is none (they only act in speculative decoding): "
+                         "add --spec dspark|ngram|synthetic or drop them")
+    if args.draft_checkpoint is not None and args.spec != "dspark":
+        raise ValueError(f"--draft-checkpoint is only used by --spec dspark, not --spec {args.spec}")
+    if args.acceptance_length is not None and args.spec != "synthetic":
+        raise ValueError(f"--acceptance-length is only used by --spec synthetic, not --spec {args.spec}")
+    args.num_draft = 7 if args.num_draft is None else args.num_draft
+    args.acceptance_length = 6.0 if args.acceptance_length is None else args.acceptance_length
+    if args.spec == "none":
+        return
+    if not 1 <= args.num_draft <= 7:
+        raise ValueError(f"--num-draft must be in 1..7, got {args.num_draft}")
+    if args.spec == "dspark" and not args.draft_checkpoint:
+        raise ValueError("--spec dspark needs --draft-checkpoint DIR (an HF DSpark drafter directory)")
+    if args.spec == "synthetic" and not 1 <= args.acceptance_length <= args.num_draft + 1:
+        raise ValueError(f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}], "
+                         f"got {args.acceptance_length}")
+
+
 def _read_prompt(args) -> str | None:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
-        with open(args.prompt_file) as f:
-            return f.read()
+        try:
+            with open(args.prompt_file) as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
     if args.prompt_ids is None and not sys.stdin.isatty():
         return sys.stdin.read() or None  # an empty pipe is no prompt
     return None
@@ -101,6 +142,7 @@ def _run(args) -> int:
 
     sp = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
+    _check_sampling_flags(args, sp)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t != ""]
@@ -114,14 +156,10 @@ def _run(args) -> int:
                 raise ValueError("no prompt: give --prompt, --prompt-file, --prompt-ids or text on stdin")
             text = "the quick brown fox"
             log(f"[demo] no prompt given; using {text!r}")
-    if args.spec != "none":
-        if not 1 <= args.num_draft <= 7:
-            raise ValueError(f"--num-draft must be in 1..7, got {args.num_draft}")
-        if args.spec == "dspark" and not args.draft_checkpoint:
-            raise ValueError("--spec dspark needs --draft-checkpoint DIR (an HF DSpark drafter directory)")
-        if args.spec == "synthetic" and not 1 <= args.acceptance_length <= args.num_draft + 1:
-            raise ValueError(f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}]")
-    if args.coordinator or args.num_processes:
+    _check_spec_flags(args)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1 (1 = one device), got {args.tp}")
+    if args.coordinator or args.num_processes or args.process_id is not None:  # any of them: a multi-host start
         from k3jax import distributed
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -144,6 +182,10 @@ def _run(args) -> int:
     cfg = checkpoint.load_config(ckpt)
     if args.tp > 1:
         validate_tp(cfg, args.tp)
+    if args.spec == "dspark":  # a drafter for another target fails deep inside jit: check its config first
+        from k3jax import drafter_params
+
+        drafter_params.check_target(drafter_params.read_config(args.draft_checkpoint), cfg)
     tok = None
     try:
         tok = Tokenizer.from_dir(ckpt)
@@ -158,6 +200,10 @@ def _run(args) -> int:
     need = args.max_new_tokens + (args.num_draft + 1 if args.spec != "none" else 0)
     max_len = args.max_len or _round_up(len(ids) + need, 64)
     prompts = [ids] * args.batch
+    if args.spec != "none" and len(ids) + need > max_len:  # say where the extra positions come from
+        raise ValueError(f"the prompt has {len(ids)} tokens; --max-new-tokens {args.max_new_tokens} plus the "
+                         f"{args.num_draft + 1} positions a speculative step writes ahead need {len(ids) + need} "
+                         f"cache positions but --max-len is {max_len}: raise --max-len or lower --max-new-tokens")
     check_request(cfg, prompts, need, max_len, args.batch)  # before reading a byte of weights
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-len {max_len} exceeds the model's max_position_embeddings "
@@ -174,7 +220,7 @@ def _run(args) -> int:
                  cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     if args.spec != "none":
-        res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh)
+        res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len)
     else:
         progress = _progress(args, log, tok)
         res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
@@ -205,7 +251,7 @@ def _run(args) -> int:
     return 0
 
 
-def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh):
+def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len):
     """Speculative generation (k3jax.speculative): the whole loop runs on device (sharded over `mesh`)."""
     import jax
     import numpy as np
@@ -228,7 +274,7 @@ def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh):
         num_draft=args.num_draft, max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k,
         top_p=sp.top_p, acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
         seed=sp.seed, dtype=dtype, backend="xla" if args.decode_backend == "auto" else args.decode_backend,
-        stop_token=stop[0] if stop else None, cache_dtype=args.cache_dtype, mesh=mesh)
+        stop_token=stop[0] if stop else None, cache_dtype=args.cache_dtype, max_len=max_len, mesh=mesh)
     t0 = time.perf_counter()
     toks, stats = run()
     jax.block_until_ready(toks)
