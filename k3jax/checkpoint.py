@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,10 @@ def read_meta(ckpt_dir: str) -> dict:
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: no such directory (make one with k3jax-convert HF_DIR OUT_DIR)")
     if not os.path.exists(path):
+        if os.path.isdir(os.path.join(ckpt_dir, "parts")):  # convert.core's staging directory OUT_DIR.tmp-<hash>
+            out = os.path.abspath(ckpt_dir).rsplit(".tmp-", 1)[0]
+            raise CheckpointError(f"{ckpt_dir} is an unfinished conversion (interrupted k3jax-convert): rerun "
+                                  f"k3jax-convert HF_DIR {out} --resume, then load {out}")
         is_hf = os.path.exists(os.path.join(ckpt_dir, "config.json"))
         hint = " (it looks like an HF checkpoint)" if is_hf else ""
         raise CheckpointError(f"{ckpt_dir} is not a converted k3jax checkpoint{hint}: "
@@ -91,7 +96,19 @@ def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
     abstract = P.unflatten({s.path: target(s) for s in table})
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ckptr:
-        params_dir = os.path.join(os.path.abspath(ckpt_dir), meta.get("params", "params"))
-        params = ckptr.restore(params_dir, abstract)
+    params_dir = os.path.join(os.path.abspath(ckpt_dir), meta.get("params", "params"))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(params_dir, abstract)
+    except Exception as e:  # orbax/tensorstore raise bare Exceptions with a page of spec dump; keep the gist
+        raise CheckpointError(f"{ckpt_dir}: weights are missing or corrupt ({_gist(e)}); "
+                              "re-run k3jax-convert (with --overwrite) to rewrite it") from e
     return cfg, params
+
+
+def _gist(e: Exception) -> str:
+    """One line of an orbax/tensorstore error: its first sentence and the leaf (zarr directory) it names."""
+    msg = str(e)
+    leaf = re.search(r"'path': '([^']*)'", msg)
+    first = msg.split(". See full TensorStore details")[0].splitlines()[0][:200]
+    return f"{type(e).__name__}: {first}" + (f" in {os.path.basename(leaf[1].rstrip('/'))}" if leaf else "")
