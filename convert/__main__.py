@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     except (ConvertError, ConfigError) as e:
         print(f"k3jax-convert: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # finished parts are kept in OUT_DIR.tmp-*; nothing at OUT_DIR loads
+        print(f"k3jax-convert: interrupted; {a.out_dir} was not written. Run the same command with --resume "
+              "to continue from the finished parts", file=sys.stderr)
+        return 130
     dt = time.perf_counter() - t0
     src = meta["source"]
     nbytes = sum(int(_prod(t["shape"])) * _itemsize(t["dtype"]) for t in meta["tensors"].values())

@@ -27,7 +27,7 @@ from convert import store
 from convert.safetensors_io import ShardError, read
 from convert.source import ConvertError, Source, check, fingerprint, open_source
 from k3jax import params as P
-from k3jax import transforms
+from k3jax import sharding, transforms
 
 META = "k3jax_meta.json"
 FORMAT = "k3jax-checkpoint"
@@ -67,6 +67,10 @@ def convert(
             "--experts mxfp4 needs MXFP4 experts in the source; this checkpoint stores bf16 "
             "experts (re-quantising would change the weights)"
         )
+    try:  # the hint sets chunk boundaries; one that no mesh can use would be recorded and silently useless
+        sharding.validate_tp(cfg, opts.tp)
+    except sharding.ShardingError as e:
+        raise ConvertError(f"--tp: {e}") from None
     table = P.tensor_table(cfg, experts)
     skipped = check(src, table)
     source_files = {f: fingerprint(os.path.join(hf_dir, f), opts.checksum == "full") for f in src.files}
@@ -78,6 +82,9 @@ def convert(
     stage = f"{out_dir}.tmp-{job_id}"
     params_dir, parts_dir = os.path.join(stage, "params"), os.path.join(stage, "parts")
     if os.path.exists(stage) and not opts.resume:
+        if not opts.overwrite:  # hours of finished parts: never thrown away without being asked
+            raise ConvertError(f"{stage} holds an interrupted conversion of this source with these options: "
+                               "pass --resume to continue it, or --overwrite to start over")
         shutil.rmtree(stage)
     os.makedirs(params_dir, exist_ok=True)
     os.makedirs(parts_dir, exist_ok=True)
@@ -169,14 +176,17 @@ def _part(spec: P.TensorSpec) -> str:
 
 def _pool(fn, items, workers: int):
     """Run fn over items on `workers` threads; the first exception cancels the rest and is re-raised."""
-    with ThreadPoolExecutor(max(1, workers)) as ex:
+    ex = ThreadPoolExecutor(max(1, workers))
+    try:
         futs = [ex.submit(fn, it) for it in items]
-        finished, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        wait(futs, return_when=FIRST_EXCEPTION)
         for f in futs:
             if f.done() and f.exception() is not None:
-                for g in futs:
-                    g.cancel()
                 raise f.exception()
+    finally:
+        # on an error or Ctrl-C only the jobs already running finish (a plain `with` would run the whole queue
+        # first: an hour for the release); their unfinished parts stay unmarked, so --resume redoes them
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
