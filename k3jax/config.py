@@ -390,4 +390,5 @@ def preset(name: str) -> K3Config:
 
 def load_config(spec: str) -> K3Config:
     """A preset name, a config.json path, or a checkpoint directory holding one."""
-    return preset(spec) if spec in PRESETS else K3Config.from_hf(spec)
+    looks_like_path = os.sep in spec or spec.endswith(".json") or os.path.exists(spec)
+    return K3Config.from_hf(spec) if looks_like_path else preset(spec)  # a typo'd preset names the presets

@@ -46,13 +46,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = ap.parse_args(argv)
     try:
-        logits = score(a.checkpoint, np.load(a.tokens), a.dtype)
+        logits = score(a.checkpoint, _load_tokens(a.tokens), a.dtype)
     except ValueError as e:
         print(f"k3jax.score: error: {e}", file=sys.stderr)
         return 2
     np.save(a.out, logits)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
+
+
+def _load_tokens(path: str) -> np.ndarray:
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as e:  # missing file, or not an .npy (np.load would try to unpickle it)
+        raise ValueError(f"--tokens {path}: cannot read an .npy of token ids ({e})") from None
 
 
 if __name__ == "__main__":
