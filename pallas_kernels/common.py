@@ -1,9 +1,11 @@
-"""Small helpers shared by the Pallas kernels: which GPU we are on, and logging a fallback once."""
+"""Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
+once, and the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does)."""
 
 import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 
 logger = logging.getLogger("k3jax.backends")
 
@@ -38,3 +40,13 @@ def gpu_arch() -> tuple[int, int] | None:
 def log_once(op: str, reason: str) -> None:
     """Log one fallback reason per (op, reason): decode steps are traced many times, the log stays short."""
     logger.warning("%s: Pallas kernel not used, falling back to the XLA reference: %s", op, reason)
+
+
+def dot(spec: str, a, b):
+    """einsum of two compute-dtype operands with fp32 accumulation and an fp32 result (the bf16 GEMM rule).
+
+    XLA:CPU cannot run a bf16 x bf16 -> f32 dot, so on CPU the operands are widened first: bf16 products are
+    exact in fp32, so the result is the same up to summation order."""
+    if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)

@@ -129,3 +129,25 @@ def test_batch_limits_and_refusals(run):
                         ([[1] * 35], 6, "cache holds 40"), ([[1, cfg.vocab_size]], 4, "outside")]:
         with pytest.raises(GenerationError, match=msg):
             eng.generate(bad, n)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the Pallas kernels run: other fp32 orders")
+def test_latency_specialized_fallback_is_the_xla_backend(run, rng):
+    """Where no Pallas kernel can run (CPU), decode_backend="latency_specialized" takes the ops' XLA fallbacks,
+    and those are the xla backend's own maths: bf16 decode logits bit-identical, step after step (a fallback
+    that only approximates the xla path changes greedy tokens a few steps in, in bf16)."""
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, run.params)
+    prompts = [rng.integers(0, run.cfg.vocab_size, size=5).tolist() for _ in range(2)]
+    logits, fed = {}, []
+    for backend in ("xla", "latency_specialized"):
+        eng = Engine(run.cfg, params, max_len=24, max_batch=2, dtype=jnp.bfloat16, backend=backend)
+        step, rows = jax.jit(eng._extend), []
+        first, cache = eng.prefill(eng.new_cache(2), prompts)
+        rows.append(np.asarray(first.astype(jnp.float32)))
+        for t in range(6):  # both backends are fed the xla backend's greedy tokens: the same inputs every step
+            if backend == "xla":
+                fed.append(rows[-1].argmax(-1))
+            lg, cache = step(eng.params, jnp.asarray(fed[t][:, None], jnp.int32), jnp.ones(2, jnp.int32), cache)
+            rows.append(np.asarray(lg.astype(jnp.float32)).reshape(2, -1))
+        logits[backend] = np.stack(rows)
+    np.testing.assert_array_equal(logits["latency_specialized"], logits["xla"])

@@ -7,17 +7,9 @@ fp32 and rounds its output to the compute dtype; nonlinearities upcast to fp32 a
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import dot  # the GEMM rule lives once, beside the kernels' references that use it
+
 F32 = jnp.float32
-
-
-def dot(spec: str, a, b):
-    """einsum of two compute-dtype operands with fp32 accumulation and an fp32 result (the bf16 GEMM rule).
-
-    XLA:CPU cannot run a bf16 x bf16 -> f32 dot, so on CPU the operands are widened first: bf16 products are
-    exact in fp32, so the result is the same up to summation order."""
-    if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        a, b = a.astype(F32), b.astype(F32)
-    return jnp.einsum(spec, a, b, preferred_element_type=F32)
 
 
 def linear(x, w, spec: str):

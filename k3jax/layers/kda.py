@@ -132,16 +132,12 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
     """One token per sequence: projections here, the fused step in pallas_kernels.kda_decode.
     Returns (this rank's o_proj partial [B,D], new state, new window).
 
-    latency_specialized hands the kernel the f_b and b projections' inputs (x and fa = x @ f_a) instead of
-    f and beta, so a body may fuse those two GEMVs in (its tuning says whether it does)."""
+    The op gets the f_b and b projections' inputs (x and fa = x @ f_a) instead of f and beta, so a kernel body
+    may fuse those two GEMVs in (its tuning says whether it does). Both backends go through the same op, so a
+    kernel that refuses a step falls back to exactly the xla backend's numbers."""
     tail = (state_BHKV, window_B3WHK, p["conv"], p["A_log"], p["dt_bias"], p["o_norm"])
-    if backend == "latency_specialized":
-        qkvg = linear(x_BD, p["qkvg"], "bd,dshk->bshk")
-        fa = linear(x_BD, p["f_a"], "bd,dr->br")
-        y, state, window = kda_api.kda_decode_gates(qkvg[:, :3], fa, p["f_b"], x_BD, p["b"], qkvg[:, 3], *tail,
-                                                    eps=cfg.rms_norm_eps, backend=backend)
-    else:
-        qkv, f, beta_logit, gate = project(p, x_BD[:, None])
-        y, state, window = kda_api.kda_decode(qkv[:, 0], f[:, 0], beta_logit[:, 0], gate[:, 0], *tail,
-                                              eps=cfg.rms_norm_eps, backend=backend)
+    qkvg = linear(x_BD, p["qkvg"], "bd,dshk->bshk")
+    fa = linear(x_BD, p["f_a"], "bd,dr->br")
+    y, state, window = kda_api.kda_decode_gates(qkvg[:, :3], fa, p["f_b"], x_BD, p["b"], qkvg[:, 3], *tail,
+                                                eps=cfg.rms_norm_eps, backend=backend)
     return row_parallel(y, p["o"]), state, window

@@ -7,9 +7,7 @@ tile register layout and launch table, which is data.
 import json
 import pathlib
 
-import jax.numpy as jnp
-
-from pallas_kernels.kda_decode import kernel, verify_kernel
+from pallas_kernels.kda_decode import kernel, reference, verify_kernel
 
 
 def load_tuning(arch: str) -> dict:
@@ -37,9 +35,7 @@ def entry_points(tuning: dict):
         if qkv_B3HK.shape[0] <= tuning.get("fuse_gates_max_batch", 0):
             return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
                                        **launch)
-        dt = x_BD.dtype
-        f = jnp.einsum("br,rhk->bhk", fa_BR, f_b_RHK.astype(dt), preferred_element_type=jnp.float32).astype(dt)
-        beta = jnp.einsum("bd,dh->bh", x_BD, b_DH.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_DH)
         return kernel.decode(qkv_B3HK, f, beta, *rest, eps=eps, interpret=interpret, **launch)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,

@@ -2,12 +2,15 @@
 
 Glossary: B batch, T new tokens (verify), H local heads, K key dim, V value dim (K = V = 128 in K3),
 W = 3 cached pre-conv inputs, "3" stacks q, k, v. Activations come in the compute dtype (bf16 serving,
-f32 verification); the recurrent state and the gate maths are fp32. Every contraction
-is written as multiply + sum so that no backend may quietly run it in TF32.
+f32 verification); the recurrent state and the gate maths are fp32. Every contraction of the step is
+written as multiply + sum so that no backend may quietly run it in TF32; the gate projections (gates) are the
+model's own GEMMs (common.dot), so a fallback reproduces the model's XLA path exactly.
 """
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import common
 
 F32 = jnp.float32
 
@@ -69,11 +72,12 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
 
 def gates(fa_BR, f_b_RHK, x_BD, b_DH):
     """The gate projections a decode kernel may fuse (issue 6 stretch): f = fa @ f_b [B,H,K] (fa = x @ f_a, the
-    rank-R stage shared by all heads) and the beta logits x @ b [B,H]; fp32 sums of the activation-dtype
-    operands, rounded to that dtype, as the model's projections."""
+    rank-R stage shared by all heads) and the beta logits x @ b [B,H], as the model's projections compute them
+    (common.dot: fp32 sums of activation-dtype operands, rounded to that dtype), so this fallback gives the XLA
+    path's very numbers."""
     dtype = x_BD.dtype
-    f = jnp.sum(fa_BR.astype(F32)[:, :, None, None] * f_b_RHK.astype(dtype).astype(F32)[None], axis=1)
-    beta = jnp.sum(x_BD.astype(F32)[:, :, None] * b_DH.astype(dtype).astype(F32)[None], axis=1)
+    f = common.dot("br,rhk->bhk", fa_BR, f_b_RHK.astype(dtype))
+    beta = common.dot("bd,dh->bh", x_BD, b_DH.astype(dtype))
     return f.astype(dtype), beta.astype(dtype)
 
 
