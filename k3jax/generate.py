@@ -216,12 +216,12 @@ def _run(args) -> int:
     cfg, params = checkpoint.load(ckpt, mesh=mesh, dtype=dtype)
     log(f"loaded {ckpt} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}) in "
         f"{time.perf_counter() - t0:.1f}s on {args.tp} device(s) [{jax.devices()[0].platform}]")
-    eng = Engine(cfg, params, max_len=max_len, max_batch=args.batch, dtype=dtype,
-                 cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     if args.spec != "none":
         res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len)
     else:
+        eng = Engine(cfg, params, max_len=max_len, max_batch=args.batch, dtype=dtype,
+                     cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
         progress = _progress(args, log, tok)
         res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
         progress.bar.close()
@@ -274,7 +274,7 @@ def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len):
         num_draft=args.num_draft, max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k,
         top_p=sp.top_p, acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
         seed=sp.seed, dtype=dtype, backend="xla" if args.decode_backend == "auto" else args.decode_backend,
-        stop_token=stop[0] if stop else None, cache_dtype=args.cache_dtype, max_len=max_len, mesh=mesh)
+        stop_ids=stop, cache_dtype=args.cache_dtype, max_len=max_len, mesh=mesh)
     t0 = time.perf_counter()
     toks, stats = run()
     jax.block_until_ready(toks)

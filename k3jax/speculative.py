@@ -180,7 +180,7 @@ class SpecConfig(NamedTuple):
     acceptance_length: float | None = None  # synthetic acceptance (benchmarks) when set
     dtype: object = jnp.bfloat16
     backend: str = "xla"
-    stop_token: int | None = None
+    stop_ids: tuple[int, ...] = ()  # a sequence is done once it emits any of these (e.g. EOS and <|im_end|>)
     cache_dtype: str = "bf16"  # the target's MLA cache: "bf16" (the compute dtype) or "fp8"
     mesh: Mesh | None = None  # tensor parallelism over its "tp" axis (params sharded as k3jax.sharding)
 
@@ -201,6 +201,10 @@ class SpecState(NamedTuple):
     accepted_SB: jax.Array  # per step and sequence: accepted drafts (-1 once the sequence is finished)
 
 
+def _is_stop(spec: SpecConfig, tokens):
+    return jnp.isin(tokens, jnp.asarray(spec.stop_ids, jnp.int32)) if spec.stop_ids else jnp.zeros(tokens.shape, bool)
+
+
 def _prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, cache, dstate) -> SpecState:
     cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
     logits, cache, taps = model.extend(params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend,
@@ -210,7 +214,7 @@ def _prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key,
     dstate = spec.drafter.observe(draft_params, params, dstate, prompt_BT, n_prompt_B,
                                   jnp.zeros_like(n_prompt_B), taps, comm=spec.comm)
     out = jnp.zeros((B, spec.max_new_tokens + K + 1), jnp.int32).at[:, 0].set(anchor)
-    done = anchor == spec.stop_token if spec.stop_token is not None else jnp.zeros((B,), bool)
+    done = _is_stop(spec, anchor)
     return SpecState(cache, dstate, anchor, out, jnp.ones((B,), jnp.int32), done, key,
                      jnp.zeros((), jnp.int32), jnp.full((spec.max_new_tokens, B), -1, jnp.int32))
 
@@ -238,9 +242,7 @@ def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     b = jnp.arange(block.shape[0])[:, None]
     slot = jnp.where(keep, st.n_out_B[:, None] + i, st.out_BN.shape[1])  # out of range -> dropped
     out = st.out_BN.at[b, slot].set(emitted, mode="drop")
-    done = st.done_B
-    if spec.stop_token is not None:
-        done = done | jnp.any(keep & (emitted == spec.stop_token), axis=1)
+    done = st.done_B | jnp.any(keep & _is_stop(spec, emitted), axis=1)
     accepted = st.accepted_SB.at[st.step].set(jnp.where(active, n_acc, -1), mode="drop")
     return SpecState(cache, dstate, jnp.where(active, nxt, st.anchor_B), out, st.n_out_B + n_commit, done,
                      key, st.step + 1, accepted)
@@ -314,7 +316,7 @@ def stats(st: SpecState, num_draft: int | None = None) -> dict:
 def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_params=None, num_draft: int = 7,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              acceptance_length: float | None = None, seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla",
-             stop_token: int | None = None, cache_dtype: str = "bf16", max_len: int | None = None,
+             stop_ids=(), cache_dtype: str = "bf16", max_len: int | None = None,
              on_device_loop: bool = True, on_step=None, mesh: Mesh | None = None):
     """Speculative generation for a right-padded prompt batch. Returns (tokens [B, max_new_tokens], stats).
 
@@ -322,13 +324,14 @@ def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_par
     k3jax.sharding.param_shardings (otherwise every call reshards them).
 
     on_device_loop: one jitted while_loop; otherwise a host loop over `step_jit`, calling on_step(i, state)
-    after each step (benchmarks hook their timing there). Tokens after a stop token are not meaningful.
+    after each step (benchmarks hook their timing there). A sequence stops once it emits any of stop_ids;
+    tokens after that are not meaningful.
     """
     sp = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
     if mesh is not None:
         sh.validate_tp(cfg, mesh.shape[sh.AXIS])
-    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, sp, acceptance_length, dtype, backend, stop_token,
-                      cache_dtype, mesh)
+    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, sp, acceptance_length, dtype, backend,
+                      tuple(int(t) for t in stop_ids), cache_dtype, mesh)
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     n_prompt_B = jnp.asarray(n_prompt_B, jnp.int32)
     max_len = max_len or prompt_BT.shape[1] + max_new_tokens + num_draft + 1

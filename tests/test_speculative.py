@@ -118,6 +118,27 @@ def test_greedy_speculative_equals_greedy(tiny, rng):
             assert 0 < live.mean() < K
 
 
+def test_any_stop_id_ends_a_sequence(tiny, rng):
+    """stop_ids holds several ids (EOS and end-of-turn in a chat model): a row is done at its first emission of
+    any of them. All drafts wrong, so each step emits one token and tokens_generated counts exactly."""
+    cfg, params = tiny
+    B, K, max_new = 2, 3, 14
+    prompt, n_prompt = ragged_prompts(rng, cfg, B)
+    want, sure = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
+    if sure.min() < 4:
+        pytest.skip(f"near-tie within the first tokens (sure={sure.tolist()}): no trustworthy stop position")
+    stop = (int(want[1, rng.integers(1, sure.min())]), int(want[0, rng.integers(1, sure.min())]))
+    ref = np.zeros((B, prompt.shape[1] + max_new + K + 2), np.int32)
+    dp = {"ref": jnp.asarray(ref), "p_right": jnp.float32(0.0)}
+    got, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=TableDrafter(cfg.vocab_size),
+                                   num_draft=K, draft_params=dp, max_new_tokens=max_new, dtype=F32,
+                                   stop_ids=stop)
+    for b in range(B):
+        first = next(i for i, t in enumerate(want[b]) if t in stop)  # <= the drawn position, so < sure
+        assert st["tokens_generated"][b] == first + 1, (b, stop, want[b].tolist())
+        np.testing.assert_array_equal(np.asarray(got)[b, : first + 1], want[b, : first + 1])
+
+
 def test_ngram_drafter_host_loop(tiny, rng):
     """A real drafter through the host loop (the benchmark path): output still equals greedy decoding."""
     cfg, params = tiny
