@@ -48,6 +48,18 @@ class Options:
     progress: bool = True
 
 
+def _warn_stale_stages(out_dir: str, stage: str) -> None:
+    """Interrupted conversions into out_dir with other options (another --tp, --dtype, source...) keep their
+    staging directories for their own --resume; at release size each can hold ~1.4 TB, so name them."""
+    parent, prefix = os.path.dirname(out_dir), os.path.basename(out_dir) + ".tmp-"
+    others = sorted(os.path.join(parent, d) for d in os.listdir(parent)
+                    if d.startswith(prefix) and os.path.join(parent, d) != stage)
+    if others:
+        print(f"warning: interrupted conversions into {out_dir} with other options keep their finished parts in "
+              f"{', '.join(others)}; resume them with their own options, or delete them to free the disk",
+              file=sys.stderr)
+
+
 def convert(
     hf_dir: str, out_dir: str, opts: Options = Options(), _after_part: Callable[[str], None] | None = None
 ) -> dict:
@@ -80,6 +92,7 @@ def convert(
         ).encode()
     ).hexdigest()[:12]
     stage = f"{out_dir}.tmp-{job_id}"
+    _warn_stale_stages(out_dir, stage)
     params_dir, parts_dir = os.path.join(stage, "params"), os.path.join(stage, "parts")
     if os.path.exists(stage) and not opts.resume:
         if not opts.overwrite:  # hours of finished parts: never thrown away without being asked

@@ -156,6 +156,18 @@ def test_interrupted_conversion_is_kept_and_named(hf_dir, tmp_path, rng):
     assert checkpoint.load_config(out) == preset("tiny") and not glob.glob(out + ".tmp-*")
 
 
+def test_conversion_names_stale_stages_of_other_options(hf_dir, tmp_path, capsys, rng):
+    """An interrupted conversion with other options keeps its staging dir (its own --resume needs it); a new
+    conversion into the same OUT_DIR names it instead of leaving terabytes behind unnoticed."""
+    out = str(tmp_path / "ck")
+    stale = f"{out}.tmp-{rng.integers(1 << 40):012x}"
+    os.makedirs(os.path.join(stale, "parts"))
+    convert(hf_dir, out, QUIET)
+    err = capsys.readouterr().err
+    assert f"interrupted conversions into {out} with other options" in err and stale in err
+    assert os.path.isdir(stale) and checkpoint.load_config(out) == preset("tiny")  # kept, and the new one loads
+
+
 def test_ctrl_c_stops_promptly_and_says_resume(hf_dir, tmp_path, capsys, monkeypatch):
     """Ctrl-C in the main thread used to let the thread pool run its whole queue before exiting (an hour for
     the release). Now only the job in flight finishes."""
