@@ -202,6 +202,9 @@ def _pool(fn, items, workers: int):
         ex.shutdown(wait=True, cancel_futures=True)
 
 
+_EXPONENT_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000}  # all ones: inf or NaN
+
+
 @dataclass
 class _Job:
     """One table entry: where its HF tensors are, how to stream them, what to write."""
@@ -267,8 +270,26 @@ class _Job:
     def write(self, params_dir: str, bar):
         t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=True)
         for idx, arr, n in self.blocks():
+            self._check_values(arr)
             t[idx].write(arr).result()
             bar.update(n)
+
+    def _check_values(self, arr: np.ndarray):
+        """Bit rot or a bad download with intact headers passes every header check, and a flipped bit most
+        often lands in an exponent: refuse inf/NaN weights and NaN E8M0 scales (0xFF) instead of writing a
+        checkpoint that decodes garbage. Integer compares on the exponent bits: cheap next to the read."""
+        if arr.dtype.name in _EXPONENT_BITS:
+            bits = _EXPONENT_BITS[arr.dtype.name]
+            bad = (arr.view(f"u{arr.itemsize}") & bits) == bits
+        elif self.spec.init == "scales":
+            bad = arr == 0xFF
+        else:  # packed E2M1 codes: every byte is a valid pair of weights
+            return
+        if bad.any():
+            entries = [self.src.entries[self.src.name(h)] for h in self.spec.hf_names]
+            where = ", ".join(sorted({f"{e.name} in {os.path.basename(e.file)}" for e in entries})[:2])
+            raise ConvertError(f"{where}: {int(bad.sum())} inf/NaN value(s) (as {self.spec.key}); the shard is "
+                               "corrupt: download it again")
 
     def verify(self, params_dir: str, bar):
         t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=False)

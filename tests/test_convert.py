@@ -153,6 +153,21 @@ def _bad_header(hf):
     return os.path.basename(f)
 
 
+def _nan_in_data(hf):  # headers intact, one bf16 weight's exponent bits all set (what bit rot can make)
+    for f in sorted(glob.glob(os.path.join(hf, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        entry = header.get(NORM)
+        if entry is not None:
+            assert entry["dtype"] == "BF16"
+            with open(f, "r+b") as fh:
+                fh.seek(8 + n + entry["data_offsets"][0] + 2 * 3)  # element 3
+                fh.write(np.array([0x7FC1], np.uint16).tobytes())  # a NaN
+            return os.path.basename(f)
+    raise AssertionError(f"{NORM} in no shard")
+
+
 def _config_edit(edit):
     def go(hf):
         edit_json(os.path.join(hf, "config.json"), edit)
@@ -182,6 +197,7 @@ CASES = {
     "quant_tensor": (lambda hf: _rewrite(hf, _int4_pack), ConvertError, [PACKED, "quantization"]),
     "truncated": (_truncate, ConvertError, ["truncated"]),
     "bad_header": (_bad_header, ConvertError, ["corrupt", "header"]),
+    "nan_in_data": (_nan_in_data, ConvertError, [NORM, "inf/NaN", "download it again"]),
     "quant_config": (_config_edit(_quant), ConfigError, ["quantization_config", "nvfp4"]),
     "family": (_config_edit(_family), ConfigError, ["model_type", "deepseek_v3"]),
     "activation": (_config_edit(_act), ConfigError, ["hidden_act"]),
