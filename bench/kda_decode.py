@@ -293,14 +293,41 @@ def main_regs():
         jax.block_until_ready(variant_fn(*v)(*args))
 
 
+def main_split_canary(gather):
+    """One 4-CTA-cluster decode per staging with this gather at B 1 x H 6, checked against the reference: run
+    under a short timeout before the split's tests and benches, so a hang (a barrier miscount) costs a minute
+    of device time, not the whole call. Exit status 0 only if every staging matched."""
+    args = make_inputs(7, 1, 6)
+    want = jax.jit(reference.kda_decode)(*args)
+    ok = True
+    for v in SPLIT_VARIANTS:
+        if v[2] == 4 and _gather(v) == gather:
+            err = max_err(variant_fn(*v)(*args), want)
+            good = all(e < 0.05 for e in err.values())  # bf16 outputs: a wrong gather is off by O(1)
+            ok &= good
+            print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+def _gather(v):
+    return v[3] if len(v) > 3 else "gmem"
+
+
+def split_gathers():
+    """The gathers the canary passed on this machine (K3JAX_SPLIT_GATHERS, set by device_queue.sh), or both."""
+    return os.environ.get("K3JAX_SPLIT_GATHERS", "gmem dsmem").split()
+
+
 def main_split(out_dir):
     """The cluster split of V (SPLIT_VARIANTS) against the api path and the XLA reference at the tile counts
     where one CTA's serial chain is the time, CUPTI: a short GPU call. Writes OUT/kda_split.json.
     (The chunked-TMA quick run of the fourth session is results/kda_chunked.json.)"""
     ref = jax.jit(reference.kda_decode)
     base = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
-    latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS})
-    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS})
+    ok = split_gathers()
+    latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS if _gather(v) in ok})
+    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS
+                              if _gather(v) in ok})
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
@@ -324,6 +351,8 @@ def main_split(out_dir):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--split"]:
         main_split(sys.argv[2])
+    elif sys.argv[1:2] == ["--split-canary"]:
+        main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--regs"]:
         main_regs()
     elif sys.argv[1:2] == ["--fla"]:
