@@ -5,7 +5,8 @@
 #                                            #   TP2 model vs XLA), ~4 min
 #   bash bench/device_queue.sh collectives   # nvidia-h200-x2: collectives bench (all rows), fused projection bench
 #   bash bench/device_queue.sh kda_split     # nvidia-h200: the cluster split of V: GPU tests + short bench
-#   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants)
+#   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants),
+#                                            #   and the whole KDA sublayer xla vs latency_specialized
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
@@ -54,6 +55,7 @@ case "${1:-}" in
   kda)
     step pytest_kda 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k on_gpu
     step bench_kda 240 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    step bench_kda_layer 120 python3 bench/kda_layer.py "$work"
     ;;
   kda_verify)  # ran past 120 s and 150 s without a case in the fourth session: fewer compiles, more time
     step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
