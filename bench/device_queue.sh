@@ -11,6 +11,9 @@
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_split (decides
+# the split's tuning.json entries), kda (tests of every staging, the whole-sublayer bench), then on the x2
+# machine gpu2_tests (the boundary kernel with blocks as separate operands has not run on a GPU yet).
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
