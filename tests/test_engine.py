@@ -68,7 +68,11 @@ def test_chunked_prefill_equals_one_chunk(run):
         assert eng.generate(run.prompts, N_NEW, stop_ids=NO_STOP).tokens == run.res.tokens
     finally:
         eng.prefill_chunk = 4
-    assert rel_rms(small_logits, one_logits) < 1e-5
+    # fp32 reordering floor, measured over 2532 fresh (checkpoint, prompts) draws: rel RMS median 2.0e-6, p99
+    # 7e-6, worst 1.7e-5 (3 above 1e-5, so the old 1e-5 bound failed ~0.2% of runs). The tail is always one
+    # prompt that spans >= 2 chunks (its state crosses chunk boundaries in another summation order); one-chunk
+    # prompts agree to ~1e-6. 5e-5 is ~3x the worst draw, and a wrong sign, term or scale gives >= 1e-2.
+    assert rel_rms(small_logits, one_logits) < 5e-5
 
 
 def test_stop_token_ends_each_sequence(run, rng):
