@@ -101,6 +101,8 @@ def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(params_dir, abstract)
     except Exception as e:  # orbax/tensorstore raise bare Exceptions with a page of spec dump; keep the gist
+        if "TensorStore" not in str(e):  # not a read of the files (device OOM, mesh): not the checkpoint's fault
+            raise
         raise CheckpointError(f"{ckpt_dir}: weights are missing or corrupt ({_gist(e)}); "
                               "re-run k3jax-convert (with --overwrite) to rewrite it") from e
     return cfg, params

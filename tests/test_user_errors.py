@@ -207,3 +207,17 @@ def test_corrupt_weights_give_a_checkpoint_error(ckpt, tmp_path, rng):
     os.remove(os.path.join(leaf, chunks[int(rng.integers(len(chunks)))]))
     with pytest.raises(CheckpointError, match=f"missing or corrupt.*{os.path.basename(leaf)}.*k3jax-convert"):
         checkpoint.load(d)
+
+
+def test_a_failure_that_is_not_the_files_is_not_called_corrupt(ckpt, monkeypatch):
+    """Only a failed read of the weight files becomes "missing or corrupt, re-convert": a device running out
+    of memory while restoring must not send anyone to rewrite a 1.4 TB checkpoint."""
+    import orbax.checkpoint as ocp
+
+    def oom(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.2GiB")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", oom)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        checkpoint.load(ckpt)
+    assert not isinstance(e.value, CheckpointError)
