@@ -50,3 +50,15 @@ def random_model(cfg, seed, dtype=jnp.float32):
         name = name.removeprefix("model.")
         hf_ref[name] = arr if arr.dtype == np.uint8 else np.asarray(arr, np.float64)
     return P.cast_params(params, dtype), hf_ref
+
+
+def assert_cli_refused(capsys, argv, msg):
+    """k3jax.generate refuses argv up front: exit 2, nothing generated, one 'error: ...' naming msg."""
+    from k3jax import generate
+
+    capsys.readouterr()  # drop what fixtures printed (seed lines)
+    rc = generate.main(argv)
+    out = capsys.readouterr()
+    assert rc == 2, (argv, out.err)
+    assert out.out == "", "something was generated"
+    assert out.err.startswith("error: ") and msg in out.err, out.err

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from fixtures_demo import tiny_ckpt  # noqa: F401  (session fixture)
-from helpers import near_tie
+from helpers import assert_cli_refused, near_tie
 
 from k3jax import checkpoint, generate, score
 from k3jax.tokenizer import Tokenizer
@@ -78,31 +78,24 @@ BAD = [
 
 @pytest.mark.parametrize("argv,msg", BAD, ids=[m for _, m in BAD])
 def test_bad_input_refused_up_front(tiny_ckpt, no_weights, capsys, argv, msg):  # noqa: F811
-    _refused(capsys, ["--checkpoint", tiny_ckpt.ckpt, *argv, "--json"], msg)
+    assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.ckpt, *argv, "--json"], msg)
 
 
 def test_bad_checkpoints_refused(tiny_ckpt, no_weights, tmp_path, capsys):  # noqa: F811
-    _refused(capsys, ["--checkpoint", tiny_ckpt.hf, "--prompt-ids", "1,2"], "looks like an HF checkpoint")
+    assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.hf, "--prompt-ids", "1,2"], "looks like an HF checkpoint")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "weights.bin").write_bytes(os.urandom(64))
-    _refused(capsys, ["--checkpoint", str(tmp_path / "junk"), "--prompt", "hi"], "not a converted k3jax checkpoint")
-    _refused(capsys, ["--checkpoint", str(tmp_path / "missing"), "--prompt", "hi"], "no such directory")
+    assert_cli_refused(capsys, ["--checkpoint", str(tmp_path / "junk"), "--prompt", "hi"],
+                       "not a converted k3jax checkpoint")
+    assert_cli_refused(capsys, ["--checkpoint", str(tmp_path / "missing"), "--prompt", "hi"], "no such directory")
     # converted without tokenizer files: a text prompt is refused and --prompt-ids is named as the way out
-    _refused(capsys, ["--checkpoint", tiny_ckpt.ckpt_no_tok, "--prompt", "hello"], "tiktoken.model")
-    _refused(capsys, ["--checkpoint", tiny_ckpt.ckpt_no_tok, "--prompt", "hello"], "--prompt-ids")
+    assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.ckpt_no_tok, "--prompt", "hello"], "tiktoken.model")
+    assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.ckpt_no_tok, "--prompt", "hello"], "--prompt-ids")
 
 
 def test_empty_stdin_is_no_prompt(tiny_ckpt, no_weights, monkeypatch, capsys):  # noqa: F811
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    _refused(capsys, ["--checkpoint", tiny_ckpt.ckpt], "no prompt")
-
-
-def _refused(capsys, argv, msg):
-    rc = generate.main(argv)
-    out = capsys.readouterr()
-    assert rc == 2, (argv, out.err)
-    assert out.out == "", "something was generated"
-    assert out.err.startswith("error: ") and msg in out.err, out.err
+    assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.ckpt], "no prompt")
 
 
 def test_readme_demo_command_as_a_new_user(tmp_path):

@@ -9,12 +9,13 @@ import shutil
 import numpy as np
 import pytest
 from fixtures_demo import tiny_ckpt  # noqa: F401  (session fixture)
+from helpers import assert_cli_refused
 
 from convert import __main__ as convert_cli
 from convert.core import Options, convert
 from convert.fake_dspark import tiny_dspark_config, write_fake_dspark
 from convert.source import ConvertError
-from k3jax import checkpoint, config, distributed, generate, sampling, sharding
+from k3jax import checkpoint, config, distributed, sampling, sharding
 from k3jax import params as P
 from k3jax.checkpoint import CheckpointError
 from k3jax.config import ConfigError, preset
@@ -38,15 +39,6 @@ def no_weights(monkeypatch):
         raise AssertionError("weights were loaded before the request was refused")
 
     monkeypatch.setattr(checkpoint, "load", boom)
-
-
-def _refused(capsys, argv, msg):
-    capsys.readouterr()  # drop the fixtures' seed lines
-    rc = generate.main(argv)
-    out = capsys.readouterr()
-    assert rc == 2, (argv, out.err)
-    assert out.out == "", "something was generated"
-    assert out.err.startswith("error: ") and msg in out.err, out.err
 
 
 def _flags(rng):
@@ -84,7 +76,7 @@ def test_cli_refuses_up_front(ckpt, no_weights, capsys, monkeypatch, rng, argv, 
     base = _flags(rng)
     if "--prompt-file" in argv:
         base = base[2:]  # the prompt flags are mutually exclusive
-    _refused(capsys, ["--checkpoint", ckpt, *base, *argv], msg)
+    assert_cli_refused(capsys, ["--checkpoint", ckpt, *base, *argv], msg)
 
 
 def test_dspark_drafter_for_another_target_refused(ckpt, no_weights, capsys, tmp_path, rng):
@@ -93,7 +85,7 @@ def test_dspark_drafter_for_another_target_refused(ckpt, no_weights, capsys, tmp
     hidden = int(rng.choice([32, 96, 256]))
     d = str(tmp_path / "dspark")
     write_fake_dspark(d, tiny_dspark_config(target.replace(hidden_size=hidden)), seed=int(rng.integers(1 << 20)))
-    _refused(capsys, ["--checkpoint", ckpt, *_flags(rng), "--spec", "dspark", "--draft-checkpoint", d],
+    assert_cli_refused(capsys, ["--checkpoint", ckpt, *_flags(rng), "--spec", "dspark", "--draft-checkpoint", d],
              f"hidden_size={hidden} (target: {target.hidden_size})")
 
 
