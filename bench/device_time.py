@@ -23,3 +23,16 @@ def kernel_names(f, *args):
     """The kernels one call f(*args) launches, in order."""
     _, per_kernel = profiler.measure(f, aggregate=False)(*args)
     return [name for name, _ in per_kernel]
+
+
+def time_variants(fns, args, want, max_err, iters=ITERS) -> dict:
+    """{name}_max_err (max_err(f(*args), want)) and {name}_us (device_us) for each jitted variant; one that
+    fails to compile or run on this GPU becomes a "failed: ..." entry instead of ending the run."""
+    row = {}
+    for name, f in fns.items():
+        try:
+            row[name + "_max_err"] = max_err(f(*args), want)
+            row[name + "_us"] = device_us(f, *args, iters=iters)
+        except Exception as e:  # noqa: BLE001
+            row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+    return row

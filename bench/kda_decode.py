@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.device_time import ITERS, device_us, kernel_names
+from bench.device_time import ITERS, device_us, kernel_names, time_variants
 from pallas_kernels.kda_decode import api, kernel, reference
 
 HBM_PEAK = 4.8e12  # H200 datasheet
@@ -336,13 +336,8 @@ def main_split(out_dir):
                       (64, 12, bandwidth)]:
         args = make_inputs(7, B, H)
         want = ref(*args)
-        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6)
-        for name, f in fns.items():
-            try:  # a variant that fails to compile or run on this GPU is a row entry, not the end of the run
-                row[name + "_max_err"] = max_err(f(*args), want)
-                row[name + "_us"] = device_us(f, *args)
-            except Exception as e:  # noqa: BLE001
-                row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6,
+                   **time_variants(fns, args, want, max_err))
         results["rows"].append(row)
         print(row, flush=True)
         pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))

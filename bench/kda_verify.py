@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from bench.device_time import device_us, kernel_names
+from bench.device_time import device_us, kernel_names, time_variants
 from pallas_kernels.kda_decode import api, reference, verify_kernel
 
 HBM_PEAK = 4.8e12  # H200 datasheet
@@ -99,13 +99,7 @@ def main_split(opts):
     for B, H, T in shapes:
         args, _ = make_inputs(7, B, H, T)
         want = ref_v(*args)
-        row = dict(B=B, H=H, T=T)
-        for name, f in fns.items():
-            try:  # a variant that fails here is a row entry, not the end of the run
-                row[name + "_max_err"] = max_err(f(*args), want)
-                row[name + "_us"] = device_us(f, *args, iters=opts.iters)
-            except Exception as e:  # noqa: BLE001
-                row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+        row = dict(B=B, H=H, T=T, **time_variants(fns, args, want, max_err, iters=opts.iters))
         results["rows"].append(row)
         print(row, flush=True)
         pathlib.Path(opts.out, "kda_verify_split.json").write_text(json.dumps(results, indent=1))
