@@ -14,6 +14,15 @@ def load_tuning(arch: str) -> dict:
     return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())[arch]
 
 
+def _launch(launch: dict, interpret) -> dict:
+    """A tuning entry as the kernels take it. Interpret mode (CPU tests) has no peer-SMEM stores, so a "dsmem"
+    gather runs as "gmem" there: the same split and cluster barrier, o exchanged through a GMEM buffer instead
+    (the dsmem store itself is tested on the GPU)."""
+    if interpret is not None and launch.get("gather") == "dsmem":
+        return dict(launch, gather="gmem")
+    return launch
+
+
 def entry_points(tuning: dict):
     """-> (kda_decode, kda_decode_gates, kda_verify, kda_commit) with the api's signatures (plus `interpret`
     for CPU tests)."""
@@ -23,7 +32,7 @@ def entry_points(tuning: dict):
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                              dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
-                             **kernel.pick_launch(tuning, qkv_B3HK))
+                             **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret))
 
     def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                          A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
@@ -31,7 +40,7 @@ def entry_points(tuning: dict):
         XLA's GEMVs (as the model runs them), then the decode kernel."""
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
-        launch = kernel.pick_launch(tuning, qkv_B3HK)
+        launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         if qkv_B3HK.shape[0] <= tuning.get("fuse_gates_max_batch", 0):
             return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
                                        **launch)
@@ -44,7 +53,7 @@ def entry_points(tuning: dict):
         verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
         return verify_kernel.verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
                                     conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
-                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK))
+                                    **_launch(verify_kernel.pick_launch(tuning, qkv_BT3HK), interpret))
 
     def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, interpret=None):
         """Reads and writes each tile once, like a decode step: the decode launch table applies as is.

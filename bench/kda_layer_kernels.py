@@ -1,0 +1,121 @@
+"""Where a KDA sublayer's decode time goes: its kernels one by one (CUPTI), and the bf16 GEMV variants its
+projections could take, each against the bytes it must read (weights dominate at small batch).
+
+  PYTHONPATH=. python3 bench/kda_layer_kernels.py OUT_DIR     (GPU; writes OUT_DIR/kda_layer_kernels.json)
+
+Why: bench/kda_layer.py measured the whole sublayer at ~3x its weight-read floor at batch 1 (TP16: 35.6 us vs
+~12 us), with the state step only ~4-6 us of it; this says which kernels hold the rest.
+"""
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.device_time import device_us  # noqa: E402
+from bench.kda_layer import layer_inputs  # noqa: E402
+from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
+from k3jax.config import preset  # noqa: E402
+from k3jax.layers import kda  # noqa: E402
+
+HBM_TBS = 4.8
+
+
+def per_kernel_us(f, *args, iters=20):
+    """[(kernel name, median us)] of one call, in launch order."""
+    jax.block_until_ready(f(*args))
+    runs = [profiler.measure(f, aggregate=False)(*args)[1] for _ in range(iters)]
+    return [(name, 1e3 * statistics.median(r[i][1] for r in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
+def gemv_rows(D, N, B, key):
+    """x [B, D] bf16 @ W, W bf16 in [D, N] (the table's layout) or [N, D], fp32 or bf16 result."""
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (B, D), jnp.float32).astype(jnp.bfloat16)
+    w_DN = jax.random.normal(kw, (D, N), jnp.float32).astype(jnp.bfloat16)
+    w_ND = w_DN.T.copy()
+    floor_us = (D * N * 2 + B * D * 2 + B * N * 4) / HBM_TBS / 1e6
+    fns = {
+        "DN f32": (jax.jit(lambda x, w: jnp.einsum("bd,dn->bn", x, w, preferred_element_type=jnp.float32)), w_DN),
+        "DN bf16": (jax.jit(lambda x, w: jnp.einsum("bd,dn->bn", x, w)), w_DN),
+        "ND f32": (jax.jit(lambda x, w: jnp.einsum("bd,nd->bn", x, w, preferred_element_type=jnp.float32)), w_ND),
+        "ND bf16": (jax.jit(lambda x, w: jnp.einsum("bd,nd->bn", x, w)), w_ND),
+    }
+    row = dict(D=D, N=N, B=B, floor_us=floor_us)
+    for name, (f, w) in fns.items():
+        us = device_us(f, x, w)
+        row[name] = dict(us=us, hbm_pct=100 * floor_us / us, kernels=[n for n, _ in per_kernel_us(f, x, w, iters=1)])
+    print(row, flush=True)
+    return row
+
+
+def main(out_dir):
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, layer=[], gemv=[])
+    cfg = truncate(preset("k3"), 1)
+    for tp, B in [(16, 1), (16, 8), (8, 1)]:
+        lcfg = local_cfg(cfg, tp)
+        p = init_local_params(cfg, tp)["layers"][0]["attn"]
+        x, state, window = layer_inputs(lcfg, B)
+        for backend in ("xla", "latency_specialized"):
+            f = jax.jit(lambda p, x, s, w, backend=backend, c=lcfg: kda.kda_decode(p, x, c, s, w, backend))
+            ks = per_kernel_us(f, p, x, state, window)
+            row = dict(tp=tp, B=B, backend=backend, total_us=sum(t for _, t in ks), kernels=ks,
+                       shapes={k: list(v.shape) for k, v in p.items()})
+            print(row, flush=True)
+            out["layer"].append(row)
+            pathlib.Path(out_dir, "kda_layer_kernels.json").write_text(json.dumps(out, indent=1))
+    D = cfg.hidden_size
+    for N, B in [(3072, 1), (3072, 8), (128, 1), (6144, 1)]:
+        out["gemv"].append(gemv_rows(D, N, B, jax.random.key(N + B)))
+    for K, B in [(768, 1), (1536, 1)]:  # o_proj: [B, K] @ [K, D]
+        out["gemv"].append(gemv_rows(K, D, B, jax.random.key(K + B)))
+    pathlib.Path(out_dir, "kda_layer_kernels.json").write_text(json.dumps(out, indent=1))
+
+
+
+
+def bf16_out_linear(x, w, spec):
+    """linear with the GEMM's result in x's dtype (fp32 accumulation inside the kernel, one rounding at the end
+    unless XLA splits K and reduces the partials in x's dtype)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=x.dtype)
+
+
+def main_linear_variants(out_dir, tag):
+    """The sublayer with linear's result fp32-then-rounded (now) or produced in bf16 by the GEMM itself, with
+    each one's error against a float32 run of the same weights (precision highest)."""
+    from k3jax.layers import common
+    out = dict(device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
+    cfg = truncate(preset("k3"), 1)
+    orig = kda.linear, common.linear
+    for tp, B in [(16, 1), (16, 8), (8, 1)]:
+        lcfg = local_cfg(cfg, tp)
+        p = init_local_params(cfg, tp)["layers"][0]["attn"]
+        x, state, window = layer_inputs(lcfg, B)
+        with jax.default_matmul_precision("highest"):
+            p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+            exact = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "xla"))(
+                p32, x.astype(jnp.float32), state, window.astype(jnp.float32))[0]
+        row = dict(tp=tp, B=B)
+        for name, lin in [("f32_then_round", orig), ("bf16_out", (bf16_out_linear, bf16_out_linear))]:
+            kda.linear, common.linear = lin
+            f = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "latency_specialized"))
+            y = f(p, x, state, window)[0].astype(jnp.float32)
+            row[name] = dict(us=sum(t for _, t in per_kernel_us(f, p, x, state, window)),
+                             rel_rms_vs_fp32=float(jnp.sqrt(jnp.mean((y - exact) ** 2) / jnp.mean(exact ** 2))))
+        kda.linear, common.linear = orig
+        print(tag, row, flush=True)
+        out["rows"].append(row)
+    pathlib.Path(out_dir, f"kda_layer_linear_{tag}.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--linear"]:
+        main_linear_variants(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else ".")
