@@ -10,10 +10,13 @@
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
+#   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
+#                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_split (decides
-# the split's tuning.json entries), kda (tests of every staging, the whole-sublayer bench), then on the x2
-# machine gpu2_tests (the boundary kernel with blocks as separate operands has not run on a GPU yet).
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): profile (the KDA
+# kernel's phases under HBM contention at 384/768 tiles, where fla leads), layer (whether out-major projection
+# weights speed the KDA sublayer in place, as they do the GEMVs alone), moe, kda_verify. kda_split, kda and
+# gpu2_tests ran in the sixth session (bench/NOTES.md).
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -69,13 +72,16 @@ case "${1:-}" in
     step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
     step kda_profile 80 python3 bench/kda_profile.py "$work"
     ;;
+  layer)
+    step linear_variants 200 python3 bench/kda_layer_kernels.py --linear "$work" default
+    ;;
   moe)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
     step rank_slice_packed 560 python3 bench/rank_slice.py --layers 24 --batches 1,64 --moe-impl packed \
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe|layer" >&2
     exit 2
     ;;
 esac

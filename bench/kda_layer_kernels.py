@@ -2,6 +2,9 @@
 projections could take, each against the bytes it must read (weights dominate at small batch).
 
   PYTHONPATH=. python3 bench/kda_layer_kernels.py OUT_DIR     (GPU; writes OUT_DIR/kda_layer_kernels.json)
+  PYTHONPATH=. python3 bench/kda_layer_kernels.py --linear OUT_DIR TAG [--no-time]
+      the sublayer with its projections computed other ways (layer_variants): each one's kernels, device time
+      and error against float32 -> OUT_DIR/kda_layer_linear_TAG.json (--no-time: errors only, runs on CPU)
 
 Why: bench/kda_layer.py measured the whole sublayer at ~3x its weight-read floor at batch 1 (TP16: 35.6 us vs
 ~12 us), with the state step only ~4-6 us of it; this says which kernels hold the rest.
@@ -86,13 +89,33 @@ def bf16_out_linear(x, w, spec):
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=x.dtype)
 
 
-def main_linear_variants(out_dir, tag):
-    """The sublayer with linear's result fp32-then-rounded (now) or produced in bf16 by the GEMM itself, with
-    each one's error against a float32 run of the same weights (precision highest)."""
+# The out-major ([out, in], the HF checkpoint's) layout of the three projection weights, and linear's spec
+# for each: at batch 1 the GEMV variants above read [N, D] weights faster (f_a 1.7 vs 3.2 us, o 3.3 vs 4.3).
+_ND_SPECS = {"bd,dshk->bshk": "bd,shkd->bshk", "bd,dr->br": "bd,rd->br"}
+
+
+def out_major(p):
+    return dict(p, qkvg=jnp.transpose(p["qkvg"], (1, 2, 3, 0)), f_a=p["f_a"].T, o=jnp.transpose(p["o"], (2, 0, 1)))
+
+
+def layer_variants():
+    """name -> (params transform, {module attribute: replacement}) for kda.kda_decode's projections."""
     from k3jax.layers import common
+    nd_linear = lambda x, w, spec: common.linear(x, w, _ND_SPECS[spec])  # noqa: E731
+    nd_row_parallel = lambda x, w_DHK: common.linear(  # noqa: E731
+        x.reshape(x.shape[0], -1), w_DHK.reshape(w_DHK.shape[0], -1), "bk,dk->bd")
+    return {
+        "f32_then_round": (lambda p: p, {}),  # the model's rule, [in, out] weights: what runs today
+        "bf16_out": (lambda p: p, {(kda, "linear"): bf16_out_linear, (common, "linear"): bf16_out_linear}),
+        "out_major_f32": (out_major, {(kda, "linear"): nd_linear, (kda, "row_parallel"): nd_row_parallel}),
+    }
+
+
+def main_linear_variants(out_dir, tag, time=True):
+    """The sublayer under each of layer_variants (latency_specialized), each one's kernels and device time and
+    its error against a float32 run of the same weights (precision highest). time=False (CPU): errors only."""
     out = dict(device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
     cfg = truncate(preset("k3"), 1)
-    orig = kda.linear, common.linear
     for tp, B in [(16, 1), (16, 8), (8, 1)]:
         lcfg = local_cfg(cfg, tp)
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
@@ -102,13 +125,21 @@ def main_linear_variants(out_dir, tag):
             exact = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "xla"))(
                 p32, x.astype(jnp.float32), state, window.astype(jnp.float32))[0]
         row = dict(tp=tp, B=B)
-        for name, lin in [("f32_then_round", orig), ("bf16_out", (bf16_out_linear, bf16_out_linear))]:
-            kda.linear, common.linear = lin
-            f = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "latency_specialized"))
-            y = f(p, x, state, window)[0].astype(jnp.float32)
-            row[name] = dict(us=sum(t for _, t in per_kernel_us(f, p, x, state, window)),
-                             rel_rms_vs_fp32=float(jnp.sqrt(jnp.mean((y - exact) ** 2) / jnp.mean(exact ** 2))))
-        kda.linear, common.linear = orig
+        for name, (transform, patches) in layer_variants().items():
+            saved = {k: getattr(*k) for k in patches}
+            for (mod, attr), fn in patches.items():
+                setattr(mod, attr, fn)
+            try:
+                pv = jax.jit(transform)(p)
+                f = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "latency_specialized"))
+                y = f(pv, x, state, window)[0].astype(jnp.float32)
+                row[name] = dict(rel_rms_vs_fp32=float(jnp.sqrt(jnp.mean((y - exact) ** 2) / jnp.mean(exact ** 2))))
+                if time:
+                    ks = per_kernel_us(f, pv, x, state, window)
+                    row[name].update(us=sum(t for _, t in ks), kernels=ks)
+            finally:
+                for (mod, attr), fn in saved.items():
+                    setattr(mod, attr, fn)
         print(tag, row, flush=True)
         out["rows"].append(row)
     pathlib.Path(out_dir, f"kda_layer_linear_{tag}.json").write_text(json.dumps(out, indent=1))
@@ -116,6 +147,6 @@ def main_linear_variants(out_dir, tag):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--linear"]:
-        main_linear_variants(sys.argv[2], sys.argv[3])
+        main_linear_variants(sys.argv[2], sys.argv[3], time="--no-time" not in sys.argv)
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else ".")
