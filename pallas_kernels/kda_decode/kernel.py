@@ -106,6 +106,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         return S_0
 
     with jax.named_scope("prologue"):
+        gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
         if fuse_gates:
             f_K, beta = _gates(*gate_in, b, h, vec_smem, dtype)
         else:
@@ -142,11 +143,11 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
         if v_split == 1:
-            _gated_norm(vec_smem.at[5], gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype)
+            _gated_norm(vec_smem.at[5], gate_K, onw_K, y_ref.at[b, h], eps, dtype)
         else:
             _cluster_sync(xchg_bar, fences)
             o_src = vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
-            pl.when(s == 0)(lambda: _gated_norm(o_src, gate_ref.at[b, h], onw_ref, y_ref.at[b, h], eps, dtype))
+            pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype))
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
@@ -193,10 +194,15 @@ def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv
     (§4.3). Writes the new conv window (where write_conv: one CTA of a cluster), leaves the tile-side vectors
     in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output correction. Inputs are GMEM refs."""
     K = vec_smem.shape[-1]
+    # Every GMEM load first. The conv-window stores below may alias these loads as far as the compiler knows,
+    # so a load written after a store waits for it: one HBM round trip each, several microseconds when the
+    # state traffic of a full wave fills the memory system.
+    windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]] for i in range(3)]
+    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
+    f, a_log, dt_bias = f_K[...].astype(F32), alog_ref[h], dtb_ref.at[h][...]
     x = []
-    for i in range(3):
-        window = [conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]]
-        y = sum(plgpu.load(w_ref.at[i, h, :, j]) * u.astype(F32) for j, u in enumerate(window))
+    for i, window in enumerate(windows):
+        y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
         x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
 
         def slide(i=i, window=window):  # the window slides by one: keep the newest three pre-conv inputs
@@ -208,7 +214,7 @@ def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv
         else:
             pl.when(write_conv)(slide)
     q, k, v = x
-    g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_K[...].astype(F32) + dtb_ref.at[h][...]))
+    g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
     beta = _sigmoid(beta.astype(F32))
     qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
     kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
@@ -247,12 +253,14 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _gated_norm(o_K, gate_K, onw_ref, y_K, eps, dtype):
-    """Gated RMSNorm (§4.6): o (a ref, already rounded to the compute dtype), then fp32 to one final rounding."""
+def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype):
+    """Gated RMSNorm (§4.6): o (a ref, already rounded to the compute dtype), then fp32 to one final rounding.
+    gate_K and onw_K are values, loaded at the kernel's start (a load here would wait behind the state's
+    stores)."""
     K = o_K.shape[-1]
     o = o_K[...]
-    n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
-    y_K[...] = (n * _sigmoid(gate_K[...].astype(F32))).astype(dtype)
+    n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_K
+    y_K[...] = (n * _sigmoid(gate_K.astype(F32))).astype(dtype)
 
 
 # f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.

@@ -106,17 +106,24 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
 
     # O(K) work of every token (§4.2, §4.3), thread t owning channel t. Token t convolves the 3 pre-conv
     # inputs before it: the cached window, then the new tokens themselves.
+    # Every GMEM load of every token first (the norm's too): a load written after a GMEM store (the commit
+    # vectors below, y) waits for that store, as far as the compiler knows, so per-token loads would cost one
+    # HBM round trip per token twice over.
     taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
-    inputs = [[conv_ref.at[b, i, j, h][...] for j in range(_W)] for i in range(3)]  # oldest first
+    inputs = [[conv_ref.at[b, i, j, h][...] for j in range(_W)] + [qkv_ref.at[b, t, i, h][...] for t in range(T)]
+              for i in range(3)]  # per stream: the cached window, oldest first, then the T new tokens
+    f_T = [f_ref.at[b, t, h][...] for t in range(T)]
+    beta_T = [beta_ref[b, t, h] for t in range(T)]
+    gate_T = [gate_ref.at[b, t, h][...] for t in range(T)]
+    a_log, dt_bias, onw = alog_ref[h], dtb_ref.at[h][...], onw_ref[...]
     for t in range(T):
         x = []
         for i in range(3):
-            inputs[i].append(qkv_ref.at[b, t, i, h][...])
-            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t:], strict=True))
+            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t:t + _CONV_TAPS], strict=True))
             x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
         q, k, v = x
-        g = -5.0 * _sigmoid(jnp.exp(alog_ref[h]) * (f_ref.at[b, t, h][...].astype(F32) + dtb_ref.at[h][...]))
-        beta = _sigmoid(beta_ref[b, t, h].astype(F32))
+        g = -5.0 * _sigmoid(jnp.exp(a_log) * (f_T[t].astype(F32) + dt_bias))
+        beta = _sigmoid(beta_T[t].astype(F32))
         qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
         kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
         decay = jnp.exp(g)
@@ -176,8 +183,8 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         o_src = o_xchg_ref.at[b, :, h] if split and gather == "gmem" else vec_smem.at[:, _O]
         for t in range(T):
             o = o_src.at[t][...]
-            n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_ref[...]
-            y_ref.at[b, t, h][...] = (n * _sigmoid(gate_ref.at[b, t, h][...].astype(F32))).astype(dtype)
+            n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw
+            y_ref.at[b, t, h][...] = (n * _sigmoid(gate_T[t].astype(F32))).astype(dtype)
             if not split:
                 delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
 
