@@ -10,6 +10,7 @@
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
+#   bash bench/device_queue.sh kda_cold      # nvidia-h200: KDA decode (api, XLA) with a cold L2, ~3 min
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
@@ -73,6 +74,9 @@ case "${1:-}" in
     step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
     step kda_profile 80 python3 bench/kda_profile.py "$work"
     ;;
+  kda_cold)
+    step bench_cold 240 python3 bench/kda_decode.py --cold "$work"
+    ;;
   layer)
     step linear_variants 200 python3 bench/kda_layer_kernels.py --linear "$work" default
     ;;
@@ -82,7 +86,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe|layer" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe|layer|kda_cold" >&2
     exit 2
     ;;
 esac

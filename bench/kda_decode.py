@@ -3,6 +3,7 @@ the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT [FLA_JSON]
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
+`--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -343,8 +344,42 @@ def main_split(out_dir):
         pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
 
 
+COLD_BYTES = 160 * 2**20  # > the H200's 50 MB L2 three times over: a copy's data is evicted before its turn
+
+
+def cold_fn(f):
+    """f over a list of n distinct input sets in one jitted call, unrolled (no scan: its stacked outputs would
+    add copy kernels): set i's state and weights were last touched n - 1 calls ago, as a decode step's layer's
+    are."""
+    return jax.jit(lambda sets: [f(*a) for a in sets])
+
+
+def main_cold(out_dir, shapes=SHAPES):
+    """The api path (tuning.json's launch) and the XLA reference with a cold L2: per call, CUPTI device time of
+    n calls on n distinct input sets / n. The default benches repeat one call on the same inputs, which keeps
+    a small step's state (0.9 MB at 1 x 6) in L2. Writes OUT/kda_decode_cold.json."""
+    fns = {"api": lambda *a: api.kda_decode(*a, backend="latency_specialized"), "xla": reference.kda_decode}
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
+                   jax=jax.__version__, cold_bytes=COLD_BYTES, rows=[])
+    for B, H in shapes:
+        one = make_inputs(0, B, H)
+        n = max(1, min(256, -(-COLD_BYTES // sum(a.nbytes for a in one))))
+        sets = [make_inputs(i, B, H) for i in range(n)]
+        row = dict(B=B, H=H, sets=n)
+        for name, f in fns.items():
+            g = cold_fn(f)
+            row[f"{name}_cold_us"] = device_us(g, sets) / n
+            row[f"{name}_warm_us"] = device_us(jax.jit(f), *one)
+        results["rows"].append(row)
+        print(row, flush=True)
+        pathlib.Path(out_dir, "kda_decode_cold.json").write_text(json.dumps(results, indent=1))
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--split"]:
+    if sys.argv[1:2] == ["--cold"]:
+        main_cold(sys.argv[2])
+    elif sys.argv[1:2] == ["--split"]:
         main_split(sys.argv[2])
     elif sys.argv[1:2] == ["--split-canary"]:
         main_split_canary(sys.argv[2])
