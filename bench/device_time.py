@@ -25,6 +25,13 @@ def kernel_names(f, *args):
     return [name for name, _ in per_kernel]
 
 
+def per_kernel_us(f, *args, iters=20):
+    """[(kernel name, median us over `iters` runs)] of one call f(*args), in launch order."""
+    jax.block_until_ready(f(*args))
+    runs = [profiler.measure(f, aggregate=False)(*args)[1] for _ in range(iters)]
+    return [(name, 1e3 * statistics.median(r[i][1] for r in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
 def time_variants(fns, args, want, max_err, iters=ITERS) -> dict:
     """{name}_max_err (max_err(f(*args), want)) and {name}_us (device_us) for each jitted variant; one that
     fails to compile or run on this GPU becomes a "failed: ..." entry instead of ending the run."""

@@ -13,28 +13,18 @@ Why: bench/kda_layer.py measured the whole sublayer at ~3x its weight-read floor
 import json
 import os
 import pathlib
-import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.device_time import device_us  # noqa: E402
+from bench.device_time import device_us, kernel_names, per_kernel_us  # noqa: E402
+from bench.kda_decode import HBM_PEAK  # noqa: E402
 from bench.kda_layer import layer_inputs  # noqa: E402
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
-
-HBM_TBS = 4.8
-
-
-def per_kernel_us(f, *args, iters=20):
-    """[(kernel name, median us)] of one call, in launch order."""
-    jax.block_until_ready(f(*args))
-    runs = [profiler.measure(f, aggregate=False)(*args)[1] for _ in range(iters)]
-    return [(name, 1e3 * statistics.median(r[i][1] for r in runs)) for i, (name, _) in enumerate(runs[0])]
 
 
 def gemv_rows(D, N, B, key):
@@ -43,7 +33,7 @@ def gemv_rows(D, N, B, key):
     x = jax.random.normal(kx, (B, D), jnp.float32).astype(jnp.bfloat16)
     w_DN = jax.random.normal(kw, (D, N), jnp.float32).astype(jnp.bfloat16)
     w_ND = w_DN.T.copy()
-    floor_us = (D * N * 2 + B * D * 2 + B * N * 4) / HBM_TBS / 1e6
+    floor_us = (D * N * 2 + B * D * 2 + B * N * 4) / HBM_PEAK * 1e6
     fns = {
         "DN f32": (jax.jit(lambda x, w: jnp.einsum("bd,dn->bn", x, w, preferred_element_type=jnp.float32)), w_DN),
         "DN bf16": (jax.jit(lambda x, w: jnp.einsum("bd,dn->bn", x, w)), w_DN),
@@ -53,7 +43,7 @@ def gemv_rows(D, N, B, key):
     row = dict(D=D, N=N, B=B, floor_us=floor_us)
     for name, (f, w) in fns.items():
         us = device_us(f, x, w)
-        row[name] = dict(us=us, hbm_pct=100 * floor_us / us, kernels=[n for n, _ in per_kernel_us(f, x, w, iters=1)])
+        row[name] = dict(us=us, hbm_pct=100 * floor_us / us, kernels=kernel_names(f, x, w))
     print(row, flush=True)
     return row
 
@@ -79,8 +69,6 @@ def main(out_dir):
     for K, B in [(768, 1), (1536, 1)]:  # o_proj: [B, K] @ [K, D]
         out["gemv"].append(gemv_rows(K, D, B, jax.random.key(K + B)))
     pathlib.Path(out_dir, "kda_layer_kernels.json").write_text(json.dumps(out, indent=1))
-
-
 
 
 def bf16_out_linear(x, w, spec):
