@@ -200,19 +200,25 @@ def main(out_dir, fla_from=None):
 GATE_SHAPES = [(1, 6), (1, 12), (8, 12), (64, 12)]  # TP16 / TP8 ranks at batch 1..64
 
 
+def gates_inputs(B, H):
+    """kda_decode_gates' inputs (fa, f_b, x, b in place of f, beta; R = 128, D = 7168) and the reference's
+    outputs on them."""
+    args = list(make_inputs(11, B, H))
+    r = np.random.default_rng(B * 100 + H)
+    gate_in = [jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
+               for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128 ** -0.5), ((B, 7168), 1.0),
+                                    ((7168, H), 7168 ** -0.5))]
+    full = [args[0], *gate_in, *args[3:]]
+    return full, jax.jit(reference.kda_decode_gates)(*full)
+
+
 def gates_cases():
     """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
     D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch")."""
     from pallas_kernels.kda_decode import bodies, sm90
     rows = []
     for B, H in GATE_SHAPES:
-        args = list(make_inputs(11, B, H))
-        r = np.random.default_rng(B * 100 + H)
-        gate_in = [jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
-                   for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128 ** -0.5), ((B, 7168), 1.0),
-                                        ((7168, H), 7168 ** -0.5))]
-        full = [args[0], *gate_in, *args[3:]]
-        want = jax.jit(reference.kda_decode_gates)(*full)
+        full, want = gates_inputs(B, H)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
         for fuse in (False, True):
             f = jax.jit(bodies.entry_points(dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0))[1])
@@ -344,6 +350,38 @@ def main_split(out_dir):
         pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
 
 
+def main_loads_first(out_dir):
+    """The prologue's small GMEM loads issued before the state's read (loads_first, the default) against after
+    it, each at the launch tuning.json picks and, from 384 tiles, whole-tile TMA too; plus the fused-gates
+    kernel at B <= 8. CUPTI, L2-warm like main. Writes OUT/kda_loads_first.json."""
+    tuning = api_tuning()["sm90"]
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=tuning, rows=[])
+    for B, H in [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
+        args = make_inputs(7, B, H)
+        want = jax.jit(reference.kda_decode)(*args)
+        launch = kernel.pick_launch(tuning, args[0])
+        launches = {"api": launch}
+        if B * H >= 384:
+            launches["tma v32"] = dict(launch, v_chunk=32, tma=True, v_split=1, gather="gmem")
+            launches["tma-chunked v32"] = dict(launch, v_chunk=32, tma="chunked", v_split=1, gather="gmem")
+        fns = {f"{name} loads_{'first' if first else 'after'}":
+               jax.jit(functools.partial(kernel.decode, eps=1e-5, loads_first=first, **lc))
+               for name, lc in launches.items() for first in (True, False)}
+        row = dict(B=B, H=H, launch={k: str(v) for k, v in launch.items()},
+                   floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err))
+        if B <= 8:  # the production path at small batch: gate projections fused in
+            gargs, gwant = gates_inputs(B, H)
+            gfns = {f"gates loads_{'first' if first else 'after'}":
+                    jax.jit(functools.partial(kernel.decode_gates, eps=1e-5, loads_first=first, **launch))
+                    for first in (True, False)}
+            row.update(time_variants(gfns, gargs, gwant, max_err))
+        results["rows"].append(row)
+        print(row, flush=True)
+        pathlib.Path(out_dir, "kda_loads_first.json").write_text(json.dumps(results, indent=1))
+
+
 COLD_BYTES = 160 * 2**20  # > the H200's 50 MB L2 three times over: a copy's data is evicted before its turn
 
 
@@ -379,6 +417,8 @@ def main_cold(out_dir, shapes=SHAPES):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--cold"]:
         main_cold(sys.argv[2])
+    elif sys.argv[1:2] == ["--loads-first"]:
+        main_loads_first(sys.argv[2])
     elif sys.argv[1:2] == ["--split"]:
         main_split(sys.argv[2])
     elif sys.argv[1:2] == ["--split-canary"]:

@@ -55,7 +55,7 @@ def pick_launch(tuning, qkv_B3HK):
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
-          fences=True):
+          fences=True, loads_first=True):
     """One CTA per (b, h), or with v_split > 1 a cluster of v_split CTAs per (b, h), CTA s owning state columns
     [s V/v_split, (s+1) V/v_split), whose o reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's
     SMEM. Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w,
@@ -80,13 +80,17 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
     def gcols(c):  # chunk c's columns in the whole tile (state in GMEM, vec_smem rows)
         return pl.ds(col0 + c * v_chunk, v_chunk)
 
-    if tma_scratch:  # the tile HBM -> SMEM by TMA, issued first: in flight during the prologue
-        tile_smem, tile_bar = tma_scratch
+    def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
         if chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[c], tile_bar.at[c])
         else:
             plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
+
+    if tma_scratch:
+        tile_smem, tile_bar = tma_scratch
+        if not loads_first:
+            issue_state_tma()
 
     def load_state(c):  # chunk c's v_chunk columns into registers
         if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
@@ -96,6 +100,18 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
             return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
+    # The prologue's small GMEM loads: with loads_first they go out before the state's read, so they do not
+    # queue behind the whole wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel).
+    def small_loads():
+        gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
+        pro_in = _prologue_loads(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
+        f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
+        return gate_K, onw_K, pro_in, f_beta
+
+    if loads_first:
+        gate_K, onw_K, pro_in, f_beta = small_loads()
+        if tma_scratch:
+            issue_state_tma()
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
 
@@ -107,13 +123,10 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         return S_0
 
     with jax.named_scope("prologue"):
-        gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
-        if fuse_gates:
-            f_K, beta = _gates(*gate_in, b, h, vec_smem, dtype)
-        else:
-            f_K, beta = gate_in[0].at[b, h], gate_in[1][b, h]
-        o_gain = _prologue(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], f_K, beta, w_ref, alog_ref, dtb_ref, h,
-                           new_conv_ref.at[b, :, :, h], vec_smem, dtype, write_conv=s == 0)
+        if not loads_first:
+            gate_K, onw_K, pro_in, f_beta = small_loads()
+        f, beta = _gates(*gate_in, b, h, vec_smem, dtype) if fuse_gates else f_beta
+        o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, write_conv=s == 0)
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
@@ -175,7 +188,8 @@ def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
     """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
     f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
     logit sum_d x[d] b[d, h] in 128-wide slices. fp32 sums rounded to the activation dtype, as the model's
-    projections. Every load is independent of the sums, so they issue back to back. f -> vec_smem row 6."""
+    projections. Every load is independent of the sums, so they issue back to back. f (through vec_smem row 6,
+which rounds it to the activation dtype) and the beta logit are returned as values."""
     R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
     f = fa_ref[b, 0].astype(F32) * fb_ref.at[0, h][...].astype(F32)
     for r in range(1, R):
@@ -186,21 +200,26 @@ def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
         cols = pl.ds(c * K, K)
         term = x_ref.at[b, cols][...].astype(F32) * plgpu.load(bw_ref.at[cols, h]).astype(F32)
         acc = term if acc is None else acc + term
-    return vec_smem.at[6], jnp.sum(acc).astype(dtype)
+    return vec_smem.at[6][...], jnp.sum(acc).astype(dtype)
 
 
-def _prologue(qkv_3K, conv_33K, f_K, beta, w_ref, alog_ref, dtb_ref, h, new_conv_33K, vec_smem, dtype,
-              write_conv=True):
-    """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
-    (§4.3). Writes the new conv window (where write_conv: one CTA of a cluster), leaves the tile-side vectors
-    in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output correction. Inputs are GMEM refs."""
-    K = vec_smem.shape[-1]
-    # Every GMEM load first. The conv-window stores below may alias these loads as far as the compiler knows,
-    # so a load written after a store waits for it: one HBM round trip each, several microseconds when the
-    # state traffic of a full wave fills the memory system.
+def _prologue_loads(qkv_3K, conv_33K, w_ref, alog_ref, dtb_ref, h):
+    """The prologue's GMEM loads, all issued before any store: the conv-window stores may alias them as far as
+    the compiler knows, so a load written after a store waits for it (one HBM round trip each, several
+    microseconds when a full wave's state traffic fills the memory system). Returns values, thread t's
+    channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h])."""
     windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]] for i in range(3)]
     taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
-    f, a_log, dt_bias = f_K[...].astype(F32), alog_ref[h], dtb_ref.at[h][...]
+    return windows, taps, alog_ref[h], dtb_ref.at[h][...]
+
+
+def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, write_conv=True):
+    """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
+    (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the new conv window (where
+    write_conv: one CTA of a cluster), leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
+    beta (k̂ · q̂) of the output correction."""
+    K = vec_smem.shape[-1]
+    windows, taps, a_log, dt_bias = pro_in
     x = []
     for i, window in enumerate(windows):
         y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
@@ -268,13 +287,13 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "loads_first", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", interpret=None,
-           profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", loads_first=True,
+           interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -287,13 +306,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, interpret=interpret, profile_dir=profile_dir)
+                   v_split=v_split, gather=gather, loads_first=loads_first, interpret=interpret,
+                   profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 interpret=None, profile_dir=""):
+                 loads_first=True, interpret=None, profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -301,12 +321,13 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, interpret=interpret,
-                   profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, loads_first=loads_first,
+                   interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", loads_first=True, interpret,
+            profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
@@ -327,7 +348,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
-                             gather=gather, fences=interpret is None)
+                             gather=gather, fences=interpret is None, loads_first=loads_first)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         scratch += [plgpu.SMEM((Vs // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
