@@ -1,0 +1,68 @@
+"""The decode GEMV (pallas_kernels.gemv) against XLA's out-major GEMV on one GPU, CUPTI device time.
+
+Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT
+Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
+HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.device_time import device_us, per_kernel_us
+from pallas_kernels.gemv import kernel, reference
+
+HBM_PEAK = 4.8e12
+SETS = 3
+# (name, D, rows of each weight sharing x): one TP16 / TP8 rank's KDA q/k/v/g + f_a, and o_proj
+CASES = [("qkvg+f_a tp16", 7168, (3072, 128)), ("qkvg+f_a tp8", 7168, (6144, 128)),
+         ("o tp16", 768, (7168,)), ("o tp8", 1536, (7168,))]
+# block_k, split_k, steps; SMEM = x slabs (D / split_k x 8 tokens) + steps weight tiles (64 x block_k), <= 227 KB
+CONFIGS = [(256, 2, 4), (128, 4, 4), (256, 1, 3), (128, 2, 6), (256, 4, 3), (128, 1, 6)]
+
+
+def timed(row, key, f, x, sets, want):
+    """row[key_us] (per weight set), key_rel_err (worst output's relative RMS vs float64) and key_kernels (one
+    set's kernels, median us) for f(x, weights) over every set in one jitted call; a failure is recorded."""
+    g = jax.jit(lambda x, sets: [f(x, ws) for ws in sets])
+    try:
+        got = g(x, sets)[0]
+        row[key + "_rel_err"] = max(float(np.sqrt(np.mean((np.asarray(a, np.float64) - w) ** 2) / np.mean(w ** 2)))
+                                    for a, w in zip(got, want, strict=True))
+        row[key + "_us"] = device_us(g, x, sets) / SETS
+        per_kernel = per_kernel_us(g, x, sets, iters=10)
+        row[key + "_kernels"] = [(k, round(t, 2)) for k, t in per_kernel[:len(per_kernel) // SETS]]
+    except Exception as e:  # noqa: BLE001
+        row[key + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+
+
+def main(out_dir):
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__, sets=SETS,
+                   rows=[])
+    r = np.random.default_rng(0)
+    for name, D, rows in CASES:
+        for B in (1, 8):
+            x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
+            sets = [tuple(jnp.asarray(r.standard_normal((n, D)) * D ** -0.5, jnp.bfloat16) for n in rows)
+                    for _ in range(SETS)]
+            want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in sets[0]]
+            nbytes = sum(w.nbytes for w in sets[0]) + x.nbytes
+            row = dict(case=name, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
+            timed(row, "xla", reference.gemv, x, sets, want)
+            for bk, sk, st in CONFIGS:
+                if D % (bk * sk) == 0:
+                    timed(row, f"pallas k{bk} s{sk} st{st}",
+                          lambda x, ws, bk=bk, sk=sk, st=st: kernel.gemv(x, ws, block_k=bk, split_k=sk, steps=st),
+                          x, sets, want)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            pathlib.Path(out_dir, "gemv.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")

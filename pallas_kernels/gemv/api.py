@@ -1,0 +1,38 @@
+"""Dispatch for the decode GEMV: the Hopper kernel where it applies (backend="latency_specialized", sm90,
+bf16, batch <= 8), the XLA reference otherwise, the reason logged once (logger "k3jax.backends")."""
+
+import json
+import pathlib
+
+from pallas_kernels import common
+from pallas_kernels.gemv import reference
+
+BACKENDS = ("xla", "latency_specialized")
+
+
+def tuning() -> dict:
+    return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())
+
+
+def _kernel(x_BD, ws_ND):
+    arch = common.gpu_arch()
+    if arch is None or arch[0] != 9:
+        raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
+    from pallas_kernels.gemv import kernel
+    t = tuning()["sm90"]
+    # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
+    split_k = t["split_k"] if x_BD.shape[1] % (t["split_k"] * t["block_k"]) == 0 else 1
+    kernel.check_supported(x_BD, ws_ND, t["block_k"], split_k)
+    return kernel.gemv(x_BD, tuple(ws_ND), block_k=t["block_k"], split_k=split_k, steps=t["steps"])
+
+
+def gemv(x_BD, ws_ND, *, backend="xla"):
+    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype, fp32 sums."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "latency_specialized":
+        try:
+            return _kernel(x_BD, ws_ND)
+        except NotImplementedError as e:
+            common.log_once("gemv", str(e))
+    return reference.gemv(x_BD, ws_ND)

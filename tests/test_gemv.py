@@ -1,0 +1,83 @@
+"""The decode GEMV (pallas_kernels.gemv): kernel in interpret mode and its reference against float64 NumPy,
+CUDA lowering at one TP16 rank's real shapes, the api's fallback and refusals; real shapes on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gemv import api, kernel, reference
+from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
+
+
+def _inputs(r, B, D, rows):
+    x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(r.standard_normal((n, D)) * D ** -0.5, jnp.bfloat16) for n in rows)
+    return x, ws
+
+
+def _check(got, x, ws):
+    """Each output within a few bf16 ulps of the float64 product (one rounding of an exact-ish fp32 sum)."""
+    for g, w in zip(got, ws, strict=True):
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        assert g.shape == want.shape and g.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(g, np.float64) - want)
+        assert np.all(err <= 2 ** -8 * np.abs(want) + 1e-3 * np.max(np.abs(want))), float(err.max())
+
+
+@cpu_only
+@pytest.mark.parametrize("B, split_k, steps", [(1, 2, 3), (3, 1, 2), (8, 4, 4)])
+def test_kernel_interpret_matches_numpy(B, split_k, steps):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    x, ws = _inputs(rng(), B, 1024, (128, 64))
+    with abstract_gpu("sm90"):
+        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps,
+                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    _check(got, x, ws)
+
+
+def test_reference_matches_numpy():
+    x, ws = _inputs(rng(), 5, 512, (192, 64))
+    _check(reference.gemv(x, ws), x, ws)
+
+
+@cpu_only
+def test_kernel_lowers_for_cuda_at_tp16_shapes():
+    """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch."""
+    t = api.tuning()["sm90"]
+    x = jnp.zeros((1, 7168), jnp.bfloat16)
+    ws = (jnp.zeros((3072, 7168), jnp.bfloat16), jnp.zeros((128, 7168), jnp.bfloat16))
+    with abstract_gpu("sm90"):
+        kernel.check_supported(x, ws, t["block_k"], t["split_k"])
+        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, block_k=t["block_k"], split_k=t["split_k"],
+                                                    steps=t["steps"])).trace(x, ws).lower(
+            lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split"])
+def test_kernel_refuses_what_it_cannot_run(bad):
+    B, D, rows, split = (9 if bad == "batch" else 2), 1024, (100 if bad == "rows" else 128), 3 if bad == "split" else 2
+    x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
+    with pytest.raises(NotImplementedError):
+        kernel.check_supported(x, (jnp.ones((rows, D), jnp.bfloat16),), 128, split)
+
+
+def test_api_falls_back_to_the_reference_off_hopper(caplog):
+    x, ws = _inputs(rng(), 2, 256, (64,))
+    got = api.gemv(x, ws, backend="latency_specialized")  # CPU: no sm90, the reference runs
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(reference.gemv(x, ws)[0], np.float32))
+    with pytest.raises(ValueError):
+        api.gemv(x, ws, backend="fast")
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("rows", [(3072, 128), (6144, 128), (7168,)])
+def test_api_on_gpu_matches_numpy(B, rows):
+    """One TP16 / TP8 rank's q/k/v/g + f_a, and o_proj's shape, through the api (the kernel on sm90)."""
+    D = 768 if rows == (7168,) else 7168
+    x, ws = _inputs(rng(), B, D, rows)
+    _check(api._kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
