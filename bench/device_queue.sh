@@ -11,7 +11,6 @@
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 #   bash bench/device_queue.sh kda_cold      # nvidia-h200: KDA decode (api, XLA) with a cold L2, ~3 min
-#   bash bench/device_queue.sh loads_first   # nvidia-h200: KDA decode, small loads before/after the state TMA
 #   bash bench/device_queue.sh gemv          # nvidia-h200: decode GEMV kernel tests + bench vs XLA, ~4 min
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
@@ -76,9 +75,6 @@ case "${1:-}" in
     step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
     step kda_profile 80 python3 bench/kda_profile.py "$work"
     ;;
-  loads_first)  # the prologue's small loads before the state's TMA, or after (bench --loads-first)
-    step bench_loads_first 230 python3 bench/kda_decode.py --loads-first "$work"
-    ;;
   gemv)  # the decode GEMV kernel: GPU tests, then against XLA at one rank's KDA projection shapes
     step pytest_gemv 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k on_gpu
     step bench_gemv 200 python3 bench/gemv.py "$work"
@@ -95,7 +91,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe|layer|kda_cold|loads_first|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -350,38 +350,6 @@ def main_split(out_dir):
         pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
 
 
-def main_loads_first(out_dir):
-    """The prologue's small GMEM loads issued before the state's read (loads_first, the default) against after
-    it, each at the launch tuning.json picks and, from 384 tiles, whole-tile TMA too; plus the fused-gates
-    kernel at B <= 8. CUPTI, L2-warm like main. Writes OUT/kda_loads_first.json."""
-    tuning = api_tuning()["sm90"]
-    dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=tuning, rows=[])
-    for B, H in [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
-        args = make_inputs(7, B, H)
-        want = jax.jit(reference.kda_decode)(*args)
-        launch = kernel.pick_launch(tuning, args[0])
-        launches = {"api": launch}
-        if B * H >= 384:
-            launches["tma v32"] = dict(launch, v_chunk=32, tma=True, v_split=1, gather="gmem")
-            launches["tma-chunked v32"] = dict(launch, v_chunk=32, tma="chunked", v_split=1, gather="gmem")
-        fns = {f"{name} loads_{'first' if first else 'after'}":
-               jax.jit(functools.partial(kernel.decode, eps=1e-5, loads_first=first, **lc))
-               for name, lc in launches.items() for first in (True, False)}
-        row = dict(B=B, H=H, launch={k: str(v) for k, v in launch.items()},
-                   floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err))
-        if B <= 8:  # the production path at small batch: gate projections fused in
-            gargs, gwant = gates_inputs(B, H)
-            gfns = {f"gates loads_{'first' if first else 'after'}":
-                    jax.jit(functools.partial(kernel.decode_gates, eps=1e-5, loads_first=first, **launch))
-                    for first in (True, False)}
-            row.update(time_variants(gfns, gargs, gwant, max_err))
-        results["rows"].append(row)
-        print(row, flush=True)
-        pathlib.Path(out_dir, "kda_loads_first.json").write_text(json.dumps(results, indent=1))
-
-
 COLD_BYTES = 160 * 2**20  # > the H200's 50 MB L2 three times over: a copy's data is evicted before its turn
 
 
@@ -417,8 +385,6 @@ def main_cold(out_dir, shapes=SHAPES):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--cold"]:
         main_cold(sys.argv[2])
-    elif sys.argv[1:2] == ["--loads-first"]:
-        main_loads_first(sys.argv[2])
     elif sys.argv[1:2] == ["--split"]:
         main_split(sys.argv[2])
     elif sys.argv[1:2] == ["--split-canary"]:

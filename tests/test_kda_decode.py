@@ -121,7 +121,7 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False, gather="gmem", loads_first=True):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem"):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
     of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -129,7 +129,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", loads_first=True)
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, loads_first=loads_first)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather)
 
 
 @cpu_only
@@ -147,20 +147,6 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, **TOL[dtype], what=name)
-
-
-@cpu_only
-@pytest.mark.parametrize("tma", [False, "chunked"])
-def test_loads_after_state_read_interpret_matches_reference(tma):
-    """loads_first=False (the small loads after the state's read is issued, the order before the seventh
-    session; kept while the bench compares the two) computes the same step."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    x = make_inputs(rng(), 2, 2, 128, DTYPES["bf16"])
-    want = reference.kda_decode(*args_of(x))
-    with abstract_gpu("sm90"):
-        got = _variant("sm90", tma, loads_first=False)(*args_of(x), interpret=plgpu.InterpretGPUParams())
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert_close(a, b, **TOL["bf16"], what=name)
 
 
 @cpu_only

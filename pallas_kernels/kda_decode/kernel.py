@@ -55,7 +55,7 @@ def pick_launch(tuning, qkv_B3HK):
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
-          fences=True, loads_first=True):
+          fences=True):
     """One CTA per (b, h), or with v_split > 1 a cluster of v_split CTAs per (b, h), CTA s owning state columns
     [s V/v_split, (s+1) V/v_split), whose o reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's
     SMEM. Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w,
@@ -89,8 +89,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
 
     if tma_scratch:
         tile_smem, tile_bar = tma_scratch
-        if not loads_first:
-            issue_state_tma()
 
     def load_state(c):  # chunk c's v_chunk columns into registers
         if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
@@ -100,18 +98,14 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
             return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
-    # The prologue's small GMEM loads: with loads_first they go out before the state's read, so they do not
-    # queue behind the whole wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel).
-    def small_loads():
-        gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
-        pro_in = _prologue_loads(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
-        f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
-        return gate_K, onw_K, pro_in, f_beta
-
-    if loads_first:
-        gate_K, onw_K, pro_in, f_beta = small_loads()
-        if tma_scratch:
-            issue_state_tma()
+    # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
+    # wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel; issued first, 18.08 -> 16.51
+    # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
+    gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
+    pro_in = _prologue_loads(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
+    f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
+    if tma_scratch:
+        issue_state_tma()
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
 
@@ -123,8 +117,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         return S_0
 
     with jax.named_scope("prologue"):
-        if not loads_first:
-            gate_K, onw_K, pro_in, f_beta = small_loads()
         f, beta = _gates(*gate_in, b, h, vec_smem, dtype) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, write_conv=s == 0)
 
@@ -287,13 +279,13 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "loads_first", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", loads_first=True,
-           interpret=None, profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", interpret=None,
+           profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -306,14 +298,13 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, loads_first=loads_first, interpret=interpret,
-                   profile_dir=profile_dir)
+                   v_split=v_split, gather=gather, interpret=interpret, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 loads_first=True, interpret=None, profile_dir=""):
+                 interpret=None, profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -321,13 +312,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, loads_first=loads_first,
-                   interpret=interpret, profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, interpret=interpret,
+                   profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", loads_first=True, interpret,
-            profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
@@ -348,7 +338,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
-                             gather=gather, fences=interpret is None, loads_first=loads_first)
+                             gather=gather, fences=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         scratch += [plgpu.SMEM((Vs // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
