@@ -251,6 +251,20 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
         assert_close(a, b, **TOL["f32"])
 
 
+@pytest.mark.parametrize("B, H, fused", [(2, 3, True), (3, 3, False), (2, 4, False)])
+def test_body_fuses_gates_only_within_its_tuning_limits(monkeypatch, B, H, fused):
+    """fuse_gates_max_batch = 2 and fuse_gates_max_heads = 3: the fused kernel runs only within both."""
+    from pallas_kernels.kda_decode import bodies, kernel
+    called = []
+    monkeypatch.setattr(kernel, "decode_gates", lambda *a, **k: called.append("fused"))
+    monkeypatch.setattr(kernel, "decode", lambda *a, **k: called.append("unfused"))
+    tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=2, fuse_gates_max_heads=3)
+    x, g = make_inputs(rng(), B, H, 128, jnp.float32), gate_inputs(rng(), B, H, 128, jnp.float32)
+    with abstract_gpu("sm90"):
+        bodies.entry_points(tuning)[1](*gate_args_of(x, g))
+    assert called == ["fused" if fused else "unfused"]
+
+
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma", [False, True, "chunked"])
