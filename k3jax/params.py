@@ -1,8 +1,11 @@
 """The one table of every K3 tensor: our path, HF name, shape, dtype, logical axes, HF -> ours transform.
 
 The converter, loader, sharding rules, memory planner and random initialisation all read `tensor_table`.
-Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out (w_DHK), and a few fusions:
-- KDA q/k/v/g projections stacked as `qkvg` [D, 4, H, K] (one GEMM per step, no weight transpose);
+Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out (w_DHK), with exceptions:
+- KDA's decode projections `qkvg`, `f_a` and `o` are out-major `[out, in]`, the HF rows (w_4HKD, w_RD, w_DHK):
+  at batch 1 XLA turns an out-major GEMV into a reduce fusion reading weight rows contiguously (the KDA
+  sublayer at one TP16 rank: 34.6 -> 31.0 us, bit-identical), and a Pallas GEMV kernel wants [out, in] too;
+- KDA q/k/v/g projections stacked as `qkvg` [4, H, K, D] (one GEMV per step);
 - KDA q/k/v conv weights stacked as `conv` [3, H, K, 4];
 - MLA `kv_b` split into the absorbed decode layouts `w_uk` [H, nope, R] and `w_uv` [H, v, R];
 - routed experts stacked per layer: MXFP4 codes/scales kept packed ([E, out, in/2] / [E, out, in/32], the HF
@@ -23,13 +26,13 @@ import numpy as np
 
 from k3jax.config import MXFP4_GROUP, K3Config
 
-TABLE_VERSION = 2  # 2: KDA qkvg stacked on axis 1
+TABLE_VERSION = 3  # 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major)
 HF_PREFIX = "language_model."
 
 # Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
 #   copy       same shape
 #   T          2-D [out, in] -> transpose -> reshape to the spec's shape (minus any stack axis)
-#   reshape    reshape to the spec's shape (e.g. [1, D] -> [D], [C, 1, 4] -> [H, K, 4])
+#   reshape    reshape to the spec's shape (e.g. [1, D] -> [D], [C, 1, 4] -> [H, K, 4], [H*K, D] -> [H, K, D])
 #   narrow     flatten, keep the first n entries (A_log: 128 stored -> H heads; K3_SPEC §7.4)
 #   kvb_k/kvb_v  kv_b [H*(nope+v), R] -> [H, nope+v, R] -> the k_nope or v rows
 #   dequant    MXFP4 pair (weight_packed, weight_scale) -> bf16 [out, in]
@@ -126,13 +129,15 @@ def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
 
 def _kda(add, a, ha, cfg: K3Config):
     D, H, K, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
-    # stacked on axis 1 so x_BD @ w[D, 4*H*K] is one plain GEMM (a leading stack axis made XLA transpose the
-    # 4 x D x H*K weight every step: ~28 us per KDA layer at one TP16 rank's widths)
-    add(a + ("qkvg",), ha + "{s}_proj.weight", (D, 4, H, K), ("embed", "stack", "kda_heads", "head_dim"), "T",
-        (H * K, D), stack=("q", "k", "v", "g"), fan_in=D, stack_axis=1)
+    # Decode's three large projections are out-major (the HF rows; see the module docstring). qkvg keeps D
+    # last, the contracted and minor axis, so x_BD against it is one GEMV with no weight transpose: the old
+    # [4, D, H, K] (stack axis leading, D in the middle) made XLA transpose the weight every step (~28 us per
+    # KDA layer at one TP16 rank's widths).
+    add(a + ("qkvg",), ha + "{s}_proj.weight", (4, H, K, D), ("stack", "kda_heads", "head_dim", "embed"),
+        "reshape", (H * K, D), stack=("q", "k", "v", "g"), fan_in=D)
     add(a + ("conv",), ha + "{s}_conv1d.weight", (3, H, K, W), ("stack", "kda_heads", "head_dim", None),
         "reshape", (H * K, 1, W), dtype="float32", init="conv", stack=("q", "k", "v"), fan_in=W)
-    add(a + ("f_a",), ha + "f_a_proj.weight", (D, K), ("embed", None), "T", (K, D), fan_in=D)
+    add(a + ("f_a",), ha + "f_a_proj.weight", (K, D), (None, "embed"), fan_in=D)
     add(a + ("f_b",), ha + "f_b_proj.weight", (K, H, K), (None, "kda_heads", "head_dim"), "T", (H * K, K),
         fan_in=K)
     add(a + ("b",), ha + "b_proj.weight", (D, H), ("embed", "kda_heads"), "T", (H, D), fan_in=D)
@@ -141,7 +146,7 @@ def _kda(add, a, ha, cfg: K3Config):
     add(a + ("dt_bias",), ha + "dt_bias", (H, K), ("kda_heads", "head_dim"), "reshape", (H * K,),
         dtype="float32", init="dt_bias")
     add(a + ("o_norm",), ha + "o_norm.weight", (K,), (None,), dtype="float32", init="norm")
-    add(a + ("o",), ha + "o_proj.weight", (H, K, D), ("kda_heads", "head_dim", "embed"), "T", (D, H * K),
+    add(a + ("o",), ha + "o_proj.weight", (D, H, K), ("embed", "kda_heads", "head_dim"), "reshape", (D, H * K),
         fan_in=H * K)
 
 

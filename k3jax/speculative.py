@@ -36,7 +36,6 @@ from k3jax import sharding as sh
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla
-from k3jax.layers.common import row_parallel
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
@@ -70,7 +69,7 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
         y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
                                                p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
                                                backend=backend)
-        return row_parallel(y, p["o"])
+        return kda.o_proj(y, p["o"])
 
     h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
     logits = model.logits_from_hidden(params, h, cfg, comm)

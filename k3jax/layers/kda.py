@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import L2NORM_EPS, K3Config
-from k3jax.layers.common import F32, linear, row_parallel
+from k3jax.layers.common import F32, linear
 from pallas_kernels.kda_decode import api as kda_api
 
 CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) around the chunk's middle (§4.5)
@@ -16,10 +16,16 @@ CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) aro
 
 def project(p, x_BTD):
     """x -> (qkv_BT3HK pre-conv, f_BTHK pre dt_bias, beta_BTH logits, gate_BTHK logits)."""
-    qkvg = linear(x_BTD, p["qkvg"], "btd,dshk->btshk")
-    f = linear(linear(x_BTD, p["f_a"], "btd,dr->btr"), p["f_b"], "btr,rhk->bthk")
+    qkvg = linear(x_BTD, p["qkvg"], "btd,shkd->btshk")
+    f = linear(linear(x_BTD, p["f_a"], "btd,rd->btr"), p["f_b"], "btr,rhk->bthk")
     beta = linear(x_BTD, p["b"], "btd,dh->bth")
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
+
+
+def o_proj(y_HK, w_DHK):
+    """This rank's o_proj partial: y [..., H, K] against the out-major w [D, H, K], heads x head dim contracted
+    as one axis (the caller all-reduces it, layers/boundary.py)."""
+    return linear(y_HK.reshape(*y_HK.shape[:-2], -1), w_DHK.reshape(w_DHK.shape[0], -1), "...c,dc->...d")
 
 
 def decay_gate(f_BTHK, A_log_H, dt_bias_HK, lower_bound):
@@ -125,7 +131,7 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     beta = jax.nn.sigmoid(beta_logit.astype(F32)) * valid[..., None]
     o, state = delta_rule_chunked(q, k, v, g, beta, state_BHKV, chunk)
     y = gated_norm(o.astype(x_BTD.dtype), gate, p["o_norm"], cfg.rms_norm_eps)
-    return row_parallel(y, p["o"]), state, new_window
+    return o_proj(y, p["o"]), state, new_window
 
 
 def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
@@ -136,8 +142,8 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
     may fuse those two GEMVs in (its tuning says whether it does). Both backends go through the same op, so a
     kernel that refuses a step falls back to exactly the xla backend's numbers."""
     tail = (state_BHKV, window_B3WHK, p["conv"], p["A_log"], p["dt_bias"], p["o_norm"])
-    qkvg = linear(x_BD, p["qkvg"], "bd,dshk->bshk")
-    fa = linear(x_BD, p["f_a"], "bd,dr->br")
+    qkvg = linear(x_BD, p["qkvg"], "bd,shkd->bshk")
+    fa = linear(x_BD, p["f_a"], "bd,rd->br")
     y, state, window = kda_api.kda_decode_gates(qkvg[:, :3], fa, p["f_b"], x_BD, p["b"], qkvg[:, 3], *tail,
                                                 eps=cfg.rms_norm_eps, backend=backend)
-    return row_parallel(y, p["o"]), state, window
+    return o_proj(y, p["o"]), state, window
