@@ -237,11 +237,11 @@ class _Job:
             return
         e = self.src.entries[names[0]]
         step, shape = self.chunks[self.axis], spec.shape
-        streamable = (
-            e.shape == shape
-            if spec.transform == "copy"
-            else spec.transform == "T" and e.shape == (int(np.prod(shape[1:])), shape[0])
-        )
+        streamable = {  # HF rows map to whole indices of our streamed axis (store.chunk_shape picks it)
+            "copy": e.shape == shape,
+            "reshape": len(shape) > 1 and e.shape[0] == shape[0] and np.prod(e.shape) == np.prod(shape),  # o [D,H,K]
+            "T": e.shape == (int(np.prod(shape[1:])), shape[0]),
+        }.get(spec.transform, False)
         if not streamable or step >= shape[self.axis]:
             a, c, n = self._read(names[0])
             yield (), transforms.from_hf(spec, [a], [c]), n

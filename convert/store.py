@@ -37,7 +37,7 @@ def _zarr_dtype(name: str) -> str:
 
 def chunk_shape(spec: P.TensorSpec, dtype: str, tp: int, block_bytes: int) -> tuple[tuple[int, ...], int]:
     """(chunk shape, streamed axis). Stacked tensors are written one stack entry at a time (axis 0); large
-    unstacked copy/T tensors in row blocks of <= block_bytes along the axis their HF rows map to."""
+    unstacked copy/reshape/T tensors in row blocks of <= block_bytes along the axis their HF rows map to."""
     c = list(spec.shape)
     for i, ax in enumerate(spec.axes):
         if tp > 1 and sharding.RULES.get(ax) and c[i] % tp == 0:  # TP-split axes
@@ -46,7 +46,7 @@ def chunk_shape(spec: P.TensorSpec, dtype: str, tp: int, block_bytes: int) -> tu
         c[spec.stack_axis] = 1
         return tuple(c), spec.stack_axis
     axis = 1 if spec.transform == "T" else 0
-    if spec.transform in ("copy", "T") and len(c) > axis:
+    if spec.transform in ("copy", "reshape", "T") and len(c) > axis:
         per = math.prod(c) // c[axis] * np_dtype(dtype).itemsize
         c[axis] = max(1, min(c[axis], block_bytes // max(per, 1)))
     return tuple(c), axis

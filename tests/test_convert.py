@@ -41,9 +41,10 @@ def _leftovers(out):
     return [p for p in glob.glob(out + "*") if os.path.exists(p)]
 
 
-def test_roundtrip_exact(hf_tiny, seed, tmp_path, rng):
+@pytest.mark.parametrize("block_bytes", [256 << 20, 2048])  # whole tensors; every large one in row blocks
+def test_roundtrip_exact(hf_tiny, seed, tmp_path, rng, block_bytes):
     out = str(tmp_path / "ck")
-    meta = convert(hf_tiny, out, Options(progress=False, verify=True, workers=3))
+    meta = convert(hf_tiny, out, Options(progress=False, verify=True, workers=3, block_bytes=block_bytes))
     assert meta["source"]["skipped"] == {"vision_tower": 2, "mm_projector": 2}
     assert sorted(meta["tokenizer"]) == ["tiktoken.model", "tokenizer_config.json"]
     assert os.path.exists(os.path.join(out, "tiktoken.model"))
