@@ -232,8 +232,7 @@ class _Job:
         if spec.stack is not None:
             for i, name in enumerate(names):
                 a, c, n = self._read(name)
-                one = np.take(transforms.from_hf(spec, [a], [c]), 0, axis=spec.stack_axis)
-                yield (slice(None),) * spec.stack_axis + (i,), one, n
+                yield (i,), transforms.from_hf(spec, [a], [c])[0], n
             return
         e = self.src.entries[names[0]]
         step, shape = self.chunks[self.axis], spec.shape

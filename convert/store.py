@@ -43,8 +43,8 @@ def chunk_shape(spec: P.TensorSpec, dtype: str, tp: int, block_bytes: int) -> tu
         if tp > 1 and sharding.RULES.get(ax) and c[i] % tp == 0:  # TP-split axes
             c[i] //= tp
     if spec.stack is not None:
-        c[spec.stack_axis] = 1
-        return tuple(c), spec.stack_axis
+        c[0] = 1
+        return tuple(c), 0
     axis = 1 if spec.transform == "T" else 0
     if spec.transform in ("copy", "reshape", "T") and len(c) > axis:
         per = math.prod(c) // c[axis] * np_dtype(dtype).itemsize

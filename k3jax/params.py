@@ -48,11 +48,10 @@ class TensorSpec:
     transform: str = "copy"
     hf_shape: tuple[int, ...] = ()  # shape of ONE HF tensor
     hf_dtypes: tuple[str, ...] = ("bfloat16",)  # accepted HF dtypes (the release's small tensors may be F32)
-    stack: tuple[str, ...] | None = None  # values substituted into "{s}", stacked on `stack_axis`
+    stack: tuple[str, ...] | None = None  # values substituted into "{s}", stacked on a leading axis
     init: str = "linear"  # how init_params draws it: linear | norm | ones | alog | dt_bias | conv | codes | scales
     fan_in: int = 1
     active: float = 1.0  # fraction of this tensor read per token (routed experts: top_k / E)
-    stack_axis: int = 0
 
     @property
     def key(self) -> str:
@@ -88,11 +87,11 @@ def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
     t: list[TensorSpec] = []
 
     def add(path, hf, shape, axes, transform="copy", hf_shape=None, dtype="bfloat16", init="linear",
-            fan_in=1, hf_dtypes=None, stack=None, active=1.0, stack_axis=0):
+            fan_in=1, hf_dtypes=None, stack=None, active=1.0):
         t.append(TensorSpec(tuple(path), hf, tuple(shape), dtype, tuple(axes), transform,
                             tuple(hf_shape if hf_shape is not None else shape),
                             hf_dtypes or ((dtype,) if dtype != "float32" else ("float32", "bfloat16")),
-                            stack, init, fan_in, active, stack_axis))
+                            stack, init, fan_in, active))
 
     def norm(path, hf, n, axis="embed"):
         add(path, hf, (n,), (axis,), init="norm")

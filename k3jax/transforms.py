@@ -15,7 +15,7 @@ from k3jax.params import TensorSpec
 def _one_from_hf(spec: TensorSpec, a: np.ndarray, companion: np.ndarray | None = None) -> np.ndarray:
     shape = spec.shape
     if spec.stack is not None:
-        shape = shape[: spec.stack_axis] + shape[spec.stack_axis + 1:]
+        shape = shape[1:]
     t = spec.transform
     if t == "copy":
         return a.reshape(shape)
@@ -38,13 +38,13 @@ def from_hf(spec: TensorSpec, arrays: list[np.ndarray], companions: list | None 
     """HF arrays (one per stack entry, or one) -> our array in the spec's dtype."""
     companions = companions or [None] * len(arrays)
     outs = [_one_from_hf(spec, a, c) for a, c in zip(arrays, companions, strict=True)]
-    out = np.stack(outs, axis=spec.stack_axis) if spec.stack is not None else outs[0]
+    out = np.stack(outs) if spec.stack is not None else outs[0]
     return out.astype(_np_dtype(spec.dtype))
 
 
 def to_hf(spec: TensorSpec, ours: np.ndarray, kv_b_other: np.ndarray | None = None) -> list[np.ndarray]:
     """Our array -> the HF array(s) (one per stack entry). kv_b needs both halves: pass the other one."""
-    parts = list(np.moveaxis(ours, spec.stack_axis, 0)) if spec.stack is not None else [ours]
+    parts = list(ours) if spec.stack is not None else [ours]
     t = spec.transform
     out = []
     for a in parts:
