@@ -47,8 +47,8 @@ def test_reference_matches_numpy():
 def test_kernel_lowers_for_cuda_at_tp16_shapes():
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch."""
     t = api.tuning()["sm90"]
-    x = jnp.zeros((1, 7168), jnp.bfloat16)
-    ws = (jnp.zeros((3072, 7168), jnp.bfloat16), jnp.zeros((128, 7168), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
+    ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((128, 7168), jnp.bfloat16))
     with abstract_gpu("sm90"):
         kernel.check_supported(x, ws, t["block_k"], t["split_k"])
         lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, block_k=t["block_k"], split_k=t["split_k"],
