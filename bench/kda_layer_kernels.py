@@ -101,7 +101,8 @@ def layer_variants():
 def main_linear_variants(out_dir, tag, time=True):
     """The sublayer under each of layer_variants (latency_specialized), each one's kernels and device time and
     its error against a float32 run of the same weights (precision highest). time=False (CPU): errors only."""
-    out = dict(device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, measure="CUPTI device time, median",
+               xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
     cfg = truncate(preset("k3"), 1)
     for tp, B in [(16, 1), (16, 8), (8, 1)]:
         lcfg = local_cfg(cfg, tp)
