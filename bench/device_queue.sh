@@ -15,11 +15,10 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda and kda_split
-# (the loads-before-stores change to both KDA kernels: NOTES predicts), profile (the KDA
-# kernel's phases under HBM contention at 384/768 tiles, where fla leads), layer (whether out-major projection
-# weights speed the KDA sublayer in place, as they do the GEMVs alone), moe, kda_verify. kda_split, kda and
-# gpu2_tests ran in the sixth session (bench/NOTES.md).
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda (the decode
+# table with the small loads first, incl. 6144 tiles), kda_split (the verify kernel's reorder), moe, kda_verify
+# (bench/NOTES.md, "Queued for the next device session", says what each should show). Everything else ran in
+# the seventh session.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
