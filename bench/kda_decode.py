@@ -43,51 +43,33 @@ def step_bytes(args, outs):
 
 
 def load_fla():
-    """fla is pure Python on top of Triton; skip its package __init__s (they import every op and model)."""
+    """fla's three decode kernels for a KDA layer (its layers/kda.py at T = 1): the short-conv update, the fused
+    recurrence, the gated RMSNorm. fla is pure Python on top of Triton; its package __init__s import every op
+    and model, so they are skipped."""
+    source = "installed"
     try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-        return fused_recurrent_kda_fwd, "installed"
+        import fla  # noqa: F401
     except Exception:
-        pass
-    root = pathlib.Path("bench/build/fla_src")
-    sys.path.insert(0, str(root))
-    for name in ("fla", "fla.ops", "fla.ops.kda"):
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [str(root / name.replace(".", "/"))]
-        pkg.__version__ = "0.5.2"  # fla.utils reads it from the package
-        sys.modules[name] = pkg
+        source = "carried wheel source (bench/build/fla_src)"
+        root = pathlib.Path("bench/build/fla_src")
+        sys.path.insert(0, str(root))
+        for name in ("fla", "fla.ops", "fla.ops.kda", "fla.modules", "fla.modules.conv",
+                     "fla.modules.conv.triton"):
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(root / name.replace(".", "/"))]
+            pkg.__version__ = "0.5.2"  # fla.utils reads it from the package
+            sys.modules[name] = pkg
+    from fla.modules.conv.triton.kernels import causal_conv1d_update
+    from fla.modules.fused_norm_gate import layer_norm_gated_fwd
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    return fused_recurrent_kda_fwd, "carried wheel source (bench/build/fla_src)"
+    return types.SimpleNamespace(recurrent=fused_recurrent_kda_fwd, conv_update=causal_conv1d_update,
+                                 gated_norm=layer_norm_gated_fwd), source
 
 
-def fla_case(fwd, args):
-    """fla's decode recurrence (T=1) with gate, beta sigmoid and L2 norms in-kernel, state updated in place.
-    It does not do the short conv nor the gated RMSNorm: less work than our kernel."""
+def torch_device_us(run):
+    """Device time per call of run() by torch's profiler (CUPTI): the sum of its kernels, launch gaps
+    excluded."""
     import torch
-    qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, _ = args
-    qn, kn, v, decay, beta_s, _ = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
-    # post-conv q, k, v in bf16 as fla receives them (it normalises them itself)
-    window = jnp.concatenate([conv, qkv[:, :, None]], axis=2).astype(jnp.float32)
-    y = jnp.sum(window * jnp.moveaxis(conv_w, -1, 1)[None], axis=2)
-    post = (y * jax.nn.sigmoid(y)).astype(jnp.bfloat16)
-    t = torch.from_dlpack
-    q_t, k_t, v_t = (t(post[:, i][:, None]).contiguous() for i in range(3))
-    g_t = t(f[:, None]).contiguous()
-    b_t = t(beta[:, None]).contiguous()
-    h0 = t(state).clone()
-    A_t, dtb_t = t(A_log), t(dt_bias.reshape(-1))
-
-    def run():
-        return fwd(q_t, k_t, v_t, g_t, b_t, A_log=A_t, dt_bias=dtb_t, initial_state=h0,
-                   output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-
-    # correctness of the comparison: one step from the same state must match our reference state
-    o, ht = run()
-    torch.cuda.synchronize()
-    want = reference._advance(state, kn, decay, beta_s,
-                              v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2))
-    err = float(jnp.max(jnp.abs(jnp.asarray(ht.cpu().numpy()) - want)))
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         run()
@@ -96,9 +78,67 @@ def fla_case(fwd, args):
         for _ in range(ITERS):
             run()
         torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-                and e.key != "ProfilerStep*" and "Memcpy" not in e.key)
-    return total / ITERS, err
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+               and e.key != "ProfilerStep*" and "Memcpy" not in e.key) / ITERS
+
+
+def fla_case(fla, args):
+    """fla at T = 1, two ways, each checked against our reference first:
+    - recurrence only (fla_us): fused_recurrent_kda with gate, beta sigmoid and L2 norms in-kernel, state
+      updated in place, from post-conv q, k, v. Less work than our kernel: no conv, no gated norm.
+    - the same work as our kernel (fla_full_us): what fla's KDA layer runs after its projections at decode, the
+      short-conv update for q, k and v (three launches, windows in place), the recurrence, the gated RMSNorm
+      with the sigmoid gate."""
+    import torch
+    qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w = args
+    B, _, H, K = qkv.shape
+    qn, kn, v, decay, beta_s, _ = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    # post-conv q, k, v in bf16 as fla's recurrence receives them (it normalises them itself)
+    window = jnp.concatenate([conv, qkv[:, :, None]], axis=2).astype(jnp.float32)
+    y = jnp.sum(window * jnp.moveaxis(conv_w, -1, 1)[None], axis=2)
+    post = (y * jax.nn.sigmoid(y)).astype(jnp.bfloat16)
+    t = lambda a: torch.from_dlpack(a).contiguous()  # noqa: E731
+    q_t, k_t, v_t = (t(post[:, i][:, None]) for i in range(3))
+    g_t, b_t = t(f[:, None]), t(beta[:, None])
+    h0 = t(state).clone()
+    A_t, dtb_t = t(A_log), t(dt_bias.reshape(-1))
+
+    def recurrence(q, k, v, h):
+        return fla.recurrent(q, k, v, g_t, b_t, A_log=A_t, dt_bias=dtb_t, initial_state=h,
+                             output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+
+    want_state = reference._advance(state, kn, decay, beta_s,
+                                    v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2))
+    _, ht = recurrence(q_t, k_t, v_t, h0)
+    torch.cuda.synchronize()
+    res = dict(fla_state_err=float(jnp.max(jnp.abs(jnp.asarray(ht.cpu().numpy()) - want_state))))
+    res["fla_us"] = torch_device_us(lambda: recurrence(q_t, k_t, v_t, h0))
+
+    # the same work: pre-conv inputs, fla's window layout [B, D, W] (slot 0 is shifted out: random here)
+    D = H * K
+    x_t = [t(qkv[:, i].reshape(B, 1, D)) for i in range(3)]
+    cache0 = jnp.concatenate([jnp.ones((B, 3, D, 1), conv.dtype) * 7,
+                              jnp.moveaxis(conv.reshape(B, 3, 3, D), 2, -1)], axis=-1)  # [B, 3, D, W]
+    caches = [t(cache0[:, i]) for i in range(3)]
+    w_t = [t(conv_w[i].reshape(D, 4)) for i in range(3)]  # fp32 taps, as ours
+    gate_t, onw_t = t(gate.reshape(B * H, K)), t(o_norm_w)
+    h1 = t(state).clone()
+
+    def full():
+        qkv_post = [fla.conv_update(x_t[i], caches[i], weight=w_t[i], activation="silu")[0] for i in range(3)]
+        q, k, v = (a.view(B, 1, H, K) for a in qkv_post)
+        o, _ = recurrence(q, k, v, h1)
+        return fla.gated_norm(o.view(B * H, K), gate_t, onw_t, None, activation="sigmoid", eps=1e-5,
+                              is_rms_norm=True)[0]
+
+    y_t = full()
+    torch.cuda.synchronize()
+    y_want = jax.jit(reference.kda_decode)(*args)[0]
+    res["fla_full_y_err"] = float(jnp.max(jnp.abs(jnp.asarray(y_t.float().cpu().numpy()).reshape(B, H, K)
+                                                  - y_want.astype(jnp.float32))))
+    res["fla_full_us"] = torch_device_us(full)
+    return res
 
 
 # Same kernel, other launch shapes: (v_chunk, tma, v_split). The api row is whatever tuning.json picks.
@@ -164,6 +204,9 @@ def main(out_dir, fla_from=None):
         nbytes = step_bytes(args, want)
         case = dict(B=B, H=H, bytes=nbytes, floor_us=nbytes / HBM_PEAK * 1e6)
         case["pallas_us"] = device_us(fused, *args)
+        # the state alone, read and written once by an XLA elementwise kernel: what moving these bytes costs
+        # on this machine at this size (a launch, the ramp, DRAM read/write turnaround), no maths
+        case["state_copy_us"] = device_us(jax.jit(lambda s: s + 1.0), args[4])
         case["xla_us"] = device_us(ref, *args)
         case["xla_kernels"] = len(kernel_names(ref, *args))
         case["pallas_kernels"] = len(kernel_names(fused, *args))
@@ -183,7 +226,7 @@ def main(out_dir, fla_from=None):
     if fla_from:
         old = {f"{c['B']}x{c['H']}": c for c in json.loads(pathlib.Path(fla_from).read_text())["cases"]}
         results["fla"] = f"reused from {fla_from} (same machine kind, same shapes)"
-        fla = {k: {n: c[n] for n in ("fla_us", "fla_state_err") if n in c} for k, c in old.items()}
+        fla = {k: {n: v for n, v in c.items() if n.startswith("fla")} for k, c in old.items()}
     else:
         # fla in its own process: torch's profiler and the Mosaic GPU profiler cannot both hold CUPTI.
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -245,22 +288,25 @@ def write_table(results, path):
              f"CUPTI device time, median of {results['iterations']}; floor = bytes / "
              f"{results['hbm_peak_Bps'] / 1e12:.1f} TB/s. "
              f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
-             f"fla: {results['fla']} (recurrence + gate + beta + L2 only: no conv, no gated norm).", "",
+             f"fla: {results['fla']}. fla us: its fused recurrence alone (gate, beta, L2 in-kernel: no conv, no "
+             "gated norm); fla same-work us: what fla's KDA layer runs at decode for the work our one kernel does "
+             "(3 short-conv updates + the recurrence + the gated RMSNorm, 5 launches). state copy us: XLA's "
+             "s + 1 over the state alone, the cost of moving its bytes at this size.", "",
              f"Pallas = the api path (tuning.json sm90: {results['tuning']['sm90']}). Variant columns = the same "
              "kernel, other launch shapes: ldg = state HBM <-> registers by ld/st.global in vN column chunks, "
              "tma = whole tile staged through swizzled SMEM by TMA, processed in vN chunks.", "",
              "| B | H | MB moved | floor us | Pallas us | % of peak | " + " | ".join(names)
-             + " | XLA us (kernels) | vs XLA | fla us | vs fla |",
-             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
+             + " | state copy us | XLA us (kernels) | vs XLA | fla us | vs fla | fla same-work us | vs fla same-work |",
+             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|"]
     for c in results["cases"]:
-        fla = c.get("fla_us")
-        vs_fla = f"{fla / c['pallas_us']:.2f}x" if isinstance(fla, float) else "-"
-        fla = f"{fla:.2f}" if isinstance(fla, float) else "-"
+        fla, full = (_fla_cols(c.get(k), c["pallas_us"]) for k in ("fla_us", "fla_full_us"))
+        copy = c.get("state_copy_us")
+        copy = f"{copy:.2f}" if isinstance(copy, float) else "-"
         var = " | ".join(f"{v:.2f}" if isinstance(v, float) else "x" for v in c["variants_us"].values())
         lines.append(f"| {c['B']} | {c['H']} | {c['bytes'] / 1e6:.2f} | {c['floor_us']:.2f} | "
                      f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {var} | "
-                     f"{c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
-                     f"{fla} | {vs_fla} |")
+                     f"{copy} | {c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
+                     f"{fla} | {full} |")
     if results.get("gates"):
         lines += ["", "f_b and b projections (R = 128, D = 7168, bf16): XLA GEMVs then the kernel, or fused into "
                   "it (tuning fuse_gates); XLA = the reference (projections + step).", "",
@@ -274,17 +320,22 @@ def write_table(results, path):
     print("\n".join(lines))
 
 
+def _fla_cols(us, ours):
+    """'us | ours' speedup' for a markdown row, dashes where fla did not run."""
+    return f"{us:.2f} | {us / ours:.2f}x" if isinstance(us, float) else "- | -"
+
+
 def main_fla(out_dir):
     res = {}
     try:
-        fwd, res["source"] = load_fla()
+        fla, res["source"] = load_fla()
     except Exception as e:
         res["source"] = f"unavailable: {e!r}"
+        traceback.print_exc()
     else:
         for B, H in SHAPES:
             try:
-                us, err = fla_case(fwd, make_inputs(7, B, H))
-                res[f"{B}x{H}"] = dict(fla_us=us, fla_state_err=err)
+                res[f"{B}x{H}"] = fla_case(fla, make_inputs(7, B, H))
             except Exception as e:
                 res[f"{B}x{H}"] = dict(fla_us=f"failed: {e!r}"[:300])
                 traceback.print_exc()
