@@ -4,6 +4,8 @@ the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT [FLA_JSON]
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 `--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
+`--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_wg), -> OUT/kda_wg.json;
+`--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -155,14 +157,55 @@ SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (64, True, 
 SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, True, 4)]
 
 
-def variant_name(v_chunk, tma, v_split=1, gather="gmem"):
+def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
     staging = "tma-chunked" if tma == "chunked" else "tma" if tma else "ldg"
-    return f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
+    return (f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
+            + (f" wg{warpgroups}" if warpgroups > 1 else ""))
 
 
-def variant_fn(v_chunk, tma, v_split=1, gather="gmem"):
+def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
     return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, v_split=v_split,
-                                     gather=gather, tile_layout=kernel.plgpu.Layout.WGMMA))
+                                     gather=gather, warpgroups=warpgroups,
+                                     tile_layout=kernel.plgpu.Layout.WGMMA))
+
+
+# The tile's columns split over the warpgroups of one CTA (no cluster: o meets in WG 0's SMEM behind a CTA
+# barrier), against the tuned launch, at every tile count where one CTA's serial chain or the tail matters.
+WG_VARIANTS = [(32, "chunked", 1, "gmem", 2), (32, "chunked", 1, "gmem", 4), (32, False, 1, "gmem", 2),
+               (32, False, 1, "gmem", 4), (32, "chunked", 4, "dsmem")]
+WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
+
+
+def main_wg(out_dir):
+    """WG_VARIANTS against the api path and XLA at WG_SHAPES, CUPTI. Writes OUT/kda_wg.json."""
+    ref = jax.jit(reference.kda_decode)
+    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref,
+           **{variant_name(*v): variant_fn(*v) for v in WG_VARIANTS}}
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
+    for B, H in WG_SHAPES:
+        args = make_inputs(7, B, H)
+        want = ref(*args)
+        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want,
+                                                                                                max_err))
+        results["rows"].append(row)
+        print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
+        pathlib.Path(out_dir, "kda_wg.json").write_text(json.dumps(results, indent=1))
+
+
+def main_wg_canary():
+    """One decode per warpgroup variant at 1 x 6 against the reference, run under a short timeout before the
+    GPU tests: a hang (a barrier miscount) costs a minute, not the call. Exit status 0 only if all matched."""
+    args = make_inputs(7, 1, 6)
+    want = jax.jit(reference.kda_decode)(*args)
+    ok = True
+    for v in WG_VARIANTS[:4]:
+        err = max_err(variant_fn(*v)(*args), want)
+        good = all(e < 0.05 for e in err.values())
+        ok &= good
+        print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
+    sys.exit(0 if ok else 1)
 
 
 def max_err(got, want):
@@ -440,6 +483,10 @@ if __name__ == "__main__":
         main_split(sys.argv[2])
     elif sys.argv[1:2] == ["--split-canary"]:
         main_split_canary(sys.argv[2])
+    elif sys.argv[1:2] == ["--wg"]:
+        main_wg(sys.argv[2])
+    elif sys.argv[1:2] == ["--wg-canary"]:
+        main_wg_canary()
     elif sys.argv[1:2] == ["--regs"]:
         main_regs()
     elif sys.argv[1:2] == ["--fla"]:

@@ -121,15 +121,16 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False, gather="gmem"):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
-    of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile."""
+    of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile,
+    with one or several warpgroups."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups)
 
 
 @cpu_only
@@ -182,6 +183,45 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):
         got = _variant("sm90", "chunked", 4)(*args_of(x), interpret=plgpu.InterpretGPUParams(
+            detect_races=True, uninitialized_memory="nan"))
+    ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
+    assert get_races().races_found or not ok
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma", [False, "chunked"])
+@pytest.mark.parametrize("warpgroups, dtype", [(4, "f32"), (2, "bf16")])
+def test_warpgroup_split_interpret_matches_reference(arch, tma, warpgroups, dtype):
+    """V split over the warpgroups of one CTA (each owning V / warpgroups columns and its own O(K) vectors, o
+    meeting in WG 0's SMEM behind a CTA barrier) vs the reference; B = 2 x H = 2 tiles side by side."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype])
+    want = reference.kda_decode(*args_of(x))
+    with abstract_gpu(arch):
+        got = _variant(arch, tma, warpgroups=warpgroups)(
+            *args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@cpu_only
+def test_warpgroup_split_needs_its_barrier(monkeypatch):
+    """The warpgroup split's CTA barrier is load-bearing: without it WG 0 normalises o before the other
+    warpgroups wrote their columns (interpret mode then sees a race or uninitialised SMEM)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.kda_decode import kernel
+    # staged by ld.global (tma=False), the CTA barrier is the kernel's only barrier wait
+    monkeypatch.setattr(kernel.plgpu, "barrier_wait", lambda *a, **k: None)
+    x = make_inputs(rng(), 1, 2, 128, jnp.float32)
+    want = reference.kda_decode(*args_of(x))
+    with abstract_gpu("sm90"):
+        got = _variant("sm90", False, warpgroups=4)(*args_of(x), interpret=plgpu.InterpretGPUParams(
             detect_races=True, uninitialized_memory="nan"))
     ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
     assert get_races().races_found or not ok
@@ -297,6 +337,20 @@ def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
     assert "mosaic_gpu" in text
 
 
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tma", [False, "chunked"])
+@pytest.mark.parametrize("warpgroups", [2, 4])
+def test_warpgroup_split_lowers_for_cuda(arch, tma, warpgroups):
+    """The warpgroup split lowered (not run) at a real shape, with and without the fused gate projections."""
+    x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
+    g = gate_inputs(rng(), 8, 12, 128, jnp.bfloat16, R=128, D=7168)
+    with abstract_gpu(arch):
+        for gates, args in ((False, args_of(x)), (True, gate_args_of(x, g))):
+            f = _variant(arch, tma, gates=gates, warpgroups=warpgroups)
+            assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_pick_launch_takes_first_entry_covering_the_tiles():
     from pallas_kernels.kda_decode import kernel
     tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
@@ -382,6 +436,20 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
     got = jax.jit(_variant("sm90", tma, v_split, gather=gather))(*args_of(x))
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("tma", [False, "chunked"])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 12)])
+@pytest.mark.parametrize("warpgroups", [2, 4])
+def test_warpgroup_split_on_gpu_matches_reference(B, H, tma, dtype, warpgroups):
+    """The state's columns split over 2 or 4 warpgroups of one CTA, at real shapes."""
+    x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
+    want = jax.jit(reference.kda_decode)(*args_of(x))
+    got = jax.jit(_variant("sm90", tma, warpgroups=warpgroups))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 

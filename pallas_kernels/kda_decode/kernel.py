@@ -35,6 +35,31 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
+_RED_SCRATCH = 512  # f32 per warpgroup: two column reductions of a [K, 32] WGMMA chunk at a time (1 KiB each)
+
+
+def _sum(x, axis=None, *, scratch=None, tile_layout=None):
+    """jnp.sum(x, axis): axis None sums a whole WG_STRIDED vector to a scalar, axis 0 or 1 reduces a
+    tile_layout tile. With scratch (a split over warpgroups, on a GPU) the same reduction in Mosaic GPU through
+    this warpgroup's own SMEM: Pallas's lowering gives all warpgroups of a CTA one reduction scratch (they
+    would race on it) and refuses whole-vector sums once there are several."""
+    if scratch is None:
+        return jnp.sum(x, axis)
+    if axis is None:
+        layout = plgpu.Layout.WG_STRIDED(x.shape, vec_size=1)
+        out = plgpu.ShapeDtypeStruct((), x.dtype, layout=plgpu.Layout.WG_SPLAT(()))
+    else:
+        layout = tile_layout
+        out = plgpu.ShapeDtypeStruct((x.shape[1 - axis],), x.dtype, layout=layout.reduce(axis))
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()), return_type=out)
+    def reduce(ctx, x, scratch):
+        del ctx
+        return x.reduce("add", tuple(range(len(x.shape))) if axis is None else axis, scratch)
+
+    return reduce(x, scratch)
+
+
 def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
     B, three, H, K = qkv_B3HK.shape
     if three != 3 or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
@@ -51,39 +76,50 @@ def pick_launch(tuning, qkv_B3HK):
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
-                v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"))
+                v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
+                warpgroups=entry.get("warpgroups", 1))
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
-          fences=True):
-    """One CTA per (b, h), or with v_split > 1 a cluster of v_split CTAs per (b, h), CTA s owning state columns
-    [s V/v_split, (s+1) V/v_split), whose o reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's
-    SMEM. Inputs: qkv, then (f, beta) or with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w,
-    A_log, dt_bias, o_norm_w; outputs y, state, conv (+ o_xchg with v_split and gmem); scratch
-    vec_smem (+ the cluster barrier with v_split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column
-    slice, each slice loaded and stored by its own TMA)."""
+          warpgroups=1, on_gpu=True):
+    """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
+    [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
+    a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
+    reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's SMEM. Inputs: qkv, then (f, beta) or
+    with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y,
+    state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
+    barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
+    and stored by its own TMA)."""
     n_in = 12 if fuse_gates else 10
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
     y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
     o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
-    vec_smem = rest.pop(0)
-    xchg_bar = rest.pop(0) if v_split > 1 else None
+    vec_all = rest.pop(0)
+    xchg_bar = rest.pop(0) if v_split > 1 or warpgroups > 1 else None
+    red_all = rest.pop(0) if warpgroups > 1 and on_gpu else None
     tma_scratch = rest
     b = lax.axis_index("b")
     h = lax.axis_index("h")
-    s = lax.axis_index("s") if v_split > 1 else 0
+    parts = v_split * warpgroups  # the tile's columns split over this many warpgroups (one of the two is 1)
+    s = lax.axis_index("wg") if warpgroups > 1 else lax.axis_index("s") if v_split > 1 else 0
+    vec_smem = vec_all.at[s] if warpgroups > 1 else vec_all  # each warpgroup's own O(K) vectors
+    total = functools.partial(_sum, scratch=None if red_all is None else red_all.at[s], tile_layout=tile_layout)
     V = state_ref.shape[-1]
-    n_chunks = V // v_split // v_chunk
-    col0 = s * (V // v_split)  # this CTA's first state column
-    my_cols = pl.ds(col0, V // v_split)
+    n_chunks = V // parts // v_chunk
+    col0 = s * (V // parts)  # this warpgroup's first state column
+    my_cols = pl.ds(col0, V // parts)
 
     def gcols(c):  # chunk c's columns in the whole tile (state in GMEM, vec_smem rows)
         return pl.ds(col0 + c * v_chunk, v_chunk)
 
+    def slot(c):  # chunk c's TMA slice (with warpgroups the CTA's SMEM holds every warpgroup's slices)
+        return s * n_chunks + c if warpgroups > 1 else c
+
     def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
         if chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[c], tile_bar.at[c])
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)],
+                                        tile_bar.at[slot(c)])
         else:
             plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
@@ -93,8 +129,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
     def load_state(c):  # chunk c's v_chunk columns into registers
         if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
             if chunked:
-                plgpu.barrier_wait(tile_bar.at[c])
-                return plgpu.load(tile_smem.at[c], layout=tile_layout)
+                plgpu.barrier_wait(tile_bar.at[slot(c)])
+                return plgpu.load(tile_smem.at[slot(c)], layout=tile_layout)
             return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
@@ -117,21 +153,24 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         return S_0
 
     with jax.named_scope("prologue"):
-        f, beta = _gates(*gate_in, b, h, vec_smem, dtype) if fuse_gates else f_beta
-        o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, write_conv=s == 0)
+        f, beta = _gates(*gate_in, b, h, vec_smem, dtype, total) if fuse_gates else f_beta
+        o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
+                           write_conv=s == 0)
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
-            tile_smem.at[c][...] = S_new
+            tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_ref.at[b, h, :, gcols(c)])
+            plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], new_state_ref.at[b, h, :, gcols(c)])
         elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
             tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
         else:
             new_state_ref.at[b, h, :, gcols(c)][...] = S_new
 
-    # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of the cluster's CTA 0, or GMEM
-    if v_split == 1:
+    # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of WG 0, of the cluster's CTA 0, or GMEM
+    if warpgroups > 1:
+        o_dst = vec_all.at[0, 5]
+    elif v_split == 1:
         o_dst = vec_smem.at[5]
     elif gather == "dsmem":
         o_dst = plgpu.cluster_ref(vec_smem, {"s": 0}).at[5]
@@ -143,17 +182,22 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
 
     with jax.named_scope("recurrence"):
         _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype)
+                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
     if tma_scratch and not chunked:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
-        if v_split == 1:
-            _gated_norm(vec_smem.at[5], gate_K, onw_K, y_ref.at[b, h], eps, dtype)
+        if parts == 1:
+            _gated_norm(vec_smem.at[5], gate_K, onw_K, y_ref.at[b, h], eps, dtype, total)
         else:
-            _cluster_sync(xchg_bar, fences)
-            o_src = vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
-            pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype))
+            if warpgroups > 1:  # one CTA: every thread arrives (release) and waits (acquire) on the mbarrier
+                plgpu.barrier_arrive(xchg_bar)
+                plgpu.barrier_wait(xchg_bar)
+            else:
+                _cluster_sync(xchg_bar, on_gpu)
+            o_src = (vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem"
+                     else o_xchg_ref.at[b, h])
+            pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
@@ -176,7 +220,7 @@ def _cluster_sync(bar, fences):
         _inline_ptx("fence.acq_rel.cluster;")
 
 
-def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype):
+def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
     f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
     logit sum_d x[d] b[d, h] in 128-wide slices. fp32 sums rounded to the activation dtype, as the model's
@@ -192,7 +236,7 @@ which rounds it to the activation dtype) and the beta logit are returned as valu
         cols = pl.ds(c * K, K)
         term = x_ref.at[b, cols][...].astype(F32) * plgpu.load(bw_ref.at[cols, h]).astype(F32)
         acc = term if acc is None else acc + term
-    return vec_smem.at[6][...], jnp.sum(acc).astype(dtype)
+    return vec_smem.at[6][...], total(acc).astype(dtype)
 
 
 def _prologue_loads(qkv_3K, conv_33K, w_ref, alog_ref, dtb_ref, h):
@@ -205,7 +249,7 @@ def _prologue_loads(qkv_3K, conv_33K, w_ref, alog_ref, dtb_ref, h):
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
-def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, write_conv=True):
+def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
     (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the new conv window (where
     write_conv: one CTA of a cluster), leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
@@ -228,19 +272,19 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, write_conv=True):
     q, k, v = x
     g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
     beta = _sigmoid(beta.astype(F32))
-    qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
-    kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K ** -0.5)
+    kn = k * lax.rsqrt(total(k * k) + 1e-6)
     decay = jnp.exp(g)
     vec_smem.at[0][...] = decay * kn
     vec_smem.at[1][...] = decay * qn
     vec_smem.at[2][...] = decay
     vec_smem.at[3][...] = beta * kn
     vec_smem.at[4][...] = v
-    return beta * jnp.sum(kn * qn)
+    return beta * total(kn * qn)
 
 
 def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *, tile_layout, v_chunk,
-                n_chunks, col0, dtype):
+                n_chunks, col0, dtype, total=jnp.sum):
     """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
     independent given k̂, q̂), the next chunk's read in flight while this one is reduced and written: n_chunks
     chunks from state column col0. first_chunk() gives chunk 0 (waiting for its TMA where there is one) after
@@ -259,19 +303,19 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         if c + 1 < n_chunks:
             S_next = load_state(c + 1)
         cols = pl.ds(col0 + c * v_chunk, v_chunk)
-        delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - jnp.sum(S_KC * kd, axis=0)
-        o_C = jnp.sum(S_KC * qd, axis=0) + o_gain * delta_C
+        delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - total(S_KC * kd, 0)
+        o_C = total(S_KC * qd, 0) + o_gain * delta_C
         store_state(c, S_KC * decay_r + bk * bcast(delta_C, 1))
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype):
+def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
     """Gated RMSNorm (§4.6): o (a ref, already rounded to the compute dtype), then fp32 to one final rounding.
     gate_K and onw_K are values, loaded at the kernel's start (a load here would wait behind the state's
     stores)."""
     K = o_K.shape[-1]
     o = o_K[...]
-    n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw_K
+    n = o * lax.rsqrt(total(o * o) * (1.0 / K) + eps) * onw_K
     y_K[...] = (n * _sigmoid(gate_K.astype(F32))).astype(dtype)
 
 
@@ -279,13 +323,13 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", interpret=None,
-           profile_dir=""):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", warpgroups=1,
+           interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -295,16 +339,19 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
     which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
+    warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
+    o meets in WG 0's SMEM behind one CTA barrier.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, interpret=interpret, profile_dir=profile_dir)
+                   v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
+                   profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 interpret=None, profile_dir=""):
+                 warpgroups=1, interpret=None, profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -312,44 +359,56 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, interpret=interpret,
-                   profile_dir=profile_dir)
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
+                   interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret, profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
-    Vs = V // v_split  # state columns per CTA
-    if V % v_split or Vs % v_chunk or v_chunk % (32 if tma else 8):
-        raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
+    parts = v_split * warpgroups
+    Vs = V // parts  # state columns per warpgroup
+    if V % parts or Vs % v_chunk or v_chunk % (32 if tma else 8):
+        raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile "
+                                  f"V={V} (tma={tma})")
+    if warpgroups > 1 and (v_split > 1 or tma is True):
+        raise NotImplementedError("warpgroups > 1 takes one CTA per tile and per-slice state staging "
+                                  f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                 jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
-    scratch = [plgpu.SMEM((7 if fuse_gates else 6, K), F32)]
-    cluster = {}
+    vec_rows = 7 if fuse_gates else 6
+    scratch = [plgpu.SMEM((warpgroups, vec_rows, K) if warpgroups > 1 else (vec_rows, K), F32)]
+    launch_kw = {}  # the split's: warpgroups of one CTA, or a cluster
+    if warpgroups > 1:  # every warpgroup's o is in WG 0's SMEM before it normalises
+        scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
+        if interpret is None:  # each warpgroup's own reduction scratch (_sum); interpret mode needs none
+            scratch.append(plgpu.SMEM((warpgroups, _RED_SCRATCH), F32))
+        launch_kw = dict(num_threads=warpgroups, thread_name="wg")
     if v_split > 1:  # o gathered (through GMEM: an output nobody reads) behind one all-to-all cluster barrier
         if gather == "gmem":
             out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
-        cluster = dict(cluster=(v_split,), cluster_names=("s",))
+        launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
-                             gather=gather, fences=interpret is None)
+                             gather=gather, warpgroups=warpgroups, on_gpu=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
-        scratch += [plgpu.SMEM((Vs // v_chunk, K, v_chunk), F32, transforms=_SWIZZLED),
-                    plgpu.Barrier(num_barriers=Vs // v_chunk)]
+        n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
+        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED),
+                    plgpu.Barrier(num_barriers=n_slices)]
     elif tma:
         scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=tuple(out_type),
         scratch_types=scratch,
-        grid=(B, H), grid_names=("b", "h"), **cluster,
+        grid=(B, H), grid_names=("b", "h"), **launch_kw,
         compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0,
                                             profile_dir=profile_dir),
         interpret=interpret,
