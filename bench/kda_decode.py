@@ -4,12 +4,15 @@ the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT [FLA_JSON]
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 `--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
-`--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_wg), -> OUT/kda_wg.json;
+`--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_variants), -> OUT/kda_wg.json;
+`--staging OUT`: per-slice TMA loads with st.global stores, 64-column slices -> OUT/kda_staging.json, and
+the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -176,22 +179,28 @@ WG_VARIANTS = [(32, "chunked", 1, "gmem", 2), (32, "chunked", 1, "gmem", 4), (32
 WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
 
 
-def main_wg(out_dir):
-    """WG_VARIANTS against the api path and XLA at WG_SHAPES, CUPTI. Writes OUT/kda_wg.json."""
+# Per-slice TMA loads with the updated slice stored straight from registers (st.global), and 64-column slices,
+# against the tuned launch at every table shape.
+STAGING_VARIANTS = [(32, "chunked"), (64, "chunked"), (32, "chunked-load"), (64, "chunked-load"),
+                    (32, "chunked-load", 1, "gmem", 2)]
+
+
+def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"):
+    """variants against the api path and XLA at shapes, CUPTI. Writes OUT/<name>.json."""
     ref = jax.jit(reference.kda_decode)
     fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref,
-           **{variant_name(*v): variant_fn(*v) for v in WG_VARIANTS}}
+           **{variant_name(*v): variant_fn(*v) for v in variants}}
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
-    for B, H in WG_SHAPES:
+    for B, H in shapes:
         args = make_inputs(7, B, H)
         want = ref(*args)
         row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want,
                                                                                                 max_err))
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
-        pathlib.Path(out_dir, "kda_wg.json").write_text(json.dumps(results, indent=1))
+        pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 def main_wg_canary():
@@ -298,17 +307,21 @@ def gates_inputs(B, H):
     return full, jax.jit(reference.kda_decode_gates)(*full)
 
 
-def gates_cases():
+def gates_cases(warpgroups=(None,)):
     """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
-    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch")."""
+    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch").
+    warpgroups: also with every launch entry forced to that many warpgroups per CTA (None: as tuned)."""
     from pallas_kernels.kda_decode import bodies, sm90
     rows = []
     for B, H in GATE_SHAPES:
         full, want = gates_inputs(B, H)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
-        for fuse in (False, True):
-            f = jax.jit(bodies.entry_points(dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0))[1])
-            key = "fused" if fuse else "gemv+kernel"
+        for fuse, wg in itertools.product((False, True), warpgroups):
+            tuning = dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0)
+            if wg is not None:
+                tuning["launch"] = [dict(e, warpgroups=wg, v_split=1) for e in tuning["launch"]]
+            f = jax.jit(bodies.entry_points(tuning)[1])
+            key = ("fused" if fuse else "gemv+kernel") + ("" if wg is None else f" wg{wg}")
             try:
                 row[f"{key}_max_err"] = max_err(f(*full), want)
                 row[f"{key}_us"] = device_us(f, *full)
@@ -484,7 +497,11 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--split-canary"]:
         main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--wg"]:
-        main_wg(sys.argv[2])
+        main_variants(sys.argv[2])
+    elif sys.argv[1:2] == ["--staging"]:
+        main_variants(sys.argv[2], STAGING_VARIANTS, WG_SHAPES + [(64, 96)], "kda_staging")
+        pathlib.Path(sys.argv[2], "kda_gates_wg.json").write_text(json.dumps(gates_cases(warpgroups=(1, 2)),
+                                                                             indent=1))
     elif sys.argv[1:2] == ["--wg-canary"]:
         main_wg_canary()
     elif sys.argv[1:2] == ["--regs"]:
