@@ -161,7 +161,7 @@ SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, T
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
-    staging = "tma-chunked" if tma == "chunked" else "tma" if tma else "ldg"
+    staging = {False: "ldg", True: "tma", "chunked": "tma-chunked", "chunked-load": "tma-chunked-load"}[tma]
     return (f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
             + (f" wg{warpgroups}" if warpgroups > 1 else ""))
 

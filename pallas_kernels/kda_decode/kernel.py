@@ -334,8 +334,10 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
     lands, and each slice's write starts as soon as it is updated); tma="chunked-load" loads the same way but
-    stores each updated slice straight from registers (st.global: no SMEM write, proxy fence or TMA issue). A persistent variant (a ring of SMEM slots
-    per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    stores each updated slice straight from registers (st.global: no SMEM write, proxy fence or TMA issue;
+    measured slower at every shape, bench/results/kda_staging.json). A persistent variant (a ring of SMEM
+    slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    warpgroups > 1 at 384 tiles and more is slower too (kda_wg.json): 256-thread CTAs fit fewer per SM.
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
