@@ -1,7 +1,8 @@
 """The fused KDA decode step as one Mosaic GPU kernel; sm90.py and sm100.py pick register layout and tuning.
 
-One CTA (one warpgroup, 128 threads) per (b, h), or at small B*H a cluster of CTAs sharing its columns
-(v_split, see decode). The step is state-bandwidth bound: each 128 x 128 fp32 state
+One CTA (one warpgroup, 128 threads) per (b, h), or at small B*H its columns split over a cluster of CTAs
+(v_split) or over the warpgroups of the CTA (warpgroups; see decode). The step is state-bandwidth bound: each
+128 x 128 fp32 state
 tile (64 KiB) is read once and written once, straight between HBM and registers; everything else is O(K).
 
 One read of S is enough because the update is linear in S (decay on key rows, rank-1 write):
