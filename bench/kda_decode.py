@@ -498,9 +498,6 @@ if __name__ == "__main__":
         main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--wg"]:
         main_variants(sys.argv[2])
-    elif sys.argv[1:2] == ["--v16"]:  # 16-column slices (64-byte swizzle) against 32 where the wave is full
-        main_variants(sys.argv[2], [(16, "chunked"), (32, "chunked"), (16, "chunked", 1, "gmem", 2)],
-                      [(8, 12), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)], "kda_v16")
     elif sys.argv[1:2] == ["--staging"]:
         main_variants(sys.argv[2], STAGING_VARIANTS, WG_SHAPES + [(64, 96)], "kda_staging")
         pathlib.Path(sys.argv[2], "kda_gates_wg.json").write_text(json.dumps(gates_cases(warpgroups=(1, 2)),

@@ -322,8 +322,6 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 
 # f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-# 16-column slices (tma="chunked", v_chunk 16) need a 64-byte swizzle: a TMA box row is one swizzle span.
-_SWIZZLED_64 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(64))
 
 
 _STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "interpret", "profile_dir")
@@ -376,7 +374,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     V = state_BHKV.shape[-1]
     parts = v_split * warpgroups
     Vs = V // parts  # state columns per warpgroup
-    if V % parts or Vs % v_chunk or v_chunk % (16 if tma in ("chunked", "chunked-load") else 32 if tma else 8):
+    if V % parts or Vs % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile "
                                   f"V={V} (tma={tma})")
     if warpgroups > 1 and (v_split > 1 or tma is True):
@@ -409,7 +407,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     if tma in ("chunked", "chunked-load"):
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
-        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED_64 if v_chunk == 16 else _SWIZZLED),
+        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED),
                     plgpu.Barrier(num_barriers=n_slices)]
     elif tma:
         scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
