@@ -8,7 +8,6 @@
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants),
 #                                            #   and the whole KDA sublayer xla vs latency_specialized
 #   bash bench/device_queue.sh kda_wg        # nvidia-h200: the split over warpgroups: canary, GPU tests, bench
-#   bash bench/device_queue.sh kda_staging   # nvidia-h200: st.global stores, 64-column slices, gates + warpgroups
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
@@ -74,11 +73,6 @@ case "${1:-}" in
       step bench_wg 280 python3 bench/kda_decode.py --wg "$work"
     fi
     ;;
-  kda_staging)  # per-slice TMA loads + st.global stores, 64-column slices; fused gates with 2 warpgroups
-    step pytest_staging 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
-      -k "(stagings_on_gpu and chunked-load) or warpgroup_split_on_gpu or gates_on_gpu"
-    step bench_staging 330 python3 bench/kda_decode.py --staging "$work"
-    ;;
   kda_verify)  # ran past 120 s and 150 s without a case in the fourth session: fewer compiles, more time
     step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
       --out "$work"
@@ -104,7 +98,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_staging|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

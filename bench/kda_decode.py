@@ -5,8 +5,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 `--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
 `--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_variants), -> OUT/kda_wg.json;
-`--staging OUT`: per-slice TMA loads with st.global stores, 64-column slices -> OUT/kda_staging.json, and
-the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
+`--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
@@ -161,7 +160,7 @@ SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, T
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
-    staging = {False: "ldg", True: "tma", "chunked": "tma-chunked", "chunked-load": "tma-chunked-load"}[tma]
+    staging = {False: "ldg", True: "tma", "chunked": "tma-chunked"}[tma]
     return (f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
             + (f" wg{warpgroups}" if warpgroups > 1 else ""))
 
@@ -177,12 +176,6 @@ def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
 WG_VARIANTS = [(32, "chunked", 1, "gmem", 2), (32, "chunked", 1, "gmem", 4), (32, False, 1, "gmem", 2),
                (32, False, 1, "gmem", 4), (32, "chunked", 4, "dsmem")]
 WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
-
-
-# Per-slice TMA loads with the updated slice stored straight from registers (st.global), and 64-column slices,
-# against the tuned launch at every table shape.
-STAGING_VARIANTS = [(32, "chunked"), (64, "chunked"), (32, "chunked-load"), (64, "chunked-load"),
-                    (32, "chunked-load", 1, "gmem", 2)]
 
 
 def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"):
@@ -498,8 +491,7 @@ if __name__ == "__main__":
         main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--wg"]:
         main_variants(sys.argv[2])
-    elif sys.argv[1:2] == ["--staging"]:
-        main_variants(sys.argv[2], STAGING_VARIANTS, WG_SHAPES + [(64, 96)], "kda_staging")
+    elif sys.argv[1:2] == ["--gates-wg"]:
         pathlib.Path(sys.argv[2], "kda_gates_wg.json").write_text(json.dumps(gates_cases(warpgroups=(1, 2)),
                                                                              indent=1))
     elif sys.argv[1:2] == ["--wg-canary"]:

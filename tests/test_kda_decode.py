@@ -136,7 +136,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked", "chunked-load"])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -190,7 +190,7 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, "chunked", "chunked-load"])
+@pytest.mark.parametrize("tma", [False, "chunked"])
 @pytest.mark.parametrize("warpgroups, dtype", [(4, "f32"), (2, "bf16")])
 def test_warpgroup_split_interpret_matches_reference(arch, tma, warpgroups, dtype):
     """V split over the warpgroups of one CTA (each owning V / warpgroups columns and its own O(K) vectors, o
@@ -324,7 +324,7 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True, "chunked", "chunked-load"])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 @pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
 def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
@@ -427,7 +427,7 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked", "chunked-load"])
+@pytest.mark.parametrize("tma", [False, True, "chunked"])
 @pytest.mark.parametrize("B, H", [(1, 6), (64, 12)])
 @pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
 def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):

@@ -81,8 +81,8 @@ def pick_launch(tuning, qkv_B3HK):
                 warpgroups=entry.get("warpgroups", 1))
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, tma_store=True, v_split=1,
-          gather="gmem", warpgroups=1, on_gpu=True):
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
+          warpgroups=1, on_gpu=True):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -159,13 +159,13 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
                            write_conv=s == 0)
 
     def store_state(c, S_new):
-        if chunked and tma_store:  # in place in the slice's SMEM; its write starts while the next is computed
+        if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
             tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], new_state_ref.at[b, h, :, gcols(c)])
-        elif tma_scratch and tma_store:  # in place in SMEM, then one TMA store of the whole tile
+        elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
             tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
-        else:  # straight from registers by st.global
+        else:
             new_state_ref.at[b, h, :, gcols(c)][...] = S_new
 
     # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of WG 0, of the cluster's CTA 0, or GMEM
@@ -334,9 +334,9 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
-    lands, and each slice's write starts as soon as it is updated); tma="chunked-load" loads the same way but
-    stores each updated slice straight from registers (st.global: no SMEM write, proxy fence or TMA issue;
-    measured slower at every shape, bench/results/kda_staging.json). A persistent variant (a ring of SMEM
+    lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
+    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores (kda_staging.json) and
+    16-column slices with a 64-byte swizzle (kda_v16.json). A persistent variant (a ring of SMEM
     slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
     warpgroups > 1 at 384 tiles and more is slower too (kda_wg.json): 256-thread CTAs fit fewer per SM.
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
@@ -382,8 +382,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
                                   f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
-    if tma not in (False, True, "chunked", "chunked-load"):
-        raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'chunked-load'")
+    if tma not in (False, True, "chunked"):
+        raise NotImplementedError(f"tma={tma!r}: False, True or 'chunked'")
     dtype = qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
@@ -401,10 +401,9 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
             out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
-    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma in ("chunked", "chunked-load"),
-                             tma_store=tma != "chunked-load", v_split=v_split,
+    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
                              gather=gather, warpgroups=warpgroups, on_gpu=interpret is None)
-    if tma in ("chunked", "chunked-load"):
+    if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
         scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED),
