@@ -5,6 +5,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 `--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
 `--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_variants), -> OUT/kda_wg.json;
+`--red-scratch OUT`: the api launch with 2, 4 and 8 KiB of cross-warp reduction scratch -> OUT/kda_red_scratch.json;
 `--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
 Writes kda_decode.json and kda_decode.md into the given folder.
@@ -194,6 +195,36 @@ def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
         pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+
+
+def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
+    """The api launch with each size of Mosaic GPU's cross-warp reduction scratch (bytes per warpgroup): a
+    [K, 32] chunk's column sums need 4 x 1 KiB, so with 2 KiB each reduction runs in two rounds of two
+    warpgroup barriers. Fresh jits per size (the size is read at trace time). Writes OUT/kda_red_scratch.json."""
+    import dataclasses
+
+    from pallas_kernels.kda_decode import bodies, sm90
+    ref = jax.jit(reference.kda_decode)
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=[])
+    lane = kernel._LANE
+    for B, H in [(1, 6), (8, 12), (64, 6), (64, 12)]:
+        args = make_inputs(7, B, H)
+        want = ref(*args)
+        fns = {}
+        for size in sizes:
+            kernel._LANE = dataclasses.replace(lane, reduction_scratch_bytes=size)
+            kernel._RED_SCRATCH = size // 4
+            launch = kernel.pick_launch(sm90.TUNING, args[0])
+            f = jax.jit(functools.partial(kernel.decode.__wrapped__, eps=1e-5, **bodies._launch(launch, None)))
+            fns[f"scratch {size}"] = f
+            jax.block_until_ready(f(*args))  # traced now, with this size
+        kernel._LANE = lane
+        row = dict(B=B, H=H, **time_variants(fns, args, want, max_err))
+        results["rows"].append(row)
+        print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
+        pathlib.Path(out_dir, "kda_red_scratch.json").write_text(json.dumps(results, indent=1))
 
 
 def main_wg_canary():
@@ -491,6 +522,8 @@ if __name__ == "__main__":
         main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--wg"]:
         main_variants(sys.argv[2])
+    elif sys.argv[1:2] == ["--red-scratch"]:
+        main_red_scratch(sys.argv[2])
     elif sys.argv[1:2] == ["--gates-wg"]:
         pathlib.Path(sys.argv[2], "kda_gates_wg.json").write_text(json.dumps(gates_cases(warpgroups=(1, 2)),
                                                                              indent=1))
