@@ -150,20 +150,26 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
         assert_close(a, b, **TOL[dtype], what=name)
 
 
+# (tma, split, dtype): a cluster of v_split CTAs per tile with every staging, or the warpgroups of one CTA
+# (which take per-slice or no TMA); one or two 32-column chunks each
+SPLITS = ([(tma, dict(v_split=4), "f32") for tma in (False, True, "chunked")]
+          + [(tma, dict(v_split=2), "bf16") for tma in (False, True, "chunked")]
+          + [(tma, dict(warpgroups=n), dt) for tma in (False, "chunked") for n, dt in ((4, "f32"), (2, "bf16"))])
+
+
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
-@pytest.mark.parametrize("v_split, dtype", [(4, "f32"), (2, "bf16")])
-def test_cluster_split_interpret_matches_reference(arch, tma, v_split, dtype):
-    """V split over a cluster of v_split CTAs per tile (one or two 32-column chunks each, o gathered through
-    GMEM behind a cluster barrier for the gated norm) vs the reference; B = 3 so clusters of different (b, h)
-    run side by side."""
+@pytest.mark.parametrize("tma, split, dtype", SPLITS)
+def test_split_interpret_matches_reference(arch, tma, split, dtype):
+    """V split over a cluster (o gathered through GMEM behind a cluster barrier for the gated norm) or over the
+    warpgroups of one CTA (each with its own O(K) vectors, o meeting in WG 0's SMEM behind a CTA barrier) vs
+    the reference; B = 3 so the splits of different (b, h) run side by side."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x = make_inputs(rng(), 3, 1, 128, DTYPES[dtype])
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu(arch):
-        got = _variant(arch, tma, v_split)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = _variant(arch, tma, **split)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -186,26 +192,6 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
             detect_races=True, uninitialized_memory="nan"))
     ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
     assert get_races().races_found or not ok
-
-
-@cpu_only
-@pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, "chunked"])
-@pytest.mark.parametrize("warpgroups, dtype", [(4, "f32"), (2, "bf16")])
-def test_warpgroup_split_interpret_matches_reference(arch, tma, warpgroups, dtype):
-    """V split over the warpgroups of one CTA (each owning V / warpgroups columns and its own O(K) vectors, o
-    meeting in WG 0's SMEM behind a CTA barrier) vs the reference; B = 2 x H = 2 tiles side by side."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-    x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype])
-    want = reference.kda_decode(*args_of(x))
-    with abstract_gpu(arch):
-        got = _variant(arch, tma, warpgroups=warpgroups)(
-            *args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not get_races().races_found
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert_close(a, b, **TOL[dtype], what=name)
 
 
 @cpu_only
