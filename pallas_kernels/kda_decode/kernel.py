@@ -2,8 +2,7 @@
 
 One CTA (one warpgroup, 128 threads) per (b, h), or at small B*H its columns split over a cluster of CTAs
 (v_split) or over the warpgroups of the CTA (warpgroups; see decode). The step is state-bandwidth bound: each
-128 x 128 fp32 state
-tile (64 KiB) is read once and written once, straight between HBM and registers; everything else is O(K).
+128 x 128 fp32 state tile (64 KiB) is read once and written once; everything else is O(K).
 
 One read of S is enough because the update is linear in S (decay on key rows, rank-1 write):
     delta = v - (diag(e) S)ᵀ k̂          = v - Sᵀ (e ⊙ k̂)
@@ -255,7 +254,7 @@ def _prologue_loads(qkv_3K, conv_33K, w_ref, alog_ref, dtb_ref, h):
 def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
     (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the new conv window (where
-    write_conv: one CTA of a cluster), leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
+    write_conv: one CTA or warpgroup of a split), leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
     beta (k̂ · q̂) of the output correction."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
