@@ -121,7 +121,7 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, prefetch=True):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
     of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile,
     with one or several warpgroups."""
@@ -130,7 +130,8 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
+                             prefetch=prefetch)
 
 
 @cpu_only
@@ -174,6 +175,26 @@ def test_split_interpret_matches_reference(arch, tma, split, dtype):
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, **TOL[dtype], what=name)
+
+
+@cpu_only
+@pytest.mark.parametrize("tma", [False, "chunked"])
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_no_prefetch_interpret_matches_reference(tma, warpgroups):
+    """Each chunk loaded (its slice waited for) only when it is due, not while the previous one is computed;
+    also lowered at a real shape."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    x = make_inputs(rng(), 2, 2, 128, jnp.float32)
+    want = reference.kda_decode(*args_of(x))
+    f = _variant("sm90", tma, warpgroups=warpgroups, prefetch=False)
+    big = make_inputs(rng(), 64, 6, 128, jnp.bfloat16)
+    with abstract_gpu("sm90"):
+        got = f(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+        assert "mosaic_gpu" in jax.jit(f).trace(*args_of(big)).lower(lowering_platforms=("cuda",)).as_text()
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL["f32"], what=name)
 
 
 @cpu_only
@@ -422,6 +443,17 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
     got = jax.jit(_variant("sm90", tma, v_split, gather=gather))(*args_of(x))
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL[dtype], what=name)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H, warpgroups", [(1, 6, 1), (8, 12, 2), (64, 6, 1)])
+def test_no_prefetch_on_gpu_matches_reference(B, H, dtype, warpgroups):
+    x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
+    want = jax.jit(reference.kda_decode)(*args_of(x))
+    got = jax.jit(_variant("sm90", "chunked", warpgroups=warpgroups, prefetch=False))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 

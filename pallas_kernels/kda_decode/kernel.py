@@ -79,11 +79,11 @@ def pick_launch(tuning, qkv_B3HK):
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
                 v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
-                warpgroups=entry.get("warpgroups", 1))
+                warpgroups=entry.get("warpgroups", 1), prefetch=entry.get("prefetch", True))
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
-          warpgroups=1, on_gpu=True):
+          warpgroups=1, prefetch=True, on_gpu=True):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -184,7 +184,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
 
     with jax.named_scope("recurrence"):
         _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
+                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total, prefetch=prefetch)
     if tma_scratch and not chunked:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
@@ -286,11 +286,13 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
 
 
 def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *, tile_layout, v_chunk,
-                n_chunks, col0, dtype, total=jnp.sum):
+                n_chunks, col0, dtype, total=jnp.sum, prefetch=True):
     """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
-    independent given k̂, q̂), the next chunk's read in flight while this one is reduced and written: n_chunks
-    chunks from state column col0. first_chunk() gives chunk 0 (waiting for its TMA where there is one) after
-    the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C)."""
+    independent given k̂, q̂): n_chunks chunks from state column col0. first_chunk() gives chunk 0 (waiting for
+    its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
+    prefetch: chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read
+    is in flight meanwhile; with per-slice TMA that load first waits for slice c + 1 to land, which holds chunk
+    c's write back by one slice's arrival (prefetch=False: each slice is waited for when its chunk is due)."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -301,8 +303,8 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
     kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
     S_next = first_chunk()
     for c in range(n_chunks):
-        S_KC = S_next
-        if c + 1 < n_chunks:
+        S_KC = S_next if prefetch or c == 0 else load_state(c)
+        if prefetch and c + 1 < n_chunks:
             S_next = load_state(c + 1)
         cols = pl.ds(col0 + c * v_chunk, v_chunk)
         delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - total(S_KC * kd, 0)
@@ -325,13 +327,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "prefetch", "interpret",
+           "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", warpgroups=1,
-           interpret=None, profile_dir=""):
+           prefetch=True, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -346,17 +349,18 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
     warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
     o meets in WG 0's SMEM behind one CTA barrier.
+    prefetch: see _recurrence.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
+                   v_split=v_split, gather=gather, warpgroups=warpgroups, prefetch=prefetch, interpret=interpret,
                    profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 warpgroups=1, interpret=None, profile_dir=""):
+                 warpgroups=1, prefetch=True, interpret=None, profile_dir=""):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
     if x_BD.shape[1] % qkv_B3HK.shape[-1]:
@@ -365,11 +369,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
                    v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
-                   interpret=interpret, profile_dir=profile_dir)
+                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret, profile_dir=""):
+            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, prefetch=True, interpret,
+            profile_dir=""):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
     B, _, H, K = qkv_B3HK.shape
     V = state_BHKV.shape[-1]
@@ -403,7 +408,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
-                             gather=gather, warpgroups=warpgroups, on_gpu=interpret is None)
+                             gather=gather, warpgroups=warpgroups, prefetch=prefetch, on_gpu=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
