@@ -9,6 +9,7 @@
 #                                            #   and the whole KDA sublayer xla vs latency_specialized
 #   bash bench/device_queue.sh kda_wg        # nvidia-h200: the split over warpgroups: canary, GPU tests, bench
 #   bash bench/device_queue.sh kda_prefetch  # nvidia-h200: prefetch off vs on (GPU tests + bench), ~3 min
+#   bash bench/device_queue.sh kda_gemv      # nvidia-h200: GEMV partials -> decode kernel: GPU tests + layer, ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
@@ -17,8 +18,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_prefetch (the
-# one untested launch option), then kda if it wins (the table with the new tuning), moe, kda_verify
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_prefetch and
+# kda_gemv (the two untested options), then kda if prefetch wins (the table with the new tuning), moe, kda_verify
 # (bench/NOTES.md, "Queued for the next device session", says what each should show). Everything else ran in
 # the eighth session.
 set -u
@@ -78,6 +79,11 @@ case "${1:-}" in
     step pytest_prefetch 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k no_prefetch_on_gpu
     step bench_prefetch 200 python3 bench/kda_decode.py --prefetch "$work"
     ;;
+  kda_gemv)  # the projections as the decode GEMV, its partials read by the decode kernel (gemv_projections)
+    step pytest_gemv 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "on_gpu and (gemv or decode_x)"
+    step bench_layer 240 python3 bench/kda_layer.py "$work"
+    ;;
   kda_verify)  # ran past 120 s and 150 s without a case in the fourth session: fewer compiles, more time
     step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
       --out "$work"
@@ -103,7 +109,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_prefetch|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_prefetch|kda_gemv|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -235,7 +235,8 @@ def main_prefetch(out_dir):
     from pallas_kernels.kda_decode import bodies, sm90
     ref = jax.jit(reference.kda_decode)
     late = dict(sm90.TUNING, launch=[dict(e, prefetch=False) for e in sm90.TUNING["launch"]])
-    fns = {"api": jax.jit(bodies.entry_points(sm90.TUNING)[0]), "no prefetch": jax.jit(bodies.entry_points(late)[0])}
+    fns = {"api": jax.jit(bodies.entry_points(sm90.TUNING).kda_decode),
+           "no prefetch": jax.jit(bodies.entry_points(late).kda_decode)}
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
@@ -364,7 +365,7 @@ def gates_cases(warpgroups=(None,)):
             tuning = dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0)
             if wg is not None:
                 tuning["launch"] = [dict(e, warpgroups=wg, v_split=1) for e in tuning["launch"]]
-            f = jax.jit(bodies.entry_points(tuning)[1])
+            f = jax.jit(bodies.entry_points(tuning).kda_decode_gates)
             key = ("fused" if fuse else "gemv+kernel") + ("" if wg is None else f" wg{wg}")
             try:
                 row[f"{key}_max_err"] = max_err(f(*full), want)

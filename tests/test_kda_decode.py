@@ -245,6 +245,68 @@ def gate_args_of(x, g):
             x["A_log"], x["dt_bias"], x["o_norm_w"])
 
 
+def x_args_of(x, g, w):
+    """kda_decode_x's arguments: the layer's input and projection weights instead of projected q/k/v/g."""
+    return (g["x"], w["qkvg"], w["f_a"], g["f_b"], g["b"], x["state"], x["conv"], x["conv_w"], x["A_log"],
+            x["dt_bias"], x["o_norm_w"])
+
+
+def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
+    """Out-major qkvg [4, H, K, D] and f_a [R, D] at the model's scale (outputs O(1))."""
+    return dict(qkvg=jnp.asarray(r.standard_normal((4, H, K, D)) * D ** -0.5, jnp.float32).astype(dtype),
+                f_a=jnp.asarray(r.standard_normal((R, D)) * D ** -0.5, jnp.float32).astype(dtype))
+
+
+@cpu_only
+@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (2, False)])
+def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
+    """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
+    go straight into the decode kernel (which sums and rounds them), else the model's GEMMs then the kernel;
+    both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.kda_decode import bodies
+    r = rng()
+    H, K, R, D = 2, 128, 64, 1024
+    x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
+    w = projection_weights(r, H, K, R, D)
+    want = reference.kda_decode_x(*x_args_of(x, g, w))
+    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv))
+    if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
+        monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
+    with abstract_gpu("sm90"):
+        got = ops.kda_decode_x(*x_args_of(x, g, w), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, **TOL["bf16"], what=name)
+
+
+@cpu_only
+def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes():
+    """The GEMV's partials and the decode kernel reading them, lowered (not run) at one TP16 rank's shapes."""
+    from pallas_kernels.gemv import api as gemv_api
+    from pallas_kernels.gemv import kernel as gemv
+    from pallas_kernels.kda_decode import kernel
+    r = rng()
+    H, K, R, D = 6, 128, 128, 7168
+    x, g = make_inputs(r, 1, H, K, jnp.bfloat16), gate_inputs(r, 1, H, K, jnp.bfloat16, R=R, D=D)
+    w = projection_weights(r, H, K, R, D)
+    t = gemv_api.tuning()["sm90"]
+    launch = kernel.pick_launch(_body("sm90").TUNING, x["qkv"])
+
+    def step(x_BD, qkvg, f_a, *rest):
+        parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), block_k=t["block_k"], split_k=t["split_k"],
+                              steps=t["steps"])
+        return kernel.decode_from_gemv(*parts, rest[0], x_BD, *rest[1:], eps=1e-5, **launch)
+
+    args = x_args_of(x, g, w)
+    with abstract_gpu("sm90"):
+        text = jax.jit(step).trace(*args[:3], *args[3:]).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_gates_reference_matches_numpy(dtype):
     r = rng()
@@ -291,7 +353,7 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
     r = rng()
     x, g = make_inputs(r, 1, 2, 128, jnp.float32), gate_inputs(r, 1, 2, 128, jnp.float32)
     tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
-    _, decode_gates, _, _ = bodies.entry_points(tuning)
+    decode_gates = bodies.entry_points(tuning).kda_decode_gates
     with abstract_gpu("sm90"):
         got = decode_gates(*gate_args_of(x, g), interpret=plgpu.InterpretGPUParams())
     for a, b in zip(got, reference.kda_decode_gates(*gate_args_of(x, g)), strict=True):
@@ -308,7 +370,7 @@ def test_body_fuses_gates_only_within_its_tuning_limits(monkeypatch, B, H, fused
     tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=2, fuse_gates_max_heads=3)
     x, g = make_inputs(rng(), B, H, 128, jnp.float32), gate_inputs(rng(), B, H, 128, jnp.float32)
     with abstract_gpu("sm90"):
-        bodies.entry_points(tuning)[1](*gate_args_of(x, g))
+        bodies.entry_points(tuning).kda_decode_gates(*gate_args_of(x, g))
     assert called == ["fused" if fused else "unfused"]
 
 
@@ -398,7 +460,8 @@ def test_body_runs_a_split_launch_entry():
     from pallas_kernels.kda_decode import bodies
     tuning = dict(_body("sm90").TUNING, commit="kernel",
                   launch=[{"max_tiles": None, "v_chunk": 32, "tma": "chunked", "v_split": 2, "gather": "gmem"}])
-    decode, _, verify, commit = bodies.entry_points(tuning)
+    ops = bodies.entry_points(tuning)
+    decode, verify, commit = ops.kda_decode, ops.kda_verify, ops.kda_commit
     r = rng()
     x, xt = make_inputs(r, 1, 2, 128, jnp.float32), make_inputs(r, 1, 2, 128, jnp.float32, T=2)
     interpret = plgpu.InterpretGPUParams()
@@ -448,6 +511,23 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 
 
 @gpu_only
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12)])
+def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
+    """The decode GEMV's partials read by the decode kernel, at TP16 / TP8 ranks' real shapes, bf16."""
+    from pallas_kernels.kda_decode import bodies
+    r = rng()
+    K, R, D = 128, 128, 7168
+    x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
+    w = projection_weights(r, H, K, R, D)
+    want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w))
+    monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
+    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=True))
+    got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w))
+    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+        assert_close(a, b, **TOL["bf16"], what=name)
+
+
+@gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H, warpgroups", [(1, 6, 1), (8, 12, 2), (64, 6, 1)])
 def test_no_prefetch_on_gpu_matches_reference(B, H, dtype, warpgroups):
@@ -481,7 +561,7 @@ def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
     r = rng()
     x, g = make_inputs(r, B, H, 128, jnp.bfloat16), gate_inputs(r, B, H, 128, jnp.bfloat16, R=128, D=7168)
     tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
-    _, decode_gates, _, _ = bodies.entry_points(tuning)
+    decode_gates = bodies.entry_points(tuning).kda_decode_gates
     got = jax.jit(decode_gates)(*gate_args_of(x, g))
     want = jax.jit(reference.kda_decode_gates)(*gate_args_of(x, g))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):

@@ -138,12 +138,10 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
     """One token per sequence: projections here, the fused step in pallas_kernels.kda_decode.
     Returns (this rank's o_proj partial [B,D], new state, new window).
 
-    The op gets the f_b and b projections' inputs (x and fa = x @ f_a) instead of f and beta, so a kernel body
-    may fuse those two GEMVs in (its tuning says whether it does). Both backends go through the same op, so a
-    kernel that refuses a step falls back to exactly the xla backend's numbers."""
-    tail = (state_BHKV, window_B3WHK, p["conv"], p["A_log"], p["dt_bias"], p["o_norm"])
-    qkvg = linear(x_BD, p["qkvg"], "bd,shkd->bshk")
-    fa = linear(x_BD, p["f_a"], "bd,rd->br")
-    y, state, window = kda_api.kda_decode_gates(qkvg[:, :3], fa, p["f_b"], x_BD, p["b"], qkvg[:, 3], *tail,
-                                                eps=cfg.rms_norm_eps, backend=backend)
+    The op gets x and the projection weights, so a kernel body may run the projections its own way and fuse
+    the f_b and b GEMVs in (its tuning says what it does). Both backends go through the same op, so a kernel
+    that refuses a step falls back to exactly the xla backend's numbers."""
+    y, state, window = kda_api.kda_decode_x(x_BD, p["qkvg"], p["f_a"], p["f_b"], p["b"], state_BHKV, window_B3WHK,
+                                            p["conv"], p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
+                                            backend=backend)
     return o_proj(y, p["o"]), state, window

@@ -34,8 +34,9 @@ def check_supported(x_BD, ws_ND, block_k, split_k):
         raise NotImplementedError(f"batch {B} > {TOKENS}: a GEMM, not a GEMV (XLA's is fine there)")
     if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % ROWS for w in ws_ND):
         raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {ROWS} == 0")
-    if D % (split_k * block_k):
-        raise NotImplementedError(f"D = {D} is not split_k {split_k} x a multiple of block_k {block_k}")
+    if D % (split_k * block_k) or D // (split_k * block_k) < 2:
+        raise NotImplementedError(f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
+                                  "pipeline releases a stage one step late, so it needs two)")
 
 
 def _body(xs_ref, *refs, n_blocks, block_k, steps):
@@ -76,6 +77,15 @@ def _body(xs_ref, *refs, n_blocks, block_k, steps):
 @functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "interpret"))
 def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, interpret=None):
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums)."""
+    B = x_BD.shape[0]
+    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, interpret=interpret)
+    return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "interpret"))
+def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, interpret=None):
+    """The kernel alone: tuple of fp32 [split_k, N_i, 8], sum over axis 0 and column b = token b's output
+    (columns B..7 are padding). A consumer that reads these itself (the KDA decode kernel) saves the glue."""
     B, D = x_BD.shape
     n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
     xs = jnp.pad(x_BD, ((0, TOKENS - B), (0, 0))).reshape(TOKENS, D // block_k, block_k).transpose(1, 0, 2)
@@ -89,5 +99,4 @@ def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, interpret=None):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    parts = kernel(xs, *ws_ND)
-    return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
+    return tuple(kernel(xs, *ws_ND))

@@ -54,6 +54,15 @@ def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV,
                      dict(eps=eps))
 
 
+def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                 dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
+    """The step from the layer's normed input x and its out-major projection weights (qkvg [4, H, K, D],
+    f_a [R, D]): the projections, then kda_decode_gates. A body may run the projections as its own GEMV whose
+    partials the decode kernel reads (tuning "gemv_projections"); the reference runs the model's GEMMs."""
+    return _dispatch("kda_decode_x", backend, (x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK,
+                                               conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K), dict(eps=eps))
+
+
 def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
     """Speculative verify of T new tokens -> (y_BTHK, commit_data); the state is left untouched.

@@ -1,4 +1,4 @@
-"""What a body (sm90.py, sm100.py) gives the api: the four ops, launched by that body's tuning.json entry.
+"""What a body (sm90.py, sm100.py) gives the api: its ops, launched by that body's tuning.json entry.
 
 The kernels are shared (kernel.py: decode; verify_kernel.py: verify and commit); a body differs only in its
 tile register layout and launch table, which is data.
@@ -6,8 +6,24 @@ tile register layout and launch table, which is data.
 
 import json
 import pathlib
+from collections.abc import Callable
+from typing import NamedTuple
 
+import jax
+
+from pallas_kernels import common
+from pallas_kernels.gemv import api as gemv_api
+from pallas_kernels.gemv import kernel as gemv
 from pallas_kernels.kda_decode import kernel, reference, verify_kernel
+
+
+class Ops(NamedTuple):
+    """A body's ops, with the api's signatures (plus `interpret` for CPU tests)."""
+    kda_decode: Callable
+    kda_decode_gates: Callable
+    kda_decode_x: Callable
+    kda_verify: Callable
+    kda_commit: Callable
 
 
 def load_tuning(arch: str) -> dict:
@@ -23,9 +39,8 @@ def _launch(launch: dict, interpret) -> dict:
     return launch
 
 
-def entry_points(tuning: dict):
-    """-> (kda_decode, kda_decode_gates, kda_verify, kda_commit) with the api's signatures (plus `interpret`
-    for CPU tests)."""
+def entry_points(tuning: dict) -> Ops:
+    """The body's ops, launched by its tuning."""
 
     def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
@@ -51,6 +66,38 @@ def entry_points(tuning: dict):
         f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_DH)
         return kernel.decode(qkv_B3HK, f, beta, *rest, eps=eps, interpret=interpret, **launch)
 
+    def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                     dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+        """With tuning "gemv_projections" (and where the gate projections fuse and the GEMV takes the shapes):
+        the decode GEMV (pallas_kernels.gemv) writes q/k/v/g and fa as fp32 partials and the decode kernel
+        sums and rounds them itself, two launches in all. Otherwise the model's GEMMs, then
+        kda_decode_gates."""
+        rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
+        if tuning.get("gemv_projections"):
+            try:
+                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, eps=eps, interpret=interpret)
+            except NotImplementedError as e:
+                common.log_once("kda_decode_x", f"projections by XLA: {e}")
+        qkvg_B4HK, fa_BR = reference.project(x_BD, qkvg_4HKD, f_a_RD)
+        return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], *rest, eps=eps,
+                                interpret=interpret)
+
+    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, eps, interpret):
+        B, D = x_BD.shape
+        state_BHKV, conv_B3WHK = rest[:2]
+        H, K = conv_B3WHK.shape[-2:]
+        if B > tuning.get("fuse_gates_max_batch", 0) or H > tuning.get("fuse_gates_max_heads", H):
+            raise NotImplementedError(f"{B} x {H}: the gate projections do not fuse here")
+        ws = (qkvg_4HKD.reshape(-1, D), f_a_RD)
+        g = gemv_api.tuning()["sm90"]
+        gemv.check_supported(x_BD, ws, g["block_k"], g["split_k"])
+        kernel.check_supported(jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype), state_BHKV, conv_B3WHK)
+        qkvg_SN8, fa_SR8 = gemv.partials(x_BD, ws, block_k=g["block_k"], split_k=g["split_k"], steps=g["steps"],
+                                         interpret=interpret)
+        launch = _launch(kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)), interpret)
+        return kernel.decode_from_gemv(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
+                                       **dict(launch, warpgroups=1))  # one warpgroup with fused gates
+
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
         """The decode launch table: same tiles, and the state is still the traffic."""
@@ -69,4 +116,4 @@ def entry_points(tuning: dict):
         return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
                                     **verify_kernel.pick_launch(tuning, qkv_BT3HK, split=False))
 
-    return kda_decode, kda_decode_gates, kda_verify, kda_commit
+    return Ops(kda_decode, kda_decode_gates, kda_decode_x, kda_verify, kda_commit)

@@ -82,8 +82,8 @@ def pick_launch(tuning, qkv_B3HK):
                 warpgroups=entry.get("warpgroups", 1), prefetch=entry.get("prefetch", True))
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=False, v_split=1, gather="gmem",
-          warpgroups=1, prefetch=True, on_gpu=True):
+def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
+          gather="gmem", warpgroups=1, prefetch=True, on_gpu=True):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -91,7 +91,9 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
     with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y,
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
-    and stored by its own TMA)."""
+    and stored by its own TMA). from_gemv: qkv and gate are both the projection GEMV's fp32 partials
+    [S, 4 H K, 8] (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]:
+    this kernel sums and rounds them (once, as the model's projections round), so no glue kernel runs."""
     n_in = 12 if fuse_gates else 10
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
     y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
@@ -139,8 +141,16 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
     # wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel; issued first, 18.08 -> 16.51
     # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
-    gate_K, onw_K = gate_ref.at[b, h][...], onw_ref[...]  # the norm's inputs: issued now, used at the end
-    pro_in = _prologue_loads(qkv_ref.at[b, :, h], conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
+    H, K = conv_ref.shape[-2:]
+    if from_gemv:
+        def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials summed, rounded once
+            rows = pl.ds((i * H + h) * K, K)
+            return _sum_parts(lambda p: plgpu.load(qkv_ref.at[p, rows, b]), qkv_ref.shape[0]).astype(dtype)
+    else:
+        def projected(i):
+            return (gate_ref.at[b, h] if i == 3 else qkv_ref.at[b, i, h])[...]
+    gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
+    pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
     if tma_scratch:
         issue_state_tma()
@@ -155,7 +165,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, chunked=Fal
         return S_0
 
     with jax.named_scope("prologue"):
-        f, beta = _gates(*gate_in, b, h, vec_smem, dtype, total) if fuse_gates else f_beta
+        f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype), *gate_in[1:], b, h, vec_smem, dtype,
+                         total) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
                            write_conv=s == 0)
 
@@ -222,16 +233,32 @@ def _cluster_sync(bar, fences):
         _inline_ptx("fence.acq_rel.cluster;")
 
 
-def _gates(fa_ref, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
+def _sum_parts(load, n):
+    """load(0) + ... + load(n - 1), in that order (the GEMV glue's order: one fp32 sum per output)."""
+    acc = load(0)
+    for p in range(1, n):
+        acc = acc + load(p)
+    return acc
+
+
+def _fa_of(fa_ref, b, from_gemv, dtype):
+    """r -> fa[b, r] in fp32: a [B, R] input, or summed from the GEMV's partials [S, R, 8] and rounded."""
+    if from_gemv:
+        return lambda r: _sum_parts(lambda p: fa_ref[p, r, b], fa_ref.shape[0]).astype(dtype).astype(F32)
+    return lambda r: fa_ref[b, r].astype(F32)
+
+
+def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
     f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
-    logit sum_d x[d] b[d, h] in 128-wide slices. fp32 sums rounded to the activation dtype, as the model's
-    projections. Every load is independent of the sums, so they issue back to back. f (through vec_smem row 6,
-which rounds it to the activation dtype) and the beta logit are returned as values."""
+    logit sum_d x[d] b[d, h] in 128-wide slices; fa_of(r) gives fa[r] in fp32 (_fa_of). fp32 sums rounded to
+    the activation dtype, as the model's projections. Every load is independent of the sums, so they issue
+    back to back. f (through vec_smem row 6, which rounds it to the activation dtype) and the beta logit are
+    returned as values."""
     R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
-    f = fa_ref[b, 0].astype(F32) * fb_ref.at[0, h][...].astype(F32)
+    f = fa_of(0) * fb_ref.at[0, h][...].astype(F32)
     for r in range(1, R):
-        f = f + fa_ref[b, r].astype(F32) * fb_ref.at[r, h][...].astype(F32)
+        f = f + fa_of(r) * fb_ref.at[r, h][...].astype(F32)
     vec_smem.at[6][...] = f.astype(dtype).astype(F32)
     acc = None
     for c in range(D // K):
@@ -241,12 +268,13 @@ which rounds it to the activation dtype) and the beta logit are returned as valu
     return vec_smem.at[6][...], total(acc).astype(dtype)
 
 
-def _prologue_loads(qkv_3K, conv_33K, w_ref, alog_ref, dtb_ref, h):
+def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
     """The prologue's GMEM loads, all issued before any store: the conv-window stores may alias them as far as
     the compiler knows, so a load written after a store waits for it (one HBM round trip each, several
     microseconds when a full wave's state traffic fills the memory system). Returns values, thread t's
-    channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h])."""
-    windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [qkv_3K.at[i][...]] for i in range(3)]
+    channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h]).
+    projected(i): stream i's new pre-conv input (q, k, v)."""
+    windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
     taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
@@ -372,11 +400,28 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
                    prefetch=prefetch, interpret=interpret, profile_dir=profile_dir)
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode_from_gemv(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                     dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
+                     warpgroups=1, prefetch=True, interpret=None, profile_dir=""):
+    """decode_gates straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials):
+    qkvg_SN8 for the out-major qkvg [4, H, K, D] as [4 H K, D], fa_SR8 for f_a [R, D]. The kernel sums and
+    rounds them itself, so between the GEMV and this kernel no other kernel runs."""
+    if x_BD.shape[1] % conv_B3WHK.shape[-1]:
+        raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
+    dtype = x_BD.dtype
+    return _launch(qkvg_SN8, (fa_SR8, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), qkvg_SN8, state_BHKV,
+                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
+                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
+                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir, from_gemv=True)
+
+
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, prefetch=True, interpret,
-            profile_dir=""):
-    """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w)."""
-    B, _, H, K = qkv_B3HK.shape
+            profile_dir="", from_gemv=False):
+    """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
+    and gate are the GEMV's partials (decode_from_gemv)."""
+    B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
     V = state_BHKV.shape[-1]
     parts = v_split * warpgroups
     Vs = V // parts  # state columns per warpgroup
@@ -390,7 +435,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
     if tma not in (False, True, "chunked"):
         raise NotImplementedError(f"tma={tma!r}: False, True or 'chunked'")
-    dtype = qkv_B3HK.dtype
+    dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                 jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
@@ -407,7 +452,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
             out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
-    body = functools.partial(_body, fuse_gates=fuse_gates, chunked=tma == "chunked", v_split=v_split,
+    body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
+                             v_split=v_split,
                              gather=gather, warpgroups=warpgroups, prefetch=prefetch, on_gpu=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not

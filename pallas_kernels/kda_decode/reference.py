@@ -89,6 +89,21 @@ def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV,
                       dt_bias_HK, o_norm_w_K, eps=eps)
 
 
+def project(x_BD, qkvg_4HKD, f_a_RD):
+    """The layer's q/k/v/g and fa projections from its normed input (out-major weights), the model's GEMMs:
+    -> (qkvg_B4HK, fa_BR) in x's dtype."""
+    qkvg = common.dot("bd,shkd->bshk", x_BD, qkvg_4HKD.astype(x_BD.dtype)).astype(x_BD.dtype)
+    return qkvg, common.dot("bd,rd->br", x_BD, f_a_RD.astype(x_BD.dtype)).astype(x_BD.dtype)
+
+
+def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+                 dt_bias_HK, o_norm_w_K, *, eps=1e-5):
+    """kda_decode_gates from the layer's normed input x and its projection weights (see project)."""
+    qkvg_B4HK, fa_BR = project(x_BD, qkvg_4HKD, f_a_RD)
+    return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], state_BHKV, conv_B3WHK,
+                            conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps)
+
+
 def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                dt_bias_HK, o_norm_w_K, *, eps=1e-5):
     """Speculative verify: outputs for all T new tokens, state untouched.

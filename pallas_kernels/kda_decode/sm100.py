@@ -5,4 +5,4 @@ measured on Blackwell) and its own tuning entry."""
 from pallas_kernels.kda_decode import bodies
 
 TUNING = bodies.load_tuning("sm100")
-kda_decode, kda_decode_gates, kda_verify, kda_commit = bodies.entry_points(TUNING)
+kda_decode, kda_decode_gates, kda_decode_x, kda_verify, kda_commit = bodies.entry_points(TUNING)

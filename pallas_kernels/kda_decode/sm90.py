@@ -4,4 +4,4 @@ accumulator layout, so the two key-row reductions are in-thread adds, 3 shuffle 
 from pallas_kernels.kda_decode import bodies
 
 TUNING = bodies.load_tuning("sm90")
-kda_decode, kda_decode_gates, kda_verify, kda_commit = bodies.entry_points(TUNING)
+kda_decode, kda_decode_gates, kda_decode_x, kda_verify, kda_commit = bodies.entry_points(TUNING)
