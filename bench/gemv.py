@@ -21,8 +21,12 @@ SETS = 3
 # (name, D, rows of each weight sharing x): one TP16 / TP8 rank's KDA q/k/v/g + f_a, and o_proj
 CASES = [("qkvg+f_a tp16", 7168, (3072, 128)), ("qkvg+f_a tp8", 7168, (6144, 128)),
          ("o tp16", 768, (7168,)), ("o tp8", 1536, (7168,))]
-# block_k, split_k, steps; SMEM = x slabs (D / split_k x 8 tokens) + steps weight tiles (64 x block_k), <= 227 KB
-CONFIGS = [(256, 2, 4), (128, 4, 4), (256, 1, 3), (128, 2, 6), (256, 4, 3), (128, 1, 6)]
+# block_k, split_k, steps; SMEM = x slabs (D / split_k x 8 tokens) + steps weight tiles (64 x block_k), <= 227 KB.
+# The tuned k256 s2 st4 holds 185 KB (one CTA per SM) and TP16's 50 row blocks x 2 fill 100 of 132 SMs; the
+# split-7/8 rows (~64 KB, 3 CTAs per SM, 350-400 CTAs in one wave) ask whether filling every SM wins back
+# more than the shorter pipelines lose. Splits must divide D / block_k (56 at D = 7168, 128).
+CONFIGS = [(256, 2, 4), (128, 4, 4), (256, 1, 3), (128, 2, 6), (256, 4, 3), (128, 1, 6), (128, 7, 3), (128, 7, 4),
+           (128, 8, 3)]
 
 
 def timed(row, key, f, x, sets, want):
@@ -55,7 +59,7 @@ def main(out_dir):
             row = dict(case=name, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
             timed(row, "xla", reference.gemv, x, sets, want)
             for bk, sk, st in CONFIGS:
-                if D % (bk * sk) == 0:
+                if D % (bk * sk) == 0 and D // (bk * sk) >= 2:  # kernel.check_supported
                     timed(row, f"pallas k{bk} s{sk} st{st}",
                           lambda x, ws, bk=bk, sk=sk, st=st: kernel.gemv(x, ws, block_k=bk, split_k=sk, steps=st),
                           x, sets, want)
