@@ -95,8 +95,8 @@ def entry_points(tuning: dict) -> Ops:
         qkvg_SN8, fa_SR8 = gemv.partials(x_BD, ws, block_k=g["block_k"], split_k=g["split_k"], steps=g["steps"],
                                          interpret=interpret)
         launch = _launch(kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)), interpret)
-        return kernel.decode_from_gemv(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
-                                       **dict(launch, warpgroups=1))  # one warpgroup with fused gates
+        return kernel.decode_gates(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, qkvg_SN8, *rest, eps=eps, from_gemv=True,
+                                   interpret=interpret, **dict(launch, warpgroups=1))  # one warpgroup, fused gates
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):

@@ -385,42 +385,30 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
                    profile_dir=profile_dir)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 warpgroups=1, prefetch=True, interpret=None, profile_dir=""):
+                 warpgroups=1, prefetch=True, interpret=None, profile_dir="", from_gemv=False):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
-    fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K."""
-    if x_BD.shape[1] % qkv_B3HK.shape[-1]:
+    fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
+    from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
+    other kernel runs between the two: qkv_B3HK and gate_BHK are both its partials [S, 4 H K, 8] for the
+    out-major qkvg [4, H, K, D] as [4 H K, D], fa_BR its partials [S, R, 8] for f_a [R, D]; the kernel sums and
+    rounds them itself."""
+    if x_BD.shape[1] % conv_B3WHK.shape[-1]:
         raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
                    v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
-                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_from_gemv(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                     dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                     warpgroups=1, prefetch=True, interpret=None, profile_dir=""):
-    """decode_gates straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials):
-    qkvg_SN8 for the out-major qkvg [4, H, K, D] as [4 H K, D], fa_SR8 for f_a [R, D]. The kernel sums and
-    rounds them itself, so between the GEMV and this kernel no other kernel runs."""
-    if x_BD.shape[1] % conv_B3WHK.shape[-1]:
-        raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
-    dtype = x_BD.dtype
-    return _launch(qkvg_SN8, (fa_SR8, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), qkvg_SN8, state_BHKV,
-                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
-                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir, from_gemv=True)
+                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, prefetch=True, interpret,
             profile_dir="", from_gemv=False):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
-    and gate are the GEMV's partials (decode_from_gemv)."""
+    and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
     V = state_BHKV.shape[-1]
     parts = v_split * warpgroups
