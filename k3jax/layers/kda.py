@@ -10,15 +10,16 @@ import jax.numpy as jnp
 from k3jax.config import L2NORM_EPS, K3Config
 from k3jax.layers.common import F32, linear
 from pallas_kernels.kda_decode import api as kda_api
+from pallas_kernels.kda_decode import reference as kda_ref
 
 CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) around the chunk's middle (§4.5)
 
 
 def project(p, x_BTD):
-    """x -> (qkv_BT3HK pre-conv, f_BTHK pre dt_bias, beta_BTH logits, gate_BTHK logits)."""
-    qkvg = linear(x_BTD, p["qkvg"], "btd,shkd->btshk")
-    f = linear(linear(x_BTD, p["f_a"], "btd,rd->btr"), p["f_b"], "btr,rhk->bthk")
-    beta = linear(x_BTD, p["b"], "btd,dh->bth")
+    """x -> (qkv_BT3HK pre-conv, f_BTHK pre dt_bias, beta_BTH logits, gate_BTHK logits): the decode step's
+    own projections (pallas_kernels.kda_decode.reference), over T tokens."""
+    qkvg, fa = kda_ref.project(x_BTD, p["qkvg"], p["f_a"])
+    f, beta = kda_ref.gates(fa, p["f_b"], x_BTD, p["b"])
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
 
 

@@ -42,6 +42,9 @@ def _launch(launch: dict, interpret) -> dict:
 def entry_points(tuning: dict) -> Ops:
     """The body's ops, launched by its tuning."""
 
+    def fuses_gates(B, H):  # tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any)
+        return B <= tuning.get("fuse_gates_max_batch", 0) and H <= tuning.get("fuse_gates_max_heads", H)
+
     def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
@@ -60,7 +63,7 @@ def entry_points(tuning: dict) -> Ops:
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         B, _, H, _ = qkv_B3HK.shape
-        if B <= tuning.get("fuse_gates_max_batch", 0) and H <= tuning.get("fuse_gates_max_heads", H):
+        if fuses_gates(B, H):
             return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
                                        **dict(launch, warpgroups=1))
         f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_DH)
@@ -86,15 +89,16 @@ def entry_points(tuning: dict) -> Ops:
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
-        if B > tuning.get("fuse_gates_max_batch", 0) or H > tuning.get("fuse_gates_max_heads", H):
+        if not fuses_gates(B, H):
             raise NotImplementedError(f"{B} x {H}: the gate projections do not fuse here")
         ws = (qkvg_4HKD.reshape(-1, D), f_a_RD)
         g = gemv_api.tuning()["sm90"]
         gemv.check_supported(x_BD, ws, g["block_k"], g["split_k"])
-        kernel.check_supported(jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype), state_BHKV, conv_B3WHK)
+        qkv_B3HK = jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)  # what the kernel checks and tiles by
+        kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         qkvg_SN8, fa_SR8 = gemv.partials(x_BD, ws, block_k=g["block_k"], split_k=g["split_k"], steps=g["steps"],
                                          interpret=interpret)
-        launch = _launch(kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)), interpret)
+        launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         return kernel.decode_gates(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, qkvg_SN8, *rest, eps=eps, from_gemv=True,
                                    interpret=interpret, **dict(launch, warpgroups=1))  # one warpgroup, fused gates
 

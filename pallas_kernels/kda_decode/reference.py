@@ -74,10 +74,10 @@ def gates(fa_BR, f_b_RHK, x_BD, b_DH):
     """The gate projections a decode kernel may fuse (issue 6 stretch): f = fa @ f_b [B,H,K] (fa = x @ f_a, the
     rank-R stage shared by all heads) and the beta logits x @ b [B,H], as the model's projections compute them
     (common.dot: fp32 sums of activation-dtype operands, rounded to that dtype), so this fallback gives the XLA
-    path's very numbers."""
+    path's very numbers. Any leading axes (prefill's [B, T] too)."""
     dtype = x_BD.dtype
-    f = common.dot("br,rhk->bhk", fa_BR, f_b_RHK.astype(dtype))
-    beta = common.dot("bd,dh->bh", x_BD, b_DH.astype(dtype))
+    f = common.dot("...r,rhk->...hk", fa_BR, f_b_RHK.astype(dtype))
+    beta = common.dot("...d,dh->...h", x_BD, b_DH.astype(dtype))
     return f.astype(dtype), beta.astype(dtype)
 
 
@@ -91,9 +91,10 @@ def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV,
 
 def project(x_BD, qkvg_4HKD, f_a_RD):
     """The layer's q/k/v/g and fa projections from its normed input (out-major weights), the model's GEMMs:
-    -> (qkvg_B4HK, fa_BR) in x's dtype."""
-    qkvg = common.dot("bd,shkd->bshk", x_BD, qkvg_4HKD.astype(x_BD.dtype)).astype(x_BD.dtype)
-    return qkvg, common.dot("bd,rd->br", x_BD, f_a_RD.astype(x_BD.dtype)).astype(x_BD.dtype)
+    -> (qkvg_B4HK, fa_BR) in x's dtype. Any leading axes (prefill's [B, T] too)."""
+    dtype = x_BD.dtype
+    qkvg = common.dot("...d,shkd->...shk", x_BD, qkvg_4HKD.astype(dtype)).astype(dtype)
+    return qkvg, common.dot("...d,rd->...r", x_BD, f_a_RD.astype(dtype)).astype(dtype)
 
 
 def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
