@@ -370,13 +370,13 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores (kda_staging.json) and
     16-column slices with a 64-byte swizzle (kda_v16.json). A persistent variant (a ring of SMEM
     slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
-    warpgroups > 1 at 384 tiles and more is slower too (kda_wg.json): 256-thread CTAs fit fewer per SM.
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
     which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
     warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
-    o meets in WG 0's SMEM behind one CTA barrier.
+    o meets in WG 0's SMEM behind one CTA barrier (slower from 192 tiles on, kda_wg.json: 256-thread CTAs fit
+    fewer per SM).
     prefetch: see _recurrence.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
@@ -441,8 +441,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
-                             v_split=v_split,
-                             gather=gather, warpgroups=warpgroups, prefetch=prefetch, on_gpu=interpret is None)
+                             v_split=v_split, gather=gather, warpgroups=warpgroups, prefetch=prefetch,
+                             on_gpu=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
