@@ -8,8 +8,10 @@
 #   bash bench/device_queue.sh kda           # nvidia-h200: KDA decode GPU tests + bench (all launch variants),
 #                                            #   and the whole KDA sublayer xla vs latency_specialized
 #   bash bench/device_queue.sh kda_wg        # nvidia-h200: the split over warpgroups: canary, GPU tests, bench
-#   bash bench/device_queue.sh kda_prefetch  # nvidia-h200: prefetch off vs on (GPU tests + bench), ~3 min
 #   bash bench/device_queue.sh kda_gemv      # nvidia-h200: GEMV partials -> decode kernel: GPU tests + layer, ~4 min
+#   bash bench/device_queue.sh kda_idle      # nvidia-h200: idle slots kept by the decode kernel (active_B): GPU
+#                                            #   tests, the model on the kernel, the sublayer vs a select after it
+#   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
@@ -75,14 +77,22 @@ case "${1:-}" in
       step bench_wg 280 python3 bench/kda_decode.py --wg "$work"
     fi
     ;;
-  kda_prefetch)  # each slice waited for only when its chunk is due (kernel._recurrence prefetch=False)
-    step pytest_prefetch 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k no_prefetch_on_gpu
-    step bench_prefetch 200 python3 bench/kda_decode.py --prefetch "$work"
-    ;;
   kda_gemv)  # the projections as the decode GEMV, its partials read by the decode kernel (gemv_projections)
     step pytest_gemv 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
       -k "on_gpu and (gemv or decode_x)"
     step bench_layer 240 python3 bench/kda_layer.py "$work"
+    ;;
+  kda_idle)  # idle slots' state written back by the kernel itself (active_B) instead of a select after it
+    step pytest_idle 240 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py tests/test_backends_gpu.py \
+      -k "(on_gpu and (idle or decode_x or kernel_on_gpu)) or kda_kernel_float32"
+    step bench_layer 200 python3 bench/kda_layer.py "$work"
+    ;;
+  kda_table)
+    step bench_kda 280 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    ;;
+  kda_idle_cost)  # what the idle-slot mask costs the decode kernel: GPU tests, then with and without it
+    step pytest_idle 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "on_gpu and idle"
+    step bench_idle 150 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --idle "$work"  # + register counts
     ;;
   kda_verify)  # ran past 120 s and 150 s without a case in the fourth session: fewer compiles, more time
     step bench_verify 400 python3 bench/kda_verify.py --no-check --no-variants --cases 64:12:8,64:6:4 --iters 10 \
@@ -109,7 +119,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_prefetch|kda_gemv|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 (FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
 `--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
 `--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_variants), -> OUT/kda_wg.json;
-`--prefetch OUT`: the tuned launch with and without the next chunk's prefetch -> OUT/kda_prefetch.json;
+`--idle OUT`: the api launch with and without active_B (idle slots kept in the kernel) -> OUT/kda_idle.json;
 `--red-scratch OUT`: the api launch with 2, 4 and 8 KiB of cross-warp reduction scratch -> OUT/kda_red_scratch.json;
 `--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
@@ -228,24 +228,24 @@ def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
         pathlib.Path(out_dir, "kda_red_scratch.json").write_text(json.dumps(results, indent=1))
 
 
-def main_prefetch(out_dir):
-    """The tuned launch with and without prefetch (kernel._recurrence: with per-slice TMA, loading chunk c + 1
-    before chunk c is written first waits for slice c + 1), CUPTI, where a CTA has several chunks. Writes
-    OUT/kda_prefetch.json."""
+def main_idle(out_dir):
+    """The api launch without active_B (no mask input, no branches) and with it (one idle sequence where B > 1):
+    what keeping idle slots in the kernel costs, CUPTI. Writes OUT/kda_idle.json."""
     from pallas_kernels.kda_decode import bodies, sm90
-    ref = jax.jit(reference.kda_decode)
-    late = dict(sm90.TUNING, launch=[dict(e, prefetch=False) for e in sm90.TUNING["launch"]])
-    fns = {"api": jax.jit(bodies.entry_points(sm90.TUNING).kda_decode),
-           "no prefetch": jax.jit(bodies.entry_points(late).kda_decode)}
+    ops = bodies.entry_points(sm90.TUNING)
+    plain, masked = jax.jit(ops.kda_decode), jax.jit(ops.kda_decode)
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
-    for B, H in [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)]:
+    for B, H in [(1, 6), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
         args = make_inputs(7, B, H)
-        row = dict(B=B, H=H, **time_variants(fns, args, ref(*args), max_err))
+        active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
+        ref = jax.jit(reference.kda_decode)
+        row = dict(B=B, H=H, **time_variants({"no mask": plain}, args, ref(*args), max_err),
+                   **time_variants({"mask": masked}, (*args, active), ref(*args, active), max_err))
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
-        pathlib.Path(out_dir, "kda_prefetch.json").write_text(json.dumps(results, indent=1))
+        pathlib.Path(out_dir, "kda_idle.json").write_text(json.dumps(results, indent=1))
 
 
 def main_wg_canary():
@@ -543,8 +543,8 @@ if __name__ == "__main__":
         main_split_canary(sys.argv[2])
     elif sys.argv[1:2] == ["--wg"]:
         main_variants(sys.argv[2])
-    elif sys.argv[1:2] == ["--prefetch"]:
-        main_prefetch(sys.argv[2])
+    elif sys.argv[1:2] == ["--idle"]:
+        main_idle(sys.argv[2])
     elif sys.argv[1:2] == ["--red-scratch"]:
         main_red_scratch(sys.argv[2])
     elif sys.argv[1:2] == ["--gates-wg"]:

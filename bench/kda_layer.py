@@ -5,15 +5,16 @@ a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
 
   PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR        (GPU; writes OUT_DIR/kda_layer.json)
 
-Backends: xla, latency_specialized (as tuned), and "gemv": latency_specialized with the sm90 body's
-gemv_projections on (the decode GEMV's fp32 partials read straight by the decode kernel; where it applies).
+Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
+then the select that keeps idle slots' state and window (what model.extend ran after the op until the ninth
+session; after a kernel it is its own pass over the state). The batch has idle slots (a runtime mask, so XLA
+cannot fold it away): one at B > 1.
 
 Weights are the release's layer-0 KDA tensors with every tensor-parallel axis divided by tp (bench/rank_slice
 local tables), random, bf16; state and conv window random. CUPTI device time, median of bench/device_time's
 runs; kernels counted per call.
 """
 
-import contextlib
 import json
 import os
 import pathlib
@@ -41,23 +42,6 @@ def layer_inputs(cfg, B, seed=0):
     return x, state, window
 
 
-def gemv_body():
-    """While active, the sm90 body's kda_decode_x runs with gemv_projections on (the api looks ops up on the
-    body module at call time)."""
-    from pallas_kernels.kda_decode import bodies, sm90
-    return _patched(sm90, "kda_decode_x", bodies.entry_points(dict(sm90.TUNING, gemv_projections=True)).kda_decode_x)
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def main(out_dir):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
@@ -70,22 +54,33 @@ def main(out_dir):
         for B in [b for t, b in CASES if t == tp]:
             x, state, window = layer_inputs(lcfg, B)
             row = dict(tp=tp, heads=lcfg.kda_num_heads, B=B)
+            active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
             outs = {}
-            for backend in ("xla", "latency_specialized", "gemv"):
-                f = jax.jit(lambda p, x, s, w, backend=backend, c=lcfg: kda.kda_decode(
-                    p, x, c, s, w, "latency_specialized" if backend == "gemv" else backend))
-                with gemv_body() if backend == "gemv" else contextlib.nullcontext():  # while f is traced
-                    try:
-                        outs[backend] = f(p, x, state, window)
-                        row[f"{backend}_us"] = device_us(f, p, x, state, window)
-                        row[f"{backend}_kernels"] = len(kernel_names(f, p, x, state, window))
-                    except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
-                        row[f"{backend}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
-            for name in ("latency_specialized", "gemv"):
+            for backend in ("xla", "latency_specialized", "select_after"):
+                if backend == "select_after":
+                    def f(p, x, s, w, a, c=lcfg):
+                        out, s2, w2 = kda.kda_decode(p, x, c, s, w, "latency_specialized")
+                        keep = a[:, None, None, None] != 0
+                        return out, jnp.where(keep, s2, s), jnp.where(keep[..., None], w2, w)
+                else:
+                    def f(p, x, s, w, a, backend=backend, c=lcfg):
+                        return kda.kda_decode(p, x, c, s, w, backend, active_B=a)
+                f = jax.jit(f)
+                args = (p, x, state, window, active)
+                try:
+                    outs[backend] = f(*args)
+                    row[f"{backend}_us"] = device_us(f, *args)
+                    row[f"{backend}_kernels"] = len(kernel_names(f, *args))
+                except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
+                    row[f"{backend}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+            for name in ("latency_specialized", "select_after"):
                 if name in outs and "xla" in outs:
                     a, b = (o[0].astype(jnp.float32) for o in (outs[name], outs["xla"]))
                     row[f"{name}_o_proj_rel_rms"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
                     row[f"{name}_speedup"] = row["xla_us"] / row[f"{name}_us"]
+            if "select_after" in outs and "latency_specialized" in outs:  # the same kernel: the same state bits
+                row["select_after_same_state"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(
+                    outs["select_after"][1:], outs["latency_specialized"][1:], strict=True))
             results["rows"].append(row)
             print(row, flush=True)
             pathlib.Path(out_dir, "kda_layer.json").write_text(json.dumps(results, indent=1))

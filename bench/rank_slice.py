@@ -184,10 +184,12 @@ def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat
 
 
 def make_step(cfg: K3Config, backend: str, comm: Comm, dtype=jnp.bfloat16):
-    """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache)."""
+    """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache). Every
+    sequence is active, but as the engine's step sees it: n_new is data (here from the tokens), not a constant
+    XLA could fold away with the idle-slot handling it costs."""
     def step(params, tokens_B, cache):
-        logits, cache, _ = model.extend(params, tokens_B[:, None], jnp.ones_like(tokens_B), cache, cfg, dtype,
-                                        backend, comm=comm)
+        n_new_B = (tokens_B >= 0).astype(jnp.int32)
+        logits, cache, _ = model.extend(params, tokens_B[:, None], n_new_B, cache, cfg, dtype, backend, comm=comm)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
     return jax.jit(step, donate_argnums=(2,))
 

@@ -120,10 +120,8 @@ def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfl
             rows = cache_lib.read_rows(entry, R, dtype)
             return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
         if T == 1:
-            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend)
-            keep = n_new_B[:, None, None, None] > 0  # idle slots keep their state
-            state = jnp.where(keep, state, entry["state"])
-            conv = jnp.where(keep[..., None], conv, entry["conv"])
+            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend,
+                                              active_B=n_new_B)  # idle slots keep their state
             out = out[:, None]
         else:
             out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"])

@@ -121,7 +121,7 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, prefetch=True):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
     of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile,
     with one or several warpgroups."""
@@ -130,8 +130,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, pre
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
-                             prefetch=prefetch)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups)
 
 
 @cpu_only
@@ -175,26 +174,6 @@ def test_split_interpret_matches_reference(arch, tma, split, dtype):
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, **TOL[dtype], what=name)
-
-
-@cpu_only
-@pytest.mark.parametrize("tma", [False, "chunked"])
-@pytest.mark.parametrize("warpgroups", [1, 2])
-def test_no_prefetch_interpret_matches_reference(tma, warpgroups):
-    """Each chunk loaded (its slice waited for) only when it is due, not while the previous one is computed;
-    also lowered at a real shape."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-    x = make_inputs(rng(), 2, 2, 128, jnp.float32)
-    want = reference.kda_decode(*args_of(x))
-    f = _variant("sm90", tma, warpgroups=warpgroups, prefetch=False)
-    big = make_inputs(rng(), 64, 6, 128, jnp.bfloat16)
-    with abstract_gpu("sm90"):
-        got = f(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
-        assert "mosaic_gpu" in jax.jit(f).trace(*args_of(big)).lower(lowering_platforms=("cuda",)).as_text()
-    assert not get_races().races_found
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert_close(a, b, **TOL["f32"], what=name)
 
 
 @cpu_only
@@ -262,7 +241,8 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
     go straight into the decode kernel (which sums and rounds them), else the model's GEMMs then the kernel;
-    both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64."""
+    both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1
+    some sequences are idle (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
@@ -271,16 +251,15 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     H, K, R, D = 2, 128, 64, 1024
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
-    want = reference.kda_decode_x(*x_args_of(x, g, w))
+    active = idle_mask(r, B) if B > 1 else None
+    want = reference.kda_decode_x(*x_args_of(x, g, w), active)
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv))
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     with abstract_gpu("sm90"):
-        got = ops.kda_decode_x(*x_args_of(x, g, w), interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = ops.kda_decode_x(*x_args_of(x, g, w), active, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert_close(a, b, **TOL["bf16"], what=name)
+    assert_idle_kept(got, want, x, jnp.ones(B) if active is None else active, TOL["bf16"])
 
 
 @cpu_only
@@ -306,6 +285,60 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes():
     with abstract_gpu("sm90"):
         text = jax.jit(step).trace(*args[:3], *args[3:]).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+
+
+def idle_mask(r, B):
+    """active_B for B >= 2 sequences: random, with at least one idle (0) and one active (nonzero) slot."""
+    active = r.integers(1, 3, B)  # any nonzero marks a sequence active
+    active[r.permutation(B)[: r.integers(1, B)]] = 0
+    return jnp.asarray(active, jnp.int32)
+
+
+def assert_idle_kept(got, want, x, active, tol):
+    """Idle sequences' state and conv window equal the inputs exactly (atol = rtol = 0); the active sequences'
+    and every y (an idle one's too: it is computed) match want's."""
+    idle = np.asarray(active) == 0
+    for name, a, b, before in zip(("y", "state", "conv"), got, want, (None, x["state"], x["conv"]), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if before is None:
+            assert_close(a, b, **tol, what=name)
+        else:
+            assert_close(a[idle], before[idle], atol=0, rtol=0, what=f"idle {name}")
+            assert_close(a[~idle], b[~idle], **tol, what=name)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_reference_keeps_idle_sequences(dtype):
+    """active_B: idle sequences keep state and window exactly; active ones and every y are the step's."""
+    r = rng()
+    x = make_inputs(r, 5, 2, 16, DTYPES[dtype])
+    active = idle_mask(r, 5)
+    got = jax.jit(reference.kda_decode)(*args_of(x), active)
+    want = jax.jit(reference.kda_decode)(*args_of(x))
+    assert_idle_kept(got, want, x, active, TOL[dtype])
+    assert np.all(np.asarray(got[1])[np.asarray(active) != 0] != np.asarray(x["state"])[np.asarray(active) != 0])
+
+
+@cpu_only
+@pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("chunked", dict(warpgroups=2)),
+                                        (True, dict(v_split=2))])
+def test_kernel_keeps_idle_sequences(tma, split):
+    """The kernel writes an idle sequence's state and window back as read (every staging: SMEM left as loaded,
+    or the registers as read; a split's conv writer), in interpret mode; lowered at 64 x 6."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    r = rng()
+    x = make_inputs(r, 3, 1, 128, jnp.float32)
+    active = idle_mask(r, 3)
+    want = reference.kda_decode(*args_of(x), active)
+    f = _variant("sm90", tma, **split)
+    big = make_inputs(r, 64, 6, 128, jnp.bfloat16)
+    with abstract_gpu("sm90"):
+        got = f(*args_of(x), active, interpret=plgpu.InterpretGPUParams(detect_races=True))
+        lowered = jax.jit(f).trace(*args_of(big), idle_mask(r, 64)).lower(lowering_platforms=("cuda",))
+    assert not get_races().races_found
+    assert_idle_kept(got, want, x, active, TOL["f32"])
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -512,6 +545,20 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H", [(8, 6), (8, 12), (8, 96), (64, 6), (64, 96)])
+def test_idle_sequences_on_gpu(B, H, dtype):
+    """Idle sequences keep state and window exactly through the api's tuned launch at real shapes (split,
+    warpgroups, per-slice and whole-tile TMA between them)."""
+    r = rng()
+    x = make_inputs(r, B, H, 128, DTYPES[dtype])
+    active = idle_mask(r, B)
+    want = jax.jit(reference.kda_decode)(*args_of(x), active)
+    got = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))(*args_of(x), active)
+    assert_idle_kept(got, want, x, active, TOL[dtype])
+
+
+@gpu_only
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12)])
 def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
     """The decode GEMV's partials read by the decode kernel, at TP16 / TP8 ranks' real shapes, bf16."""
@@ -520,23 +567,12 @@ def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
     K, R, D = 128, 128, 7168
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
-    want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w))
+    active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
+    want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w), active)
     monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=True))
-    got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w))
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert_close(a, b, **TOL["bf16"], what=name)
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("B, H, warpgroups", [(1, 6, 1), (8, 12, 2), (64, 6, 1)])
-def test_no_prefetch_on_gpu_matches_reference(B, H, dtype, warpgroups):
-    x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
-    want = jax.jit(reference.kda_decode)(*args_of(x))
-    got = jax.jit(_variant("sm90", "chunked", warpgroups=warpgroups, prefetch=False))(*args_of(x))
-    for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
-        assert_close(a, b, **TOL[dtype], what=name)
+    got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w), active)
+    assert_idle_kept(got, want, x, active, TOL["bf16"])
 
 
 @gpu_only

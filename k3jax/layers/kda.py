@@ -135,14 +135,16 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     return o_proj(y, p["o"]), state, new_window
 
 
-def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla"):
+def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", active_B=None):
     """One token per sequence: projections here, the fused step in pallas_kernels.kda_decode.
-    Returns (this rank's o_proj partial [B,D], new state, new window).
+    Returns (this rank's o_proj partial [B,D], new state, new window). Sequences with active_B == 0 (idle
+    slots; None = none idle) keep state and window: the op does it, in the kernel's own pass over
+    the state rather than a second one after it.
 
     The op gets x and the projection weights, so a kernel body may run the projections its own way and fuse
     the f_b and b GEMVs in (its tuning says what it does). Both backends go through the same op, so a kernel
     that refuses a step falls back to exactly the xla backend's numbers."""
     y, state, window = kda_api.kda_decode_x(x_BD, p["qkvg"], p["f_a"], p["f_b"], p["b"], state_BHKV, window_B3WHK,
-                                            p["conv"], p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
-                                            backend=backend)
+                                            p["conv"], p["A_log"], p["dt_bias"], p["o_norm"], active_B,
+                                            eps=cfg.rms_norm_eps, backend=backend)
     return o_proj(y, p["o"]), state, window

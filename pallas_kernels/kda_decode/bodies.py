@@ -46,14 +46,14 @@ def entry_points(tuning: dict) -> Ops:
         return B <= tuning.get("fuse_gates_max_batch", 0) and H <= tuning.get("fuse_gates_max_heads", H)
 
     def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+                   dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                             dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
+                             dt_bias_HK, o_norm_w_K, active_B, eps=eps, interpret=interpret,
                              **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret))
 
     def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                         A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+                         A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         """Up to tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any) the two projections
         run inside the decode kernel; beyond either, XLA's GEMVs (as the model runs them), then the decode
         kernel. The heads limit: each CTA reads its head's column of b [D, H], a stride of H elements, so at
@@ -64,13 +64,13 @@ def entry_points(tuning: dict) -> Ops:
         launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         B, _, H, _ = qkv_B3HK.shape
         if fuses_gates(B, H):
-            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, eps=eps, interpret=interpret,
-                                       **dict(launch, warpgroups=1))
+            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, active_B, eps=eps,
+                                       interpret=interpret, **dict(launch, warpgroups=1))
         f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_DH)
-        return kernel.decode(qkv_B3HK, f, beta, *rest, eps=eps, interpret=interpret, **launch)
+        return kernel.decode(qkv_B3HK, f, beta, *rest, active_B, eps=eps, interpret=interpret, **launch)
 
     def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                     dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+                     dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         """With tuning "gemv_projections" (and where the gate projections fuse and the GEMV takes the shapes):
         the decode GEMV (pallas_kernels.gemv) writes q/k/v/g and fa as fp32 partials and the decode kernel
         sums and rounds them itself, two launches in all. Otherwise the model's GEMMs, then
@@ -78,14 +78,16 @@ def entry_points(tuning: dict) -> Ops:
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
             try:
-                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, eps=eps, interpret=interpret)
+                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B, eps=eps,
+                                  interpret=interpret)
             except NotImplementedError as e:
                 common.log_once("kda_decode_x", f"projections by XLA: {e}")
         qkvg_B4HK, fa_BR = reference.project(x_BD, qkvg_4HKD, f_a_RD)
-        return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], *rest, eps=eps,
-                                interpret=interpret)
+        return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], *rest, active_B,
+                                eps=eps, interpret=interpret)
 
-    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, eps, interpret):
+    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest_active, eps, interpret):
+        *rest, active_B = rest_active
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
@@ -99,8 +101,9 @@ def entry_points(tuning: dict) -> Ops:
         qkvg_SN8, fa_SR8 = gemv.partials(x_BD, ws, block_k=g["block_k"], split_k=g["split_k"], steps=g["steps"],
                                          interpret=interpret)
         launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
-        return kernel.decode_gates(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, qkvg_SN8, *rest, eps=eps, from_gemv=True,
-                                   interpret=interpret, **dict(launch, warpgroups=1))  # one warpgroup, fused gates
+        return kernel.decode_gates(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, qkvg_SN8, *rest, active_B, eps=eps,
+                                   from_gemv=True, interpret=interpret,
+                                   **dict(launch, warpgroups=1))  # one warpgroup, fused gates
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):

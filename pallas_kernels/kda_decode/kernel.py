@@ -79,23 +79,25 @@ def pick_launch(tuning, qkv_B3HK):
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
                 v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
-                warpgroups=entry.get("warpgroups", 1), prefetch=entry.get("prefetch", True))
+                warpgroups=entry.get("warpgroups", 1))
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, prefetch=True, on_gpu=True):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
     reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's SMEM. Inputs: qkv, then (f, beta) or
-    with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y,
+    with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w (+ with
+    idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y,
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
     and stored by its own TMA). from_gemv: qkv and gate are both the projection GEMV's fp32 partials
     [S, 4 H K, 8] (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]:
     this kernel sums and rounds them (once, as the model's projections round), so no glue kernel runs."""
-    n_in = 12 if fuse_gates else 10
-    qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in]
+    n_in = (12 if fuse_gates else 10) + idle_mask
+    qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
+    active_ref = refs[n_in - 1] if idle_mask else None
     y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
     o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
     vec_all = rest.pop(0)
@@ -150,10 +152,12 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         def projected(i):
             return (gate_ref.at[b, h] if i == 3 else qkv_ref.at[b, i, h])[...]
     gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
+    active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
     pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
     if tma_scratch:
         issue_state_tma()
+    active = True if active_b is None else active_b != 0  # True: no mask, no branches
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
 
@@ -168,7 +172,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype), *gate_in[1:], b, h, vec_smem, dtype,
                          total) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
-                           write_conv=s == 0)
+                           write_conv=s == 0, active=active)
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
@@ -195,7 +199,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("recurrence"):
         _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total, prefetch=prefetch)
+                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
     if tma_scratch and not chunked:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
@@ -231,6 +235,14 @@ def _cluster_sync(bar, fences):
     plgpu.barrier_wait(bar)
     if fences:
         _inline_ptx("fence.acq_rel.cluster;")
+
+
+def _and(a, b):  # Python bools stay Python bools, so pl.when needs no branch for them
+    return a and b if isinstance(a, bool) and isinstance(b, bool) else jnp.logical_and(a, b)
+
+
+def _not(a):
+    return (not a) if isinstance(a, bool) else jnp.logical_not(a)
 
 
 def _sum_parts(load, n):
@@ -279,11 +291,15 @@ def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
-def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True):
+def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True, active=True):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
-    (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the new conv window (where
-    write_conv: one CTA or warpgroup of a split), leaves the tile-side vectors in vec_smem rows 0-4, returns the gain
-    beta (k̂ · q̂) of the output correction."""
+    (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the conv window (where
+    write_conv: one CTA or warpgroup of a split): slid by one, or where not active (an idle sequence) as it
+    was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
+    correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
+    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing (H200: within 1.2%
+    at every size, kda_idle.json); SMEM stores under a branch in the loop instead measured 19.1 vs 16.1 us at
+    64 x 6 (kda_idle_branch.json). Its y is the stepped one, as the reference's."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
@@ -291,14 +307,12 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
         y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
         x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
 
-        def slide(i=i, window=window):  # the window slides by one: keep the newest three pre-conv inputs
+        def slide(i=i, window=window, by=1):  # by 1: keep the newest three pre-conv inputs; by 0: as it was
             for j in range(_CONV_TAPS - 1):
-                new_conv_33K.at[i, j][...] = window[j + 1]
+                new_conv_33K.at[i, j][...] = window[j + by]
 
-        if write_conv is True:
-            slide()
-        else:
-            pl.when(write_conv)(slide)
+        pl.when(_and(write_conv, active))(slide)
+        pl.when(_and(write_conv, _not(active)))(functools.partial(slide, by=0))
     q, k, v = x
     g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
     beta = _sigmoid(beta.astype(F32))
@@ -307,20 +321,25 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     decay = jnp.exp(g)
     vec_smem.at[0][...] = decay * kn
     vec_smem.at[1][...] = decay * qn
-    vec_smem.at[2][...] = decay
-    vec_smem.at[3][...] = beta * kn
+    if active is True:
+        vec_smem.at[2][...] = decay
+        vec_smem.at[3][...] = beta * kn
+    else:  # step 1 leaves both exact (x * 1 + 0); step 0 holds the state
+        step = active.astype(F32)
+        vec_smem.at[2][...] = decay * step + (1.0 - step)
+        vec_smem.at[3][...] = beta * kn * step
     vec_smem.at[4][...] = v
     return beta * total(kn * qn)
 
 
 def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *, tile_layout, v_chunk,
-                n_chunks, col0, dtype, total=jnp.sum, prefetch=True):
+                n_chunks, col0, dtype, total=jnp.sum):
     """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
     independent given k̂, q̂): n_chunks chunks from state column col0. first_chunk() gives chunk 0 (waiting for
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
-    prefetch: chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read
-    is in flight meanwhile; with per-slice TMA that load first waits for slice c + 1 to land, which holds chunk
-    c's write back by one slice's arrival (prefetch=False: each slice is waited for when its chunk is due)."""
+    Chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read is in
+    flight meanwhile. With per-slice TMA that load first waits for slice c + 1; waiting only when a chunk is
+    due measured the same within 1.4% either way (kda_prefetch.json), so there is one order."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -331,8 +350,8 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
     kd, qd, decay_r, bk = (bcast(plgpu.load(vec_smem.at[i], layout=row_layout), 0) for i in range(4))
     S_next = first_chunk()
     for c in range(n_chunks):
-        S_KC = S_next if prefetch or c == 0 else load_state(c)
-        if prefetch and c + 1 < n_chunks:
+        S_KC = S_next
+        if c + 1 < n_chunks:
             S_next = load_state(c + 1)
         cols = pl.ds(col0 + c * v_chunk, v_chunk)
         delta_C = plgpu.load(vec_smem.at[4, cols], layout=col_layout) - total(S_KC * kd, 0)
@@ -355,14 +374,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "prefetch", "interpret",
+_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "interpret",
            "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem", warpgroups=1,
-           prefetch=True, interpret=None, profile_dir=""):
+           o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
+           warpgroups=1, interpret=None, profile_dir=""):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -377,18 +396,20 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
     o meets in WG 0's SMEM behind one CTA barrier (slower from 192 tiles on, kda_wg.json: 256-thread CTAs fit
     fewer per SM).
-    prefetch: see _recurrence.
+    active_B: int [B], None = all (then no mask input, no branches); a sequence whose entry is 0 (an idle slot)
+    keeps its state (value for value: updated with decay 1 and no rank-1 write, _prologue) and its conv window
+    (bit for bit), so no select over the state runs after the kernel; its y is computed.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, warpgroups=warpgroups, prefetch=prefetch, interpret=interpret,
+                   dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
+                   v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
                    profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-                 warpgroups=1, prefetch=True, interpret=None, profile_dir="", from_gemv=False):
+                 dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
+                 gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -399,13 +420,13 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
         raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
-                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, tile_layout=tile_layout,
-                   v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups,
-                   prefetch=prefetch, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv)
+                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
+                   tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
+                   warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, prefetch=True, interpret,
+            active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
             profile_dir="", from_gemv=False):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
@@ -441,8 +462,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
-                             v_split=v_split, gather=gather, warpgroups=warpgroups, prefetch=prefetch,
-                             on_gpu=interpret is None)
+                             v_split=v_split, gather=gather, warpgroups=warpgroups,
+                             idle_mask=active_B is not None, on_gpu=interpret is None)
     if tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
@@ -460,5 +481,6 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         interpret=interpret,
     )
     outs = kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
-                  A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
+                  A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32),
+                  *(() if active_B is None else (active_B.astype(jnp.int32),)))
     return outs[:3]  # (y, state, conv); with v_split the gather buffer is dropped

@@ -63,10 +63,15 @@ def _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HK
 
 
 def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-               o_norm_w_K, *, eps=1e-5):
-    """One decode step of one KDA layer -> (y_BHK, new_state_BHKV, new_conv_B3WHK)."""
+               o_norm_w_K, active_B=None, *, eps=1e-5):
+    """One decode step of one KDA layer -> (y_BHK, new_state_BHKV, new_conv_B3WHK). active_B (int [B], None =
+    all): a sequence whose entry is 0 (an idle slot) keeps its state and conv window (here bit for bit; a
+    kernel may return an exact -0.0 of the state as +0.0)."""
     y, new_state, new_conv, _ = _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                                       A_log_H, dt_bias_HK, o_norm_w_K, eps)
+    if active_B is not None:
+        new_state, new_conv = (jnp.where((active_B != 0).reshape(-1, *[1] * (new.ndim - 1)), new, old)
+                               for new, old in ((new_state, state_BHKV), (new_conv, conv_B3WHK)))
     return y, new_state, new_conv
 
 
@@ -82,11 +87,11 @@ def gates(fa_BR, f_b_RHK, x_BD, b_DH):
 
 
 def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                     A_log_H, dt_bias_HK, o_norm_w_K, *, eps=1e-5):
+                     A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
     """kda_decode with f and beta from their projections' inputs (see gates)."""
     f_BHK, beta_BH = gates(fa_BR, f_b_RHK, x_BD, b_DH)
     return kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                      dt_bias_HK, o_norm_w_K, eps=eps)
+                      dt_bias_HK, o_norm_w_K, active_B, eps=eps)
 
 
 def project(x_BD, qkvg_4HKD, f_a_RD):
@@ -98,11 +103,11 @@ def project(x_BD, qkvg_4HKD, f_a_RD):
 
 
 def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, *, eps=1e-5):
+                 dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
     """kda_decode_gates from the layer's normed input x and its projection weights (see project)."""
     qkvg_B4HK, fa_BR = project(x_BD, qkvg_4HKD, f_a_RD)
     return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], state_BHKV, conv_B3WHK,
-                            conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps)
+                            conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps)
 
 
 def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
