@@ -50,13 +50,20 @@ def _advance(state_BHKV, kn_BHK, decay_BHK, beta_BH, delta_BHV):
 
 
 def _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-          o_norm_w_K, eps):
-    """One token: returns y, the new state and window, and what a commit needs to replay this step."""
+          o_norm_w_K, eps, active_B=None):
+    """One token: returns y, the new state and window, and what a commit needs to replay this step.
+    active_B: see kda_decode."""
     qn, kn, v, decay, beta, new_conv = _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H,
                                                 dt_bias_HK)
     decayed_BHKV = decay[..., None] * state_BHKV
     delta_BHV = v - jnp.sum(decayed_BHKV * kn[..., None], axis=-2)
-    new_state = _advance(state_BHKV, kn, decay, beta, delta_BHV)
+    if active_B is None:
+        new_state = _advance(state_BHKV, kn, decay, beta, delta_BHV)
+    else:  # an idle sequence advances by decay 1 and weight 0 (S * 1 + 0 = S): no select after the update
+        step_B = (active_B != 0).astype(F32)
+        new_state = _advance(state_BHKV, kn, decay * step_B[:, None, None] + (1.0 - step_B[:, None, None]),
+                             beta * step_B[:, None], delta_BHV)
+        new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv_B3WHK)
     o_BHV = jnp.sum(new_state * qn[..., None], axis=-2)
     y = _gated_norm(o_BHV, gate_BHK, o_norm_w_K, eps, qkv_B3HK.dtype)
     return y, new_state, new_conv, (kn, decay, beta, delta_BHV)
@@ -65,13 +72,12 @@ def _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HK
 def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
                o_norm_w_K, active_B=None, *, eps=1e-5):
     """One decode step of one KDA layer -> (y_BHK, new_state_BHKV, new_conv_B3WHK). active_B (int [B], None =
-    all): a sequence whose entry is 0 (an idle slot) keeps its state and conv window (here bit for bit; a
-    kernel may return an exact -0.0 of the state as +0.0)."""
+    all): a sequence whose entry is 0 (an idle slot) keeps its conv window bit for bit and its state value for
+    value (the update runs with decay 1 and rank-1 weight 0, so an exact -0.0 may come back +0.0); its y is not
+    specified (a slot nobody reads). As a select after the update, XLA ran it as one more pass over the state
+    (H200, bench/results/kda_layer.json, xla column)."""
     y, new_state, new_conv, _ = _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                                      A_log_H, dt_bias_HK, o_norm_w_K, eps)
-    if active_B is not None:
-        new_state, new_conv = (jnp.where((active_B != 0).reshape(-1, *[1] * (new.ndim - 1)), new, old)
-                               for new, old in ((new_state, state_BHKV), (new_conv, conv_B3WHK)))
+                                      A_log_H, dt_bias_HK, o_norm_w_K, eps, active_B)
     return y, new_state, new_conv
 
 
