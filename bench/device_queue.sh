@@ -20,10 +20,9 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_prefetch and
-# kda_gemv (the two untested options), then kda if prefetch wins (the table with the new tuning), moe, kda_verify
-# (bench/NOTES.md, "Queued for the next device session", says what each should show). Everything else ran in
-# the eighth session.
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_idle (the
+# reference's idle handling, written after the ninth session's last call), moe, kda_verify (bench/NOTES.md,
+# "Queued for the next device session", says what each should show). Everything else ran in the ninth session.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.device_time import device_us, kernel_names  # noqa: E402
+from bench.device_time import device_us, kernel_names, per_kernel_us  # noqa: E402
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
@@ -71,11 +71,13 @@ def main(out_dir):
                     outs[backend] = f(*args)
                     row[f"{backend}_us"] = device_us(f, *args)
                     row[f"{backend}_kernels"] = len(kernel_names(f, *args))
+                    row[f"{backend}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
                 except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
                     row[f"{backend}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
             for name in ("latency_specialized", "select_after"):
                 if name in outs and "xla" in outs:
-                    a, b = (o[0].astype(jnp.float32) for o in (outs[name], outs["xla"]))
+                    live = active != 0  # an idle slot's output is not specified
+                    a, b = (o[0][live].astype(jnp.float32) for o in (outs[name], outs["xla"]))
                     row[f"{name}_o_proj_rel_rms"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
                     row[f"{name}_speedup"] = row["xla_us"] / row[f"{name}_us"]
             if "select_after" in outs and "latency_specialized" in outs:  # the same kernel: the same state bits
