@@ -73,9 +73,9 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
                o_norm_w_K, active_B=None, *, eps=1e-5):
     """One decode step of one KDA layer -> (y_BHK, new_state_BHKV, new_conv_B3WHK). active_B (int [B], None =
     all): a sequence whose entry is 0 (an idle slot) keeps its conv window bit for bit and its state value for
-    value (the update runs with decay 1 and rank-1 weight 0, so an exact -0.0 may come back +0.0); its y is not
-    specified (a slot nobody reads). As a select after the update, XLA ran it as one more pass over the state
-    (H200, bench/results/kda_layer.json, xla column)."""
+    value (the update runs with decay 1 and rank-1 weight 0, so an exact -0.0 may come back +0.0, and the slot's
+    inputs must be finite: 0 * inf is nan); its y is not specified (a slot nobody reads). As a select after the
+    update, XLA ran it as one more pass over the state (H200, bench/results/kda_layer.json, xla column)."""
     y, new_state, new_conv, _ = _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                                       A_log_H, dt_bias_HK, o_norm_w_K, eps, active_B)
     return y, new_state, new_conv
