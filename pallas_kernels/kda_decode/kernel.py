@@ -299,7 +299,7 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
     (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing (H200: within 1.2%
     at every size, kda_idle.json); SMEM stores under a branch in the loop instead measured 19.1 vs 16.1 us at
-    64 x 6 (kda_idle_branch.json). Its y is the stepped one, as the reference's."""
+    64 x 6 (kda_idle_branch.json). Its y is the stepped one (the api leaves an idle slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
