@@ -232,17 +232,15 @@ def main_idle(out_dir):
     """The api launch without active_B (no mask input, no branches) and with it (one idle sequence where B > 1):
     what keeping idle slots in the kernel costs, CUPTI. Writes OUT/kda_idle.json."""
     from pallas_kernels.kda_decode import bodies, sm90
-    ops = bodies.entry_points(sm90.TUNING)
-    plain, masked = jax.jit(ops.kda_decode), jax.jit(ops.kda_decode)
+    api_fn, ref = jax.jit(bodies.entry_points(sm90.TUNING).kda_decode), jax.jit(reference.kda_decode)
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
     for B, H in [(1, 6), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
         args = make_inputs(7, B, H)
         active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
-        ref = jax.jit(reference.kda_decode)
-        row = dict(B=B, H=H, **time_variants({"no mask": plain}, args, ref(*args), max_err),
-                   **time_variants({"mask": masked}, (*args, active), ref(*args, active), max_err))
+        row = dict(B=B, H=H, **time_variants({"no mask": api_fn}, args, ref(*args), max_err),
+                   **time_variants({"mask": api_fn}, (*args, active), ref(*args, active), max_err))
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
         pathlib.Path(out_dir, "kda_idle.json").write_text(json.dumps(results, indent=1))
@@ -534,27 +532,16 @@ def main_cold(out_dir, shapes=SHAPES):
         pathlib.Path(out_dir, "kda_decode_cold.json").write_text(json.dumps(results, indent=1))
 
 
+MODES = {  # flag -> what it runs with the flag's argument (see the module docstring)
+    "--cold": main_cold, "--split": main_split, "--split-canary": main_split_canary, "--wg": main_variants,
+    "--idle": main_idle, "--red-scratch": main_red_scratch, "--fla": main_fla,
+    "--gates-wg": lambda out: pathlib.Path(out, "kda_gates_wg.json").write_text(
+        json.dumps(gates_cases(warpgroups=(1, 2)), indent=1)),
+    "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
+}
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--cold"]:
-        main_cold(sys.argv[2])
-    elif sys.argv[1:2] == ["--split"]:
-        main_split(sys.argv[2])
-    elif sys.argv[1:2] == ["--split-canary"]:
-        main_split_canary(sys.argv[2])
-    elif sys.argv[1:2] == ["--wg"]:
-        main_variants(sys.argv[2])
-    elif sys.argv[1:2] == ["--idle"]:
-        main_idle(sys.argv[2])
-    elif sys.argv[1:2] == ["--red-scratch"]:
-        main_red_scratch(sys.argv[2])
-    elif sys.argv[1:2] == ["--gates-wg"]:
-        pathlib.Path(sys.argv[2], "kda_gates_wg.json").write_text(json.dumps(gates_cases(warpgroups=(1, 2)),
-                                                                             indent=1))
-    elif sys.argv[1:2] == ["--wg-canary"]:
-        main_wg_canary()
-    elif sys.argv[1:2] == ["--regs"]:
-        main_regs()
-    elif sys.argv[1:2] == ["--fla"]:
-        main_fla(sys.argv[2])
+    if sys.argv[1:2] and sys.argv[1] in MODES:
+        MODES[sys.argv[1]](*sys.argv[2:3])
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else ".", sys.argv[2] if len(sys.argv) > 2 else None)

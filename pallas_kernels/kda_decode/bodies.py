@@ -78,7 +78,7 @@ def entry_points(tuning: dict) -> Ops:
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
             try:
-                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B, eps=eps,
+                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B=active_B, eps=eps,
                                   interpret=interpret)
             except NotImplementedError as e:
                 common.log_once("kda_decode_x", f"projections by XLA: {e}")
@@ -86,8 +86,7 @@ def entry_points(tuning: dict) -> Ops:
         return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], *rest, active_B,
                                 eps=eps, interpret=interpret)
 
-    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest_active, eps, interpret):
-        *rest, active_B = rest_active
+    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B, eps, interpret):
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
