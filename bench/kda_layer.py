@@ -46,7 +46,7 @@ def main(out_dir):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
                    jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
-                   rows=[])
+                   measure="CUPTI device time per call (summed kernel time), median of 30 runs", rows=[])
     for tp in sorted({tp for tp, _ in CASES}, reverse=True):
         cfg = truncate(preset("k3"), 1)  # layer 0: a KDA layer
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
