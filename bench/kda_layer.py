@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.device_time import device_us, kernel_names, per_kernel_us  # noqa: E402
+from bench.device_time import ITERS, device_us, kernel_names, per_kernel_us  # noqa: E402
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
@@ -46,7 +46,7 @@ def main(out_dir):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
                    jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
-                   measure="CUPTI device time per call (summed kernel time), median of 30 runs", rows=[])
+                   measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", rows=[])
     for tp in sorted({tp for tp, _ in CASES}, reverse=True):
         cfg = truncate(preset("k3"), 1)  # layer 0: a KDA layer
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
