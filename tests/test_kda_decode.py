@@ -317,6 +317,14 @@ def test_reference_keeps_idle_sequences(dtype):
     assert np.all(np.asarray(got[1])[np.asarray(active) != 0] != np.asarray(x["state"])[np.asarray(active) != 0])
 
 
+@pytest.mark.parametrize("bad", [np.ones(4, np.int32), np.ones((5, 1), np.int32), np.ones(5, np.float32)])
+def test_api_refuses_a_malformed_idle_mask(bad):
+    """One integer or bool per sequence: anything else is refused with the shape it needs."""
+    x = make_inputs(rng(), 5, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match=r"shape \(5,\)"):
+        api.kda_decode(*args_of(x), jnp.asarray(bad), backend="latency_specialized")
+
+
 @cpu_only
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("chunked", dict(warpgroups=2)),
                                         (True, dict(v_split=2))])
