@@ -11,6 +11,7 @@
 #   bash bench/device_queue.sh kda_gemv      # nvidia-h200: GEMV partials -> decode kernel: GPU tests + layer, ~4 min
 #   bash bench/device_queue.sh kda_idle      # nvidia-h200: idle slots kept by the decode kernel (active_B): GPU
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
+#   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
@@ -86,6 +87,13 @@ case "${1:-}" in
       -k "(on_gpu and (idle or decode_x or kernel_on_gpu)) or kda_kernel_float32"
     step bench_layer 200 python3 bench/kda_layer.py "$work"
     ;;
+  kda_rows)  # thread t owning state column t, row-slice staging: canary, GPU tests, bench with register counts
+    step canary_rows 120 python3 bench/kda_decode.py --rows-canary
+    if grep -q "^rc=0$" "$work/canary_rows.log"; then
+      step pytest_rows 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows and on_gpu"
+      step bench_rows 280 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --rows "$work"
+    fi
+    ;;
   kda_table)
     step bench_kda 280 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
     ;;
@@ -118,7 +126,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -8,7 +8,9 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--idle OUT`: the api launch with and without active_B (idle slots kept in the kernel) -> OUT/kda_idle.json;
 `--red-scratch OUT`: the api launch with 2, 4 and 8 KiB of cross-warp reduction scratch -> OUT/kda_red_scratch.json;
 `--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
-`--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first).
+`--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
+`--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
+`--rows-canary`: one checked call per rows variant.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -162,15 +164,17 @@ SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, T
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
+    if tma == "rows":  # v_chunk is the rows per slice here (k_chunk)
+        return f"rows k{v_chunk}"
     staging = {False: "ldg", True: "tma", "chunked": "tma-chunked"}[tma]
     return (f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
             + (f" wg{warpgroups}" if warpgroups > 1 else ""))
 
 
 def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, v_chunk=v_chunk, tma=tma, v_split=v_split,
-                                     gather=gather, warpgroups=warpgroups,
-                                     tile_layout=kernel.plgpu.Layout.WGMMA))
+    chunks = dict(k_chunk=v_chunk) if tma == "rows" else dict(v_chunk=v_chunk)
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma=tma, v_split=v_split, gather=gather,
+                                     warpgroups=warpgroups, tile_layout=kernel.plgpu.Layout.WGMMA, **chunks))
 
 
 # The tile's columns split over the warpgroups of one CTA (no cluster: o meets in WG 0's SMEM behind a CTA
@@ -196,6 +200,25 @@ def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
         pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+
+
+# Thread t owning state column t, the tile staged in row slices of k rows (kernel._recurrence_rows): the
+# K-reductions inside each thread, no per-slice cross-warp barriers, against the tuned launch at every size.
+ROWS_VARIANTS = [(32, "rows"), (16, "rows"), (64, "rows")]
+ROWS_SHAPES = [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)]
+
+
+def main_rows_canary():
+    """One checked decode per rows variant at 64 x 6 (device_queue.sh runs it under a short timeout first)."""
+    args = make_inputs(7, 64, 6)
+    want = jax.jit(reference.kda_decode)(*args)
+    ok = True
+    for v in ROWS_VARIANTS:
+        err = max_err(variant_fn(*v)(*args), want)
+        good = all(e < 0.05 for e in err.values())
+        ok &= good
+        print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
+    sys.exit(0 if ok else 1)
 
 
 def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
@@ -538,6 +561,8 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--gates-wg": lambda out: pathlib.Path(out, "kda_gates_wg.json").write_text(
         json.dumps(gates_cases(warpgroups=(1, 2)), indent=1)),
     "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
+    "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
+    "--rows-canary": lambda: main_rows_canary(),
 }
 
 if __name__ == "__main__":

@@ -123,8 +123,8 @@ def _body(arch):
 
 def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
-    of the whole tile via SMEM, or one TMA per column slice), one CTA or a cluster of v_split CTAs per tile,
-    with one or several warpgroups."""
+    of the whole tile via SMEM, one TMA per column slice, or per slice of 32 rows with a thread per column),
+    one CTA or a cluster of v_split CTAs per tile, with one or several warpgroups."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
@@ -136,7 +136,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("tma", [False, True, "chunked", "rows"])
 def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -326,8 +326,8 @@ def test_api_refuses_a_malformed_idle_mask(bad):
 
 
 @cpu_only
-@pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("chunked", dict(warpgroups=2)),
-                                        (True, dict(v_split=2))])
+@pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
+                                        ("chunked", dict(warpgroups=2)), (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
     """The kernel writes an idle sequence's state and window back as read (every staging: SMEM left as loaded,
     or the registers as read; a split's conv writer), in interpret mode; lowered at 64 x 6."""
@@ -363,7 +363,7 @@ def test_gates_reference_matches_numpy(dtype):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("tma", [False, True, "chunked", "rows"])
 def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
     """The decode kernel with the f_b and b projections inside (issue 6 stretch goal) vs the reference."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -433,8 +433,8 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
-@pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
+@pytest.mark.parametrize("tma, v_split, gather", [(t, 1, "gmem") for t in (False, True, "chunked", "rows")]
+                         + [(t, 4, g) for t in (False, True, "chunked") for g in ("gmem", "dsmem")])
 def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
     (the only CPU check of the peer-SMEM gather, which interpret mode cannot run; the GPU tests run it)."""
@@ -548,6 +548,27 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
     got = jax.jit(_variant("sm90", tma, v_split, gather=gather))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
+@pytest.mark.parametrize("k_chunk", [16, 32, 64])
+def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk):
+    """Row slices with a thread per state column (tma='rows'), at real shapes, with one idle sequence."""
+    from pallas_kernels.kda_decode import kernel
+    r = rng()
+    x = make_inputs(r, B, H, 128, DTYPES[dtype])
+    active = idle_mask(r, B) if B > 1 else None
+    want = jax.jit(reference.kda_decode)(*args_of(x), active)
+    f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
+                          k_chunk=k_chunk)
+    got = jax.jit(f)(*args_of(x), active)
+    if active is None:
+        for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
+            assert_close(a, b, **TOL[dtype], what=name)
+    else:
+        assert_idle_kept(got, want, x, active, TOL[dtype])
 
 
 @gpu_only

@@ -77,13 +77,13 @@ def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
-    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry["v_chunk"], tma=entry["tma"],
-                v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
-                warpgroups=entry.get("warpgroups", 1))
+    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry.get("v_chunk", 32),
+                tma=entry["tma"], v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
+                warpgroups=entry.get("warpgroups", 1), **({"k_chunk": entry["k_chunk"]} if "k_chunk" in entry else {}))
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -92,9 +92,10 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y,
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
-    and stored by its own TMA). from_gemv: qkv and gate are both the projection GEMV's fp32 partials
-    [S, 4 H K, 8] (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]:
-    this kernel sums and rounds them (once, as the model's projections round), so no glue kernel runs."""
+    and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
+    from_gemv: qkv and gate are both the projection GEMV's fp32 partials [S, 4 H K, 8]
+    (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]: this kernel sums
+    and rounds them (once, as the model's projections round), so no glue kernel runs."""
     n_in = (12 if fuse_gates else 10) + idle_mask
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
@@ -122,7 +123,11 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         return s * n_chunks + c if warpgroups > 1 else c
 
     def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
-        if chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+        if k_rows:  # row slices are contiguous in GMEM and SMEM alike
+            for c in range(K // k_rows):
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
+                                        tile_bar.at[c])
+        elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)],
                                         tile_bar.at[slot(c)])
@@ -198,9 +203,12 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         o_dst.at[gcols(c)][...] = o_C
 
     with jax.named_scope("recurrence"):
-        _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
-                    v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
-    if tma_scratch and not chunked:
+        if k_rows:
+            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype)
+        else:
+            _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
+                        v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
+    if tma_scratch and not (chunked or k_rows):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
@@ -360,6 +368,39 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype):
+    """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
+    in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
+    sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
+    k̂) are broadcast loads of one SMEM word. Pass 1 forms Sᵀ(e k̂) and Sᵀ(e q̂) slice by slice as the slices
+    land; pass 2 rereads each slice, writes S_new in place and TMA-stores it. A slice's loads are all issued
+    before its stores, which would otherwise order each next load behind them."""
+    n, rows = tile_smem.shape[:2]
+
+    def sliced(c, i):  # row i of vec_smem for slice c's state rows, as scalars (one broadcast load each)
+        return [vec_smem[i, c * rows + j] for j in range(rows)]
+
+    kd_sum = qd_sum = None
+    for c in range(n):
+        plgpu.barrier_wait(tile_bar.at[c])
+        S_c = [tile_smem.at[c, j][...] for j in range(rows)]
+        kd, qd = sliced(c, 0), sliced(c, 1)
+        part_k, part_q = S_c[0] * kd[0], S_c[0] * qd[0]  # per slice, so the slices' chains are independent
+        for j in range(1, rows):
+            part_k, part_q = part_k + S_c[j] * kd[j], part_q + S_c[j] * qd[j]
+        kd_sum = part_k if kd_sum is None else kd_sum + part_k
+        qd_sum = part_q if qd_sum is None else qd_sum + part_q
+    delta = vec_smem.at[4][...] - kd_sum
+    vec_smem.at[5][...] = (qd_sum + o_gain * delta).astype(dtype).astype(F32)
+    for c in range(n):
+        S_c = [tile_smem.at[c, j][...] for j in range(rows)]
+        decay, bk = sliced(c, 2), sliced(c, 3)
+        for j in range(rows):
+            tile_smem.at[c, j][...] = S_c[j] * decay[j] + bk[j] * delta
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
+
+
 def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
     """Gated RMSNorm (§4.6): o (a ref, already rounded to the compute dtype), then fp32 to one final rounding.
     gate_K and onw_K are values, loaded at the kernel's start (a load here would wait behind the state's
@@ -374,14 +415,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "warpgroups", "interpret",
+_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "tma", "v_split", "gather", "warpgroups", "interpret",
            "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir=""):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -403,13 +444,13 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir)
+                   profile_dir=profile_dir, k_chunk=k_chunk)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
-                 gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False):
+                 gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -422,19 +463,20 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
-                   warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv)
+                   warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
+                   k_chunk=k_chunk)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False):
+            profile_dir="", from_gemv=False, k_chunk=32):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
     V = state_BHKV.shape[-1]
     parts = v_split * warpgroups
     Vs = V // parts  # state columns per warpgroup
-    if V % parts or Vs % v_chunk or v_chunk % (32 if tma else 8):
+    if tma != "rows" and (V % parts or Vs % v_chunk or v_chunk % (32 if tma else 8)):
         raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile "
                                   f"V={V} (tma={tma})")
     if warpgroups > 1 and (v_split > 1 or tma is True):
@@ -442,8 +484,12 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
                                   f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
-    if tma not in (False, True, "chunked"):
-        raise NotImplementedError(f"tma={tma!r}: False, True or 'chunked'")
+    if tma not in (False, True, "chunked", "rows"):
+        raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'rows'")
+    if tma == "rows" and (parts > 1 or K % k_chunk or V != 128):
+        raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
+                                  f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
+                                  f"k_chunk={k_chunk}, K={K}, V={V}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
@@ -463,8 +509,11 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
-                             idle_mask=active_B is not None, on_gpu=interpret is None)
-    if tma == "chunked":
+                             idle_mask=active_B is not None, on_gpu=interpret is None,
+                             k_rows=k_chunk if tma == "rows" else 0)
+    if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
+        scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
+    elif tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
         scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED),
