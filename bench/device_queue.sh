@@ -12,6 +12,7 @@
 #   bash bench/device_queue.sh kda_idle      # nvidia-h200: idle slots kept by the decode kernel (active_B): GPU
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
+#   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
@@ -94,6 +95,9 @@ case "${1:-}" in
       step bench_rows 280 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --rows "$work"
     fi
     ;;
+  kda_patterns)  # copies of the state moved the ways a decode kernel could; the XLA decode's idle mask
+    step bench_patterns 400 python3 bench/kda_patterns.py "$work"
+    ;;
   kda_table)
     step bench_kda 280 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
     ;;
@@ -126,7 +130,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac
