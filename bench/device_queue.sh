@@ -12,6 +12,7 @@
 #   bash bench/device_queue.sh kda_idle      # nvidia-h200: idle slots kept by the decode kernel (active_B): GPU
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
+#   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
@@ -95,6 +96,10 @@ case "${1:-}" in
       step bench_rows 280 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --rows "$work"
     fi
     ;;
+  kda_early)  # the state's TMA slices before or after the prologue: a canary-sized test first, then the bench
+    step pytest_early 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "early and on_gpu"
+    step bench_early 300 python3 bench/kda_decode.py --early "$work"
+    ;;
   kda_patterns)  # copies of the state moved the ways a decode kernel could; the XLA decode's idle mask
     step bench_patterns 400 python3 bench/kda_patterns.py "$work"
     ;;
@@ -130,7 +135,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -10,7 +10,8 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
-`--rows-canary`: one checked call per rows variant.
+`--rows-canary`: one checked call per rows variant;
+`--early OUT`: the state's TMA slices issued before or after the prologue (early_slices) -> OUT/kda_early.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -184,11 +185,12 @@ WG_VARIANTS = [(32, "chunked", 1, "gmem", 2), (32, "chunked", 1, "gmem", 4), (32
 WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
 
 
-def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"):
-    """variants against the api path and XLA at shapes, CUPTI. Writes OUT/<name>.json."""
+def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg", extra=None):
+    """variants (and extra: {name: jitted fn}) against the api path and XLA at shapes, CUPTI. Writes
+    OUT/<name>.json."""
     ref = jax.jit(reference.kda_decode)
     fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref,
-           **{variant_name(*v): variant_fn(*v) for v in variants}}
+           **{variant_name(*v): variant_fn(*v) for v in variants}, **(extra or {})}
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
@@ -206,6 +208,20 @@ def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"
 # K-reductions inside each thread, no per-slice cross-warp barriers, against the tuned launch at every size.
 ROWS_VARIANTS = [(32, "rows"), (16, "rows"), (64, "rows")]
 ROWS_SHAPES = [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)]
+
+
+def early_fn(tma, early, **kw):
+    """kernel.decode with early_slices (None: every state slice's TMA before the prologue)."""
+    chunks = dict(k_chunk=32) if tma == "rows" else dict(v_chunk=32)
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma=tma, early_slices=early,
+                                     tile_layout=kernel.plgpu.Layout.WGMMA, **chunks, **kw))
+
+
+# How many state slices go out before the prologue (kernel early_slices): all (today), 1, or none (the
+# prologue's loads then meet an idle memory system, and the state waits for the prologue).
+EARLY_VARIANTS = {f"{t} early{e}": early_fn(t, e) for t in ("chunked", "rows") for e in (1, 0)}
+EARLY_VARIANTS["rows k32"] = early_fn("rows", None)
+EARLY_SHAPES = [(8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]
 
 
 def main_rows_canary():
@@ -563,6 +579,7 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
+    "--early": lambda out: main_variants(out, (), EARLY_SHAPES, "kda_early", extra=EARLY_VARIANTS),
 }
 
 if __name__ == "__main__":
