@@ -618,7 +618,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--full-batches", default="", help="also run these batches at the full depth (with --layers)")
     p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
-    p.add_argument("--moe-impl", default=os.environ.get("K3JAX_MOE_IMPL", "gather"), choices=("gather", "packed"),
+    p.add_argument("--moe-impl", default=os.environ.get("K3JAX_MOE_IMPL", "packed"), choices=("gather", "packed"),
                    help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV; default: that variable)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

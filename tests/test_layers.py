@@ -191,11 +191,21 @@ def test_moe_packed_impl(rng, tiny, monkeypatch):
     cfg, params, hf, tc = tiny
     L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L)]))
     x = _x(rng, int(rng.integers(3, 20)), cfg.hidden_size)
+    monkeypatch.setenv(moe.MOE_IMPL_ENV, "gather")
     gather = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
+    _check(gather, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}, gather")
     monkeypatch.setenv(moe.MOE_IMPL_ENV, "packed")
     packed = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
     _check(packed, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}, packed")
     _check(packed, np.asarray(gather), f"moe layer {L}, packed vs gather", tol=1e-6)
+
+
+def test_moe_impl_refuses_an_unknown_name(rng, tiny, monkeypatch):
+    cfg, params, _, _ = tiny
+    L = next(L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L))
+    monkeypatch.setenv(moe.MOE_IMPL_ENV, "dense")
+    with pytest.raises(ValueError, match="K3JAX_MOE_IMPL"):
+        moe.moe(params["layers"][L]["ffn"], F32(_x(rng, 3, cfg.hidden_size)), cfg)
 
 
 def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):

@@ -55,18 +55,22 @@ def gather_token_chunk(experts, k: int, dtype, max_chunk: int = 64) -> int:
     return max(1, min(max_chunk, GATHER_BUDGET_BYTES // per_token))
 
 
-# How the XLA path runs MXFP4 experts: "gather" dequantises each token's experts to a bf16 copy and runs
-# dots (the profile: the copy is 52-85% of a TP16 rank's decode step); "packed" contracts straight from the
-# gathered packed bytes (mxfp4.matvec), so no bf16 copy is asked for. Same maths (only the fp32 summation
-# order differs); "packed" is not yet measured on a GPU (on CPU XLA still materialises the decoded values),
-# hence not the default.
+# How the XLA path runs MXFP4 experts: "packed" (the default) contracts straight from the gathered packed
+# bytes (mxfp4.matvec), so no bf16 copy is asked for; "gather" dequantises each token's experts to a bf16 copy
+# and runs dots. Same maths (only the fp32 summation order differs). H200, 24-layer TP16 rank slice (CUPTI,
+# bench/results/rank_slice_packed.md vs rank_slice.md): step 4.03 vs 6.18 ms at batch 1, 76.9 vs 184.3 ms at
+# batch 64.
 MOE_IMPL_ENV = "K3JAX_MOE_IMPL"
+MOE_IMPLS = ("packed", "gather")
 
 
 def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int | None = None):
     """Weighted sum over each token's experts in the latent width, fp32 combine rounded once. Tokens are
     processed in chunks (lax.map) so the gathered weights stay within GATHER_BUDGET_BYTES."""
-    packed = "w1_codes" in experts and os.environ.get(MOE_IMPL_ENV, "gather") == "packed"
+    impl = os.environ.get(MOE_IMPL_ENV, MOE_IMPLS[0])
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"{MOE_IMPL_ENV}={impl!r}: use one of {MOE_IMPLS}")
+    packed = "w1_codes" in experts and impl == "packed"
 
     def run(args):
         z, sel, w = args
