@@ -14,6 +14,7 @@
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
+#   bash bench/device_queue.sh kda_final     # nvidia-h200: GPU tests through the api's tuning, then the table
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
@@ -103,6 +104,11 @@ case "${1:-}" in
   kda_patterns)  # copies of the state moved the ways a decode kernel could; the XLA decode's idle mask
     step bench_patterns 400 python3 bench/kda_patterns.py "$work"
     ;;
+  kda_final)  # the api's tuned launch (rows above 132 tiles): GPU tests through the api, then the table
+    step pytest_api 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+      -k "kernel_on_gpu or idle_sequences_on_gpu"
+    step bench_kda 280 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    ;;
   kda_table)
     step bench_kda 280 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
     ;;
@@ -135,7 +141,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

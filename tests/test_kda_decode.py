@@ -461,13 +461,18 @@ def test_warpgroup_split_lowers_for_cuda(arch, tma, warpgroups):
 
 
 def test_pick_launch_takes_first_entry_covering_the_tiles():
-    from pallas_kernels.kda_decode import kernel
+    from pallas_kernels.kda_decode import kernel, verify_kernel
     tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
                                             {"max_tiles": 64, "v_chunk": 64, "tma": False},
-                                            {"max_tiles": None, "v_chunk": 32, "tma": "chunked"}]}
-    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (64, 96, (32, "chunked"))]:
+                                            {"max_tiles": 200, "v_chunk": 32, "tma": "chunked"},
+                                            {"max_tiles": None, "tma": "rows", "k_chunk": 16}]}
+    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (8, 12, (32, "chunked")), (64, 96, (32, "rows"))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
         assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
+    assert kernel.pick_launch(tuning, jnp.zeros((64, 3, 96, 8)))["k_chunk"] == 16
+    # verify stages whole tiles: a decode-only entry comes back as whole-tile TMA, without decode-only keys
+    got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)))
+    assert got["tma"] is True and "k_chunk" not in got and "warpgroups" not in got
 
 
 def test_api_body_runs_its_tuning():

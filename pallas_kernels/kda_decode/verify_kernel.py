@@ -45,13 +45,14 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 def pick_launch(tuning, qkv_BT3HK, split=True):
     """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
-    per-slice TMA ("chunked") and the split over warpgroups, which only the decode kernel has (whole-tile TMA
-    and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V, which only decode
-    and verify have."""
+    per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel has
+    (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V,
+    which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     launch["tma"] = bool(launch["tma"])
-    del launch["warpgroups"]
+    for key in ("warpgroups", "k_chunk", "early_slices"):  # decode-only launch keys
+        launch.pop(key, None)
     if not split:
         del launch["v_split"], launch["gather"]
     return launch
