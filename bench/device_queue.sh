@@ -13,6 +13,7 @@
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
+#   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
 #   bash bench/device_queue.sh kda_final     # nvidia-h200: GPU tests through the api's tuning, then the table
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
@@ -101,6 +102,10 @@ case "${1:-}" in
     step pytest_early 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "early and on_gpu"
     step bench_early 300 python3 bench/kda_decode.py --early "$work"
     ;;
+  kda_keep)  # the rows path with slices held in registers between its passes: GPU tests, bench with registers
+    step pytest_keep 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows_staging_on_gpu"
+    step bench_keep 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
+    ;;
   kda_patterns)  # copies of the state moved the ways a decode kernel could; the XLA decode's idle mask
     step bench_patterns 400 python3 bench/kda_patterns.py "$work"
     ;;
@@ -141,7 +146,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -11,7 +11,8 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
 `--rows-canary`: one checked call per rows variant;
-`--early OUT`: the state's TMA slices issued before or after the prologue (early_slices) -> OUT/kda_early.json.
+`--early OUT`: the state's TMA slices issued before or after the prologue (early_slices) -> OUT/kda_early.json;
+`--keep OUT`: the rows path with 0-4 slices held in registers between its passes -> OUT/kda_keep.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -222,6 +223,10 @@ def early_fn(tma, early, **kw):
 EARLY_VARIANTS = {f"{t} early{e}": early_fn(t, e) for t in ("chunked", "rows") for e in (1, 0)}
 EARLY_VARIANTS["rows k32"] = early_fn("rows", None)
 EARLY_SHAPES = [(8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]
+# How many 32-row slices stay in registers between the rows path's two passes (kernel keep_slices): fewer
+# SMEM rereads against more registers (~32 per slice: 4 may cost a CTA per SM).
+KEEP_VARIANTS = {f"rows keep{k}": early_fn("rows", None, keep_slices=k) for k in (0, 1, 2, 4)}
+KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
 
 
 def main_rows_canary():
@@ -580,6 +585,7 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
     "--early": lambda out: main_variants(out, (), EARLY_SHAPES, "kda_early", extra=EARLY_VARIANTS),
+    "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
 }
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def _body(arch):
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
-def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
+def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **launch):
     """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
     of the whole tile via SMEM, one TMA per column slice, or per slice of 32 rows with a thread per column),
     one CTA or a cluster of v_split CTAs per tile, with one or several warpgroups."""
@@ -130,7 +130,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1):
     from pallas_kernels.kda_decode import kernel
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups)
+                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups, **launch)
 
 
 @cpu_only
@@ -327,7 +327,8 @@ def test_api_refuses_a_malformed_idle_mask(bad):
 
 @cpu_only
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
-                                        ("chunked", dict(warpgroups=2)), (True, dict(v_split=2))])
+                                        ("rows", dict(keep_slices=3)), ("chunked", dict(warpgroups=2)),
+                                        (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
     """The kernel writes an idle sequence's state and window back as read (every staging: SMEM left as loaded,
     or the registers as read; a split's conv writer), in interpret mode; lowered at 64 x 6."""
@@ -558,16 +559,17 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("k_chunk", [16, 32, 64])
-def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk):
-    """Row slices with a thread per state column (tma='rows'), at real shapes, with one idle sequence."""
+@pytest.mark.parametrize("k_chunk, keep", [(16, 0), (32, 0), (64, 0), (32, 1), (32, 4)])
+def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
+    """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
+    passes), at real shapes, with idle sequences."""
     from pallas_kernels.kda_decode import kernel
     r = rng()
     x = make_inputs(r, B, H, 128, DTYPES[dtype])
     active = idle_mask(r, B) if B > 1 else None
     want = jax.jit(reference.kda_decode)(*args_of(x), active)
     f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
-                          k_chunk=k_chunk)
+                          k_chunk=k_chunk, keep_slices=keep)
     got = jax.jit(f)(*args_of(x), active)
     if active is None:
         for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):

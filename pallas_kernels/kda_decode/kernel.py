@@ -80,11 +80,12 @@ def pick_launch(tuning, qkv_B3HK):
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry.get("v_chunk", 32),
                 tma=entry["tma"], v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
                 warpgroups=entry.get("warpgroups", 1),
-                **{key: entry[key] for key in ("k_chunk", "early_slices") if key in entry})
+                **{key: entry[key] for key in ("k_chunk", "early_slices", "keep_slices") if key in entry})
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, early_slices=None):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, early_slices=None,
+          keep_slices=0):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -96,7 +97,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
     early_slices: how many of the tile's TMA slices are issued before the prologue (None: all); the rest go out
     once the prologue's loads have landed and its maths is done, so they do not queue ahead of a wave's
-    prologue loads.
+    prologue loads (measured no faster: kda_early.json). keep_slices (k_rows): see _recurrence_rows.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials [S, 4 H K, 8]
     (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]: this kernel sums
     and rounds them (once, as the model's projections round), so no glue kernel runs."""
@@ -211,7 +212,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("recurrence"):
         if k_rows:
-            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype)
+            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices)
         else:
             _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
                         v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
@@ -375,14 +376,16 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
     k̂) are broadcast loads of one SMEM word. Pass 1 forms Sᵀ(e k̂) and Sᵀ(e q̂) slice by slice as the slices
     land; pass 2 rereads each slice, writes S_new in place and TMA-stores it. A slice's loads are all issued
-    before its stores, which would otherwise order each next load behind them."""
+    before its stores, which would otherwise order each next load behind them. keep: the last `keep` slices
+    stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first)."""
     n, rows = tile_smem.shape[:2]
+    held = {}
 
     def sliced(c, i):  # row i of vec_smem for slice c's state rows, as scalars (one broadcast load each)
         return [vec_smem[i, c * rows + j] for j in range(rows)]
@@ -397,10 +400,12 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype)
             part_k, part_q = part_k + S_c[j] * kd[j], part_q + S_c[j] * qd[j]
         kd_sum = part_k if kd_sum is None else kd_sum + part_k
         qd_sum = part_q if qd_sum is None else qd_sum + part_q
+        if c >= n - keep:
+            held[c] = S_c
     delta = vec_smem.at[4][...] - kd_sum
     vec_smem.at[5][...] = (qd_sum + o_gain * delta).astype(dtype).astype(F32)
-    for c in range(n):
-        S_c = [tile_smem.at[c, j][...] for j in range(rows)]
+    for c in reversed(range(n)) if keep else range(n):
+        S_c = held.pop(c, None) or [tile_smem.at[c, j][...] for j in range(rows)]
         decay, bk = sliced(c, 2), sliced(c, 3)
         for j in range(rows):
             tile_smem.at[c, j][...] = S_c[j] * decay[j] + bk[j] * delta
@@ -422,14 +427,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "early_slices", "tma", "v_split", "gather", "warpgroups",
-           "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "early_slices", "keep_slices", "tma", "v_split", "gather",
+           "warpgroups", "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, early_slices=None):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, early_slices=None, keep_slices=0):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -451,14 +456,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, early_slices=early_slices)
+                   profile_dir=profile_dir, k_chunk=k_chunk, early_slices=early_slices, keep_slices=keep_slices)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 early_slices=None):
+                 early_slices=None, keep_slices=0):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -472,12 +477,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, early_slices=early_slices)
+                   k_chunk=k_chunk, early_slices=early_slices, keep_slices=keep_slices)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, early_slices=None):
+            profile_dir="", from_gemv=False, k_chunk=32, early_slices=None, keep_slices=0):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -518,7 +523,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, early_slices=early_slices)
+                             k_rows=k_chunk if tma == "rows" else 0, early_slices=early_slices,
+                             keep_slices=keep_slices)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
