@@ -12,6 +12,10 @@ so the two K-reductions Sᵀ kd and Sᵀ qd run on the loaded tile, and S_new is
 registers. The O(K) work (conv window, SiLU, gate, beta, L2 norms) runs with thread t owning channel t
 (WG_STRIDED layout), and its results reach the tile layout through a 3 KiB SMEM buffer.
 
+Two tile paths: column slices in the body's register layout (WGMMA on sm90), reduced across threads
+(_recurrence; at small B*H, where one CTA's chain is the time), or row slices with thread t owning state
+column t, reduced inside each thread (tma="rows", _recurrence_rows; 1-3% faster from 192 tiles on, H200).
+
 Shapes it handles: K = V = 128 (the release), any B and H, bf16 or f32 compute dtype; anything else raises
 NotImplementedError so the api falls back to the reference.
 """
