@@ -19,15 +19,16 @@
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
 #   bash bench/device_queue.sh kda_verify    # nvidia-h200: KDA verify + commit at B = 64
 #   bash bench/device_queue.sh profile       # nvidia-h200: in-kernel phase traces of the boundary and KDA kernels
+#   bash bench/device_queue.sh sublayer_profile  # nvidia-h200: decode kernel phases fed by GEMV partials (~2 min)
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 #   bash bench/device_queue.sh kda_cold      # nvidia-h200: KDA decode (api, XLA) with a cold L2, ~3 min
 #   bash bench/device_queue.sh gemv          # nvidia-h200: decode GEMV kernel tests + bench vs XLA, ~4 min
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_idle (the
-# reference's idle handling, written after the ninth session's last call), moe, kda_verify (bench/NOTES.md,
-# "Queued for the next device session", says what each should show). Everything else ran in the ninth session.
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_keep,
+# sublayer_profile (bench/NOTES.md, "Queued for the next device session", says what each should show).
+# Everything else has run.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -130,6 +131,10 @@ case "${1:-}" in
     step mix_norm_profile 120 python3 bench/mix_norm_profile.py "$work"
     step kda_profile 80 python3 bench/kda_profile.py "$work"
     ;;
+  sublayer_profile)  # the decode kernel fed by the GEMV's partials vs finished projections, in-kernel phases
+    export JAX_PLATFORMS=cuda,cpu  # in-kernel traces come back through a host callback
+    step kda_sublayer_profile 200 python3 bench/kda_profile.py --sublayer "$work"
+    ;;
   gemv)  # the decode GEMV kernel: GPU tests, then against XLA at one rank's KDA projection shapes
     step pytest_gemv 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k on_gpu
     step bench_gemv 200 python3 bench/gemv.py "$work"
@@ -146,7 +151,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

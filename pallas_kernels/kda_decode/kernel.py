@@ -184,8 +184,9 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         return S_0
 
     with jax.named_scope("prologue"):
-        f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype), *gate_in[1:], b, h, vec_smem, dtype,
-                         total) if fuse_gates else f_beta
+        with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py)
+            f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype), *gate_in[1:], b, h, vec_smem, dtype,
+                             total) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
                            write_conv=s == 0, active=active)
     if tma_scratch and early < n_slices:
