@@ -107,6 +107,9 @@ case "${1:-}" in
     step pytest_keep 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows_staging_on_gpu"
     step bench_keep 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
     ;;
+  kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
+    step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
+    ;;
   kda_patterns)  # copies of the state moved the ways a decode kernel could; the XLA decode's idle mask
     step bench_patterns 400 python3 bench/kda_patterns.py "$work"
     ;;
@@ -151,7 +154,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_reference|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -17,7 +17,8 @@ weight materialised before the state loop (an optimization barrier), in case the
 maths into the per-element state loop.
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_patterns.py $OUT
--> OUT/kda_patterns.json.
+-> OUT/kda_patterns.json; `--reference OUT`: the XLA mask forms alone (+ "mask first": the mask applied to
+decay before both of its uses) -> OUT/kda_reference_mask.json.
 """
 
 import functools
@@ -113,10 +114,48 @@ def reference_barrier(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o
     return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
 
 
+def reference_mask_first(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w, active_B):
+    """The idle mask applied to decay and weight before both of the state loop's uses of decay (delta and the
+    update), so the masked decay has two consumers like the unmasked one (the experiment: XLA may then fuse as
+    it does without a mask, instead of recomputing the gate maths per state element)."""
+    qn, kn, v, decay, beta_, new_conv = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    step = (active_B != 0).astype(F32)
+    decay = decay * step[:, None, None] + (1.0 - step[:, None, None])
+    delta = v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
+    new_state = reference._advance(state, kn, decay, beta_ * step[:, None], delta)
+    new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv)
+    o = jnp.sum(new_state * qn[..., None], axis=-2)
+    return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
+
+
 def max_err(got, want):
     got, want = (got,) if not isinstance(got, tuple) else got, (want,) if not isinstance(want, tuple) else want
     return {f"out{i}": float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
             for i, (a, b) in enumerate(zip(got, want, strict=True))}
+
+
+def main_reference(out_dir, results=None):
+    """The XLA decode step without a mask, with the reference's mask, and the two experimental forms."""
+    sys.path.insert(0, "bench")
+    from kda_decode import make_inputs
+    if results is None:
+        dev = jax.devices()[0]
+        results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                       measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+                       reference=[])
+    out = pathlib.Path(out_dir, "kda_patterns.json" if "copies" in results else "kda_reference_mask.json")
+    for B, H in [(64, 6), (8, 6)]:
+        args = make_inputs(7, B, H)
+        active = jnp.ones((B,), jnp.int32).at[B - 1].set(0)
+        want = jax.jit(reference.kda_decode)(*args, active)
+        fns = {"mask": jax.jit(reference.kda_decode), "barrier": jax.jit(reference_barrier),
+               "mask first": jax.jit(reference_mask_first)}
+        row = dict(B=B, H=H, **time_variants({"no mask": jax.jit(reference.kda_decode)}, args,
+                                             jax.jit(reference.kda_decode)(*args), max_err),
+                   **time_variants(fns, (*args, active), want, max_err))
+        results["reference"].append(row)
+        print({k: v for k, v in row.items() if "err" not in k}, flush=True)
+        out.write_text(json.dumps(results, indent=1))
 
 
 def main(out_dir):
@@ -138,20 +177,11 @@ def main(out_dir):
         results["copies"].append(row)
         print({k: v for k, v in row.items() if "err" not in k}, flush=True)
         out.write_text(json.dumps(results, indent=1))
-    sys.path.insert(0, "bench")
-    from kda_decode import make_inputs
-    for B, H in [(64, 6), (8, 6)]:
-        args = make_inputs(7, B, H)
-        active = jnp.ones((B,), jnp.int32).at[B - 1].set(0)
-        want = jax.jit(reference.kda_decode)(*args, active)
-        fns = {"mask": jax.jit(reference.kda_decode), "barrier": jax.jit(reference_barrier)}
-        row = dict(B=B, H=H, **time_variants({"no mask": jax.jit(reference.kda_decode)}, args,
-                                             jax.jit(reference.kda_decode)(*args), max_err),
-                   **time_variants(fns, (*args, active), want, max_err))
-        results["reference"].append(row)
-        print({k: v for k, v in row.items() if "err" not in k}, flush=True)
-        out.write_text(json.dumps(results, indent=1))
+    main_reference(out_dir, results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    if sys.argv[1:2] == ["--reference"]:
+        main_reference(sys.argv[2] if len(sys.argv) > 2 else ".")
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else ".")
