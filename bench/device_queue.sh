@@ -14,6 +14,7 @@
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
 #   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
+#   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
 #   bash bench/device_queue.sh kda_final     # nvidia-h200: GPU tests through the api's tuning, then the table
 #   bash bench/device_queue.sh kda_table     # nvidia-h200: the KDA decode table alone (fla's numbers reused), ~4 min
@@ -26,8 +27,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_keep,
-# sublayer_profile (bench/NOTES.md, "Queued for the next device session", says what each should show).
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_reference,
+# kda_keep, sublayer_profile (bench/NOTES.md, "Queued for the next device session", says what each should show).
 # Everything else has run.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
