@@ -487,9 +487,12 @@ def test_api_body_runs_its_tuning():
 
 
 @pytest.mark.parametrize("launch", [dict(v_split=3), dict(v_split=8, tma=True), dict(v_split=4, gather="dsmem"),
-                                    dict(v_split=4, gather="tmem")])
+                                    dict(v_split=4, gather="tmem"), dict(tma="rows", v_split=2),
+                                    dict(tma="rows", warpgroups=2), dict(tma="rows", k_chunk=48),
+                                    dict(tma="columns")])
 def test_kernel_refuses_impossible_launches(launch):
-    """Splits that do not tile V into whole chunks, and gathers interpret mode cannot run, refuse up front."""
+    """Splits that do not tile V into whole chunks, row slices that do not tile K or share a tile between
+    warpgroups, unknown stagings, and gathers interpret mode cannot run, refuse up front."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
