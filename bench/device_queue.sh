@@ -14,6 +14,7 @@
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
 #   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
+#   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
 #   bash bench/device_queue.sh kda_final     # nvidia-h200: GPU tests through the api's tuning, then the table
@@ -27,8 +28,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): kda_reference,
-# kda_keep, sublayer_profile (bench/NOTES.md, "Queued for the next device session", says what each should show).
+# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): next11 runs
+# kda_reference, kda_keep and sublayer_profile in one call (~10 min) (bench/NOTES.md, "Queued for the next device session", says what each should show).
 # Everything else has run.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -108,6 +109,12 @@ case "${1:-}" in
     step pytest_keep 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows_staging_on_gpu"
     step bench_keep 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
     ;;
+  next11)  # the eleventh session's queue in one call (one cold start): kda_reference, kda_keep, sublayer_profile
+    step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
+    step pytest_keep 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows_staging_on_gpu"
+    step bench_keep 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
+    step kda_sublayer_profile 200 env JAX_PLATFORMS=cuda,cpu python3 bench/kda_profile.py --sublayer "$work"
+    ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
     ;;
@@ -155,7 +162,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_reference|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_reference|next11|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac
