@@ -12,7 +12,6 @@
 #   bash bench/device_queue.sh kda_idle      # nvidia-h200: idle slots kept by the decode kernel (active_B): GPU
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
-#   bash bench/device_queue.sh kda_early     # nvidia-h200: state TMA slices issued before / after the prologue
 #   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
@@ -101,10 +100,6 @@ case "${1:-}" in
       step bench_rows 280 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --rows "$work"
     fi
     ;;
-  kda_early)  # the state's TMA slices before or after the prologue: a canary-sized test first, then the bench
-    step pytest_early 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "early and on_gpu"
-    step bench_early 300 python3 bench/kda_decode.py --early "$work"
-    ;;
   kda_keep)  # the rows path with slices held in registers between its passes: GPU tests, bench with registers
     step pytest_keep 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py -k "rows_staging_on_gpu"
     step bench_keep 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
@@ -164,7 +159,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_early|kda_final|kda_keep|kda_reference|next11|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

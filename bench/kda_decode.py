@@ -11,7 +11,6 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
 `--rows-canary`: one checked call per rows variant;
-`--early OUT`: the state's TMA slices issued before or after the prologue (early_slices) -> OUT/kda_early.json;
 `--keep OUT`: the rows path with 0-4 slices held in registers between its passes -> OUT/kda_keep.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
@@ -211,21 +210,15 @@ ROWS_VARIANTS = [(32, "rows"), (16, "rows"), (64, "rows")]
 ROWS_SHAPES = [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)]
 
 
-def early_fn(tma, early, **kw):
-    """kernel.decode with early_slices (None: every state slice's TMA before the prologue)."""
-    chunks = dict(k_chunk=32) if tma == "rows" else dict(v_chunk=32)
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma=tma, early_slices=early,
-                                     tile_layout=kernel.plgpu.Layout.WGMMA, **chunks, **kw))
+def rows_fn(**kw):
+    """kernel.decode with the rows staging (32-row slices) and kw."""
+    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma="rows", k_chunk=32,
+                                     tile_layout=kernel.plgpu.Layout.WGMMA, **kw))
 
 
-# How many state slices go out before the prologue (kernel early_slices): all (today), 1, or none (the
-# prologue's loads then meet an idle memory system, and the state waits for the prologue).
-EARLY_VARIANTS = {f"{t} early{e}": early_fn(t, e) for t in ("chunked", "rows") for e in (1, 0)}
-EARLY_VARIANTS["rows k32"] = early_fn("rows", None)
-EARLY_SHAPES = [(8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]
 # How many 32-row slices stay in registers between the rows path's two passes (kernel keep_slices): fewer
 # SMEM rereads against more registers (~32 per slice: 4 may cost a CTA per SM).
-KEEP_VARIANTS = {f"rows keep{k}": early_fn("rows", None, keep_slices=k) for k in (0, 1, 2, 4)}
+KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 1, 2, 4)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
 
 
@@ -584,7 +577,6 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
-    "--early": lambda out: main_variants(out, (), EARLY_SHAPES, "kda_early", extra=EARLY_VARIANTS),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
 }
 

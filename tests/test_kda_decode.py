@@ -582,21 +582,6 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
 
 
 @gpu_only
-@pytest.mark.parametrize("tma", ["chunked", "rows"])
-@pytest.mark.parametrize("early", [0, 1])
-@pytest.mark.parametrize("B, H", [(8, 12), (64, 6)])
-def test_early_slices_on_gpu_match_reference(B, H, tma, early):
-    """The state's TMA slices issued after the prologue (all, or all but the first), at real shapes."""
-    from pallas_kernels.kda_decode import kernel
-    x = make_inputs(rng(), B, H, 128, jnp.bfloat16)
-    want = jax.jit(reference.kda_decode)(*args_of(x))
-    f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma=tma, v_chunk=32,
-                          early_slices=early)
-    for name, a, b in zip(("y", "state", "conv"), jax.jit(f)(*args_of(x)), want, strict=True):
-        assert_close(a, b, **TOL["bf16"], what=name)
-
-
-@gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(8, 6), (8, 12), (8, 96), (64, 6), (64, 96)])
 def test_idle_sequences_on_gpu(B, H, dtype):

@@ -84,12 +84,11 @@ def pick_launch(tuning, qkv_B3HK):
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry.get("v_chunk", 32),
                 tma=entry["tma"], v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
                 warpgroups=entry.get("warpgroups", 1),
-                **{key: entry[key] for key in ("k_chunk", "early_slices", "keep_slices") if key in entry})
+                **{key: entry[key] for key in ("k_chunk", "keep_slices") if key in entry})
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, early_slices=None,
-          keep_slices=0):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -99,9 +98,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
-    early_slices: how many of the tile's TMA slices are issued before the prologue (None: all); the rest go out
-    once the prologue's loads have landed and its maths is done, so they do not queue ahead of a wave's
-    prologue loads (measured no faster: kda_early.json). keep_slices (k_rows): see _recurrence_rows.
+    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
+    some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials [S, 4 H K, 8]
     (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]: this kernel sums
     and rounds them (once, as the model's projections round), so no glue kernel runs."""
@@ -131,16 +129,17 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     def slot(c):  # chunk c's TMA slice (with warpgroups the CTA's SMEM holds every warpgroup's slices)
         return s * n_chunks + c if warpgroups > 1 else c
 
-    def issue_state_tma(first, last):  # slices [first, last) of the tile HBM -> SMEM by TMA
-        for c in range(first, last):
-            if k_rows:  # row slices are contiguous in GMEM and SMEM alike
+    def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
+        if k_rows:  # one TMA per row slice: row slices are contiguous in GMEM and SMEM alike
+            for c in range(state_ref.shape[-2] // k_rows):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
                                         tile_bar.at[c])
-            elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+        elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+            for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)],
                                         tile_bar.at[slot(c)])
-            else:
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
+        else:
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
     if tma_scratch:
         tile_smem, tile_bar = tma_scratch
@@ -168,10 +167,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
     pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
-    n_slices = state_ref.shape[-2] // k_rows if k_rows else n_chunks if chunked else 1
-    early = n_slices if early_slices is None else min(early_slices, n_slices)
-    if tma_scratch:  # the first `early` slices now, in flight during the prologue; the rest after it
-        issue_state_tma(0, early)
+    if tma_scratch:
+        issue_state_tma()
     active = True if active_b is None else active_b != 0  # True: no mask, no branches
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
@@ -189,8 +186,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
                              total) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
                            write_conv=s == 0, active=active)
-    if tma_scratch and early < n_slices:
-        issue_state_tma(early, n_slices)
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
@@ -432,14 +427,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "early_slices", "keep_slices", "tma", "v_split", "gather",
-           "warpgroups", "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "keep_slices", "tma", "v_split", "gather", "warpgroups",
+           "interpret", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, early_slices=None, keep_slices=0):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -461,14 +456,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, early_slices=early_slices, keep_slices=keep_slices)
+                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 early_slices=None, keep_slices=0):
+                 keep_slices=0):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -482,12 +477,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, early_slices=early_slices, keep_slices=keep_slices)
+                   k_chunk=k_chunk, keep_slices=keep_slices)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, early_slices=None, keep_slices=0):
+            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -528,8 +523,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, early_slices=early_slices,
-                             keep_slices=keep_slices)
+                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
