@@ -45,6 +45,7 @@ from k3jax import params as params_lib
 from k3jax import sharding as sh
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
+from k3jax.layers import moe
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -401,7 +402,6 @@ def _plan(args) -> list[tuple[int, str, int]]:
 
 def run(args, log=print) -> dict:
     t_start = time.perf_counter()
-    from k3jax.layers import moe
     os.environ[moe.MOE_IMPL_ENV] = args.moe_impl  # read when the programs are traced
     base_cfg = preset(args.preset)
     tp, ctx = args.tp, args.context
@@ -618,7 +618,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--full-batches", default="", help="also run these batches at the full depth (with --layers)")
     p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
-    p.add_argument("--moe-impl", default=os.environ.get("K3JAX_MOE_IMPL", "packed"), choices=("gather", "packed"),
+    p.add_argument("--moe-impl", default=os.environ.get(moe.MOE_IMPL_ENV, moe.MOE_IMPLS[0]), choices=moe.MOE_IMPLS,
                    help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV; default: that variable)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
