@@ -12,13 +12,13 @@ decode kernel could, with no other work:
 - `stream GxS`: G CTAs, each walking its share of row slices through a pipeline of S SMEM slots
   (plgpu.emit_pipeline: loads run S - 1 slices ahead of the stores).
 And the XLA decode's idle mask at B = 64 (the sublayer's xla column: 83.4 us with the mask inside the update
-against ~72 without; kda_layer.json): the reference without a mask, with it, and with the masked decay and
-weight materialised before the state loop (an optimization barrier), in case the mask lets XLA fuse the gate
-maths into the per-element state loop.
+against ~72 without; kda_layer.json): the reference without a mask, with it (on decay before both of its
+uses, since the eleventh session), with the masked decay and weight materialised before the state loop (an
+optimization barrier), and with the earlier form (the mask on the update's decay only, "mask last").
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_patterns.py $OUT
--> OUT/kda_patterns.json; `--reference OUT`: the XLA mask forms alone (+ "mask first": the mask applied to
-decay before both of its uses) -> OUT/kda_reference_mask.json.
+-> OUT/kda_patterns.json; `--reference OUT`: the XLA mask forms alone -> OUT/kda_reference_mask.json;
+`--dependency OUT`: the tile copies with the decode kernel's read-all-then-write order -> OUT/kda_dependency.json.
 """
 
 import functools
@@ -41,10 +41,11 @@ HBM_PEAK = 4.8e12
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def tile_copy(state_BHKV, *, parts=1, rows=32, regs=False, interpret=None):
+def tile_copy(state_BHKV, *, parts=1, rows=32, regs=False, wait_all=False, interpret=None):
     """state + 1: grid (B, H, parts), CTA p owning rows [p K / parts, (p + 1) K / parts) of its tile, in
     slices of `rows` rows, all TMA-loaded at the start, each stored as it lands (after a register round trip
-    with regs)."""
+    with regs). wait_all: no store before every slice has landed, the decode kernel's dependency (its update
+    needs Sᵀ k̂ over the whole tile), so a CTA reads, then writes."""
     B, H, K, V = state_BHKV.shape
     mine = K // parts
     n = mine // rows
@@ -57,8 +58,12 @@ def tile_copy(state_BHKV, *, parts=1, rows=32, regs=False, interpret=None):
 
         for c in range(n):
             plgpu.copy_gmem_to_smem(at(s_ref, c), smem.at[c], bar.at[c])
+        if wait_all:
+            for c in range(n):
+                plgpu.barrier_wait(bar.at[c])
         for c in range(n):
-            plgpu.barrier_wait(bar.at[c])
+            if not wait_all:
+                plgpu.barrier_wait(bar.at[c])
             if regs:
                 vals = [smem.at[c, j][...] for j in range(rows)]
                 for j in range(rows):
@@ -114,15 +119,16 @@ def reference_barrier(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o
     return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
 
 
-def reference_mask_first(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w, active_B):
-    """The idle mask applied to decay and weight before both of the state loop's uses of decay (delta and the
-    update), so the masked decay has two consumers like the unmasked one (the experiment: XLA may then fuse as
-    it does without a mask, instead of recomputing the gate maths per state element)."""
+def reference_mask_last(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w, active_B):
+    """The reference's idle mask as it was until the eleventh session: on the update's decay only, delta taking
+    the unmasked one (47.0 vs 36.9 us at 64 x 6, kda_reference_mask.json, where this form was "mask" and the
+    reference's present one "mask first"): the masked decay's one consumer let XLA recompute the gate maths per
+    state element in a second loop fusion."""
     qn, kn, v, decay, beta_, new_conv = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
     step = (active_B != 0).astype(F32)
-    decay = decay * step[:, None, None] + (1.0 - step[:, None, None])
     delta = v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
-    new_state = reference._advance(state, kn, decay, beta_ * step[:, None], delta)
+    new_state = reference._advance(state, kn, decay * step[:, None, None] + (1.0 - step[:, None, None]),
+                                   beta_ * step[:, None], delta)
     new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv)
     o = jnp.sum(new_state * qn[..., None], axis=-2)
     return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
@@ -149,11 +155,32 @@ def main_reference(out_dir, results=None):
         active = jnp.ones((B,), jnp.int32).at[B - 1].set(0)
         want = jax.jit(reference.kda_decode)(*args, active)
         fns = {"mask": jax.jit(reference.kda_decode), "barrier": jax.jit(reference_barrier),
-               "mask first": jax.jit(reference_mask_first)}
+               "mask last": jax.jit(reference_mask_last)}
         row = dict(B=B, H=H, **time_variants({"no mask": jax.jit(reference.kda_decode)}, args,
                                              jax.jit(reference.kda_decode)(*args), max_err),
                    **time_variants(fns, (*args, active), want, max_err))
         results["reference"].append(row)
+        print({k: v for k, v in row.items() if "err" not in k}, flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+def main_dependency(out_dir):
+    """The tile copies with and without the decode kernel's read-all-then-write dependency (wait_all), at the
+    sizes where the kernel is 2-3 us over the copy -> OUT/kda_dependency.json."""
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", copies=[])
+    out = pathlib.Path(out_dir, "kda_dependency.json")
+    copies = {"xla s+1": lambda s: s + 1.0, "tile": tile_copy,
+              "tile wait-all": functools.partial(tile_copy, wait_all=True),
+              "tile regs": functools.partial(tile_copy, regs=True),
+              "tile regs wait-all": functools.partial(tile_copy, regs=True, wait_all=True)}
+    for B, H in [(64, 6), (64, 12), (8, 96)]:
+        state = jnp.asarray(np.random.default_rng(B * H).standard_normal((B, H, 128, 128)), F32)
+        fns = {name: jax.jit(f) for name, f in copies.items()}
+        row = dict(B=B, H=H, tiles=B * H, floor_us=2 * state.nbytes / HBM_PEAK * 1e6,
+                   **time_variants(fns, (state,), state + 1.0, max_err))
+        results["copies"].append(row)
         print({k: v for k, v in row.items() if "err" not in k}, flush=True)
         out.write_text(json.dumps(results, indent=1))
 
@@ -183,5 +210,7 @@ def main(out_dir):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--reference"]:
         main_reference(sys.argv[2] if len(sys.argv) > 2 else ".")
+    elif sys.argv[1:2] == ["--dependency"]:
+        main_dependency(sys.argv[2] if len(sys.argv) > 2 else ".")
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else ".")
