@@ -13,6 +13,7 @@
 #                                            #   tests, the model on the kernel, the sublayer vs a select after it
 #   bash bench/device_queue.sh kda_rows      # nvidia-h200: the row-slice staging (a thread per state column)
 #   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
+#   bash bench/device_queue.sh session11a    # nvidia-h200: tile copies read-all-then-write, keep 3, the sublayer
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
@@ -112,6 +113,13 @@ case "${1:-}" in
     step bench_keep 200 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
     step kda_sublayer_profile 150 env JAX_PLATFORMS=cuda,cpu python3 bench/kda_profile.py --sublayer "$work"
     ;;
+  session11a)  # the eleventh session's second call: the read-then-write dependency, keep 3, the sublayer
+    step bench_dependency 90 python3 bench/kda_patterns.py --dependency "$work"
+    step pytest_keep 100 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+      -k "rows_staging_on_gpu and bf16 and (32-2- or 32-3-)"
+    step bench_keep 160 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --keep "$work"
+    step bench_layer 200 python3 bench/kda_layer.py "$work"
+    ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
     ;;
@@ -159,7 +167,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -11,7 +11,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
 `--rows-canary`: one checked call per rows variant;
-`--keep OUT`: the rows path with 0-4 slices held in registers between its passes -> OUT/kda_keep.json.
+`--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -217,8 +217,9 @@ def rows_fn(**kw):
 
 
 # How many 32-row slices stay in registers between the rows path's two passes (kernel keep_slices): fewer
-# SMEM rereads against more registers (~32 per slice: 4 may cost a CTA per SM).
-KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 1, 2, 4)}
+# SMEM rereads against more registers (~32 per slice). Measured (kda_keep.json, eleventh session): 1 and 2
+# gain, 4 (191 registers: 2 CTAs per SM, not 3) loses; 3 is the last that may keep 3 CTAs per SM (<= 170).
+KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
 
 

@@ -562,7 +562,7 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("k_chunk, keep", [(16, 0), (32, 0), (64, 0), (32, 1), (32, 4)])
+@pytest.mark.parametrize("k_chunk, keep", [(16, 0), (32, 0), (64, 0), (32, 1), (32, 2), (32, 3), (32, 4)])
 def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
     """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
     passes), at real shapes, with idle sequences."""
@@ -645,7 +645,8 @@ def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
 @cpu_only
 def test_bench_patterns_copies_and_masked_reference():
     """bench/kda_patterns.py's state copies (interpret mode) and its barrier form of the XLA idle mask compute
-    what they claim: s + 1 (tile regs), s (tile, tile/P), and the reference's step on the active sequences."""
+    what they claim: s + 1 (tile regs, with or without wait_all), s (tile, tile/P), and the reference's step on
+    the active sequences (the barrier and mask-last forms)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from bench import kda_patterns as kp
@@ -655,7 +656,9 @@ def test_bench_patterns_copies_and_masked_reference():
         ip = plgpu.InterpretGPUParams(detect_races=True)
         np.testing.assert_array_equal(kp.tile_copy(s, regs=True, interpret=ip), s + 1.0)
         np.testing.assert_array_equal(kp.tile_copy(s, parts=2, rows=16, interpret=ip), s)
+        np.testing.assert_array_equal(kp.tile_copy(s, regs=True, wait_all=True, interpret=ip), s + 1.0)
     x = make_inputs(r, 3, 2, 128, jnp.float32)
     active = idle_mask(r, 3)
-    assert_idle_kept(kp.reference_barrier(*args_of(x), active), reference.kda_decode(*args_of(x), active), x,
-                     active, TOL["f32"])
+    want = reference.kda_decode(*args_of(x), active)
+    for form in (kp.reference_barrier, kp.reference_mask_last):
+        assert_idle_kept(form(*args_of(x), active), want, x, active, TOL["f32"])
