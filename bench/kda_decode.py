@@ -11,7 +11,8 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
 `--rows-canary`: one checked call per rows variant;
-`--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json.
+`--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
+`--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -220,6 +221,10 @@ def rows_fn(**kw):
 # SMEM rereads against more registers (~32 per slice). Measured (kda_keep.json, eleventh session): 1 and 2
 # gain, 4 (191 registers: 2 CTAs per SM, not 3) loses; 3 is the last that may keep 3 CTAs per SM (<= 170).
 KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
+# Pass 2's rows stored straight from registers (row_stores="global") instead of SMEM + TMA: if the SMEM traffic
+# keep removed is what costs, this removes more (two of a tile's five SMEM passes).
+STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
+    f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
 
 
@@ -579,6 +584,7 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
+    "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
 }
 
 if __name__ == "__main__":

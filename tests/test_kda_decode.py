@@ -327,7 +327,9 @@ def test_api_refuses_a_malformed_idle_mask(bad):
 
 @cpu_only
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
-                                        ("rows", dict(keep_slices=3)), ("chunked", dict(warpgroups=2)),
+                                        ("rows", dict(keep_slices=3)),
+                                        ("rows", dict(keep_slices=2, row_stores="global")),
+                                        ("chunked", dict(warpgroups=2)),
                                         (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
     """The kernel writes an idle sequence's state and window back as read (every staging: SMEM left as loaded,
@@ -562,8 +564,10 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("k_chunk, keep", [(16, 0), (32, 0), (64, 0), (32, 1), (32, 2), (32, 3), (32, 4)])
-def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
+@pytest.mark.parametrize("k_chunk, keep, stores", [(16, 0, "tma"), (32, 0, "tma"), (64, 0, "tma"), (32, 1, "tma"),
+                                                   (32, 2, "tma"), (32, 3, "tma"), (32, 4, "tma"),
+                                                   (32, 0, "global"), (32, 2, "global"), (32, 3, "global")])
+def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, stores):
     """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
     passes), at real shapes, with idle sequences."""
     from pallas_kernels.kda_decode import kernel
@@ -572,7 +576,7 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
     active = idle_mask(r, B) if B > 1 else None
     want = jax.jit(reference.kda_decode)(*args_of(x), active)
     f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
-                          k_chunk=k_chunk, keep_slices=keep)
+                          k_chunk=k_chunk, keep_slices=keep, row_stores=stores)
     got = jax.jit(f)(*args_of(x), active)
     if active is None:
         for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):

@@ -77,6 +77,10 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
+ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores")  # launch keys of tma="rows" only (see _recurrence_rows)
+ROW_STORES = ("tma", "global")
+
+
 def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
@@ -84,11 +88,11 @@ def pick_launch(tuning, qkv_B3HK):
     return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry.get("v_chunk", 32),
                 tma=entry["tma"], v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
                 warpgroups=entry.get("warpgroups", 1),
-                **{key: entry[key] for key in ("k_chunk", "keep_slices") if key in entry})
+                **{key: entry[key] for key in ROWS_KEYS if key in entry})
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma"):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -98,7 +102,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
-    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
+    keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials [S, 4 H K, 8]
     (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]: this kernel sums
@@ -212,7 +216,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("recurrence"):
         if k_rows:
-            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices)
+            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices,
+                             stores=row_stores)
         else:
             _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
                         v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
@@ -376,14 +381,17 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma"):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
     k̂) are broadcast loads of one SMEM word. Pass 1 forms Sᵀ(e k̂) and Sᵀ(e q̂) slice by slice as the slices
     land; pass 2 rereads each slice, writes S_new in place and TMA-stores it. A slice's loads are all issued
     before its stores, which would otherwise order each next load behind them. keep: the last `keep` slices
-    stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first)."""
+    stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
+    stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
+    row), not into SMEM for a TMA store: 128 of a tile's ~290 KiB of SMEM traffic gone (the experiment: keep
+    1-3 saved time in proportion to the SMEM reads they removed, kda_keep.json)."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
@@ -408,9 +416,11 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
         S_c = held.pop(c, None) or [tile_smem.at[c, j][...] for j in range(rows)]
         decay, bk = sliced(c, 2), sliced(c, 3)
         for j in range(rows):
-            tile_smem.at[c, j][...] = S_c[j] * decay[j] + bk[j] * delta
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
+            dst = new_state_KV.at[c * rows + j] if stores == "global" else tile_smem.at[c, j]
+            dst[...] = S_c[j] * decay[j] + bk[j] * delta
+        if stores == "tma":
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
 
 
 def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
@@ -427,14 +437,14 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", "k_chunk", "keep_slices", "tma", "v_split", "gather", "warpgroups",
-           "interpret", "profile_dir")
+_STATIC = ("eps", "tile_layout", "v_chunk", *ROWS_KEYS, "tma", "v_split", "gather", "warpgroups", "interpret",
+           "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma"):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -456,14 +466,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices)
+                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 keep_slices=0):
+                 keep_slices=0, row_stores="tma"):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -477,12 +487,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, keep_slices=keep_slices)
+                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0):
+            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma"):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -503,6 +513,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
                                   f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
                                   f"k_chunk={k_chunk}, K={K}, V={V}")
+    if row_stores not in ROW_STORES:
+        raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
@@ -523,7 +535,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices)
+                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":

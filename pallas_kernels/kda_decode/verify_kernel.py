@@ -51,7 +51,7 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     launch["tma"] = bool(launch["tma"])
-    for key in ("warpgroups", "k_chunk", "keep_slices"):  # decode-only launch keys
+    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
     if not split:
         del launch["v_split"], launch["gather"]
