@@ -15,6 +15,7 @@
 #   bash bench/device_queue.sh kda_keep      # nvidia-h200: rows path, slices kept in registers between passes
 #   bash bench/device_queue.sh session11a    # nvidia-h200: tile copies read-all-then-write, keep 3, the sublayer
 #   bash bench/device_queue.sh session11b    # nvidia-h200: rows pass 2 by st.global, the api's keep 2 tests
+#   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
 #   bash bench/device_queue.sh kda_patterns  # nvidia-h200: state copies in decode-kernel patterns, XLA idle mask
@@ -128,6 +129,11 @@ case "${1:-}" in
       -k "(kernel_on_gpu and -64-) or (idle_sequences_on_gpu and (8-96 or 64-))"
     step bench_stg 220 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --stg "$work"
     ;;
+  session11c)  # the api's rows keep 3 + st.global tuning at >= 133 tiles: GPU tests, then the table
+    step pytest_api 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+      -k "(kernel_on_gpu and -64-) or (idle_sequences_on_gpu and (8-96 or 64-))"
+    step bench_kda 290 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
     ;;
@@ -175,7 +181,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

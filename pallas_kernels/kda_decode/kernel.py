@@ -390,8 +390,8 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     before its stores, which would otherwise order each next load behind them. keep: the last `keep` slices
     stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
     stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
-    row), not into SMEM for a TMA store: 128 of a tile's ~290 KiB of SMEM traffic gone (the experiment: keep
-    1-3 saved time in proportion to the SMEM reads they removed, kda_keep.json)."""
+    row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
+    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
@@ -449,7 +449,8 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
     lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
-    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores (kda_staging.json) and
+    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
+    WGMMA fragments (kda_staging.json; the rows path's whole-row st.global stores gain, kda_stg.json) and
     16-column slices with a 64-byte swizzle (kda_v16.json). A persistent variant (a ring of SMEM
     slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
