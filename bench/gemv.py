@@ -1,6 +1,7 @@
 """The decode GEMV (pallas_kernels.gemv) against XLA's out-major GEMV on one GPU, CUPTI device time.
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT
+(`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json)
 Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
 HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
 """
@@ -44,29 +45,39 @@ def timed(row, key, f, x, sets, want):
         row[key + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
 
 
-def main(out_dir):
+# Batch 64: x's slabs are 8x larger (D / split_k x 64 tokens x 2 bytes), so only long splits fit SMEM with
+# the weight stages; the tuned (128, 7, 4) is the prediction (195 KB, 350 CTAs).
+B64_CONFIGS = [(128, 7, 4), (128, 7, 3), (256, 7, 2), (128, 14, 3), (64, 14, 4), (64, 28, 3)]
+
+
+def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__, sets=SETS,
                    measure="CUPTI device time per weight set, median of 30 calls", rows=[])
     r = np.random.default_rng(0)
-    for name, D, rows in CASES:
-        for B in (1, 8):
+    for case, D, rows in cases:
+        for B in batches:
             x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
             sets = [tuple(jnp.asarray(r.standard_normal((n, D)) * D ** -0.5, jnp.bfloat16) for n in rows)
                     for _ in range(SETS)]
             want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in sets[0]]
             nbytes = sum(w.nbytes for w in sets[0]) + x.nbytes
-            row = dict(case=name, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
+            row = dict(case=case, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
             timed(row, "xla", reference.gemv, x, sets, want)
-            for bk, sk, st in CONFIGS:
-                if D % (bk * sk) == 0 and D // (bk * sk) >= 2:  # kernel.check_supported
+            for bk, sk, st in configs:
+                if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
+                        and kernel.smem_bytes(B, D, bk, sk, st) <= kernel.SMEM_BYTES):
                     timed(row, f"pallas k{bk} s{sk} st{st}",
                           lambda x, ws, bk=bk, sk=sk, st=st: kernel.gemv(x, ws, block_k=bk, split_k=sk, steps=st),
                           x, sets, want)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
-            pathlib.Path(out_dir, "gemv.json").write_text(json.dumps(results, indent=1))
+            pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    if sys.argv[1:2] == ["--b64"]:
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_CONFIGS, cases=CASES[:2],
+             name="gemv_b64")
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else ".")

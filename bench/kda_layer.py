@@ -3,7 +3,8 @@
 "latency_specialized". Issue 6 asks to count the whole layer, not only the recurrence: its reference point is
 a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
 
-  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR        (GPU; writes OUT_DIR/kda_layer.json)
+  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
+  (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES)
 
 Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
 then the select that keeps idle slots' state and window (what model.extend ran after the op until the ninth
@@ -42,16 +43,16 @@ def layer_inputs(cfg, B, seed=0):
     return x, state, window
 
 
-def main(out_dir):
+def main(out_dir, cases=CASES, name="kda_layer"):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
                    jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
                    measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", rows=[])
-    for tp in sorted({tp for tp, _ in CASES}, reverse=True):
+    for tp in sorted({tp for tp, _ in cases}, reverse=True):
         cfg = truncate(preset("k3"), 1)  # layer 0: a KDA layer
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
         lcfg = local_cfg(cfg, tp)
-        for B in [b for t, b in CASES if t == tp]:
+        for B in [b for t, b in cases if t == tp]:
             x, state, window = layer_inputs(lcfg, B)
             row = dict(tp=tp, heads=lcfg.kda_num_heads, B=B)
             active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
@@ -85,8 +86,14 @@ def main(out_dir):
                     outs["select_after"][1:], outs["latency_specialized"][1:], strict=True))
             results["rows"].append(row)
             print(row, flush=True)
-            pathlib.Path(out_dir, "kda_layer.json").write_text(json.dumps(results, indent=1))
+            pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir", nargs="?", default=".")
+    ap.add_argument("--cases", type=lambda s: [tuple(map(int, c.split(":"))) for c in s.split(",")], default=CASES)
+    ap.add_argument("--name", default="kda_layer")
+    a = ap.parse_args()
+    main(a.out_dir, a.cases, a.name)

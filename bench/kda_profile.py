@@ -42,13 +42,12 @@ def main_sublayer(out):
   cfg = truncate(preset("k3"), 1)
   p = init_local_params(cfg, 16)["layers"][0]["attn"]
   lcfg = local_cfg(cfg, 16)
-  g = gemv_api.tuning()["sm90"]
   for B in (1, 8):
     x, state, window = layer_inputs(lcfg, B)
     D = x.shape[1]
     rest = (state, window, p["conv"], p["A_log"], p["dt_bias"], p["o_norm"])
-    qkvg_SN8, fa_SR8 = jax.jit(functools.partial(gemv.partials, block_k=g["block_k"], split_k=g["split_k"],
-                                                 steps=g["steps"]))(x, (p["qkvg"].reshape(-1, D), p["f_a"]))
+    qkvg_SN8, fa_SR8 = jax.jit(functools.partial(gemv.partials, **gemv_api.pick_launch(B, D)))(
+        x, (p["qkvg"].reshape(-1, D), p["f_a"]))
     qkvg, fa = jax.jit(reference.project)(x, p["qkvg"], p["f_a"])
     H, K = window.shape[-2:]
     launch = dict(kernel.pick_launch(sm90.TUNING, jax.ShapeDtypeStruct((B, 3, H, K), x.dtype)), warpgroups=1)

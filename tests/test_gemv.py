@@ -26,7 +26,7 @@ def _check(got, x, ws):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, split_k, steps", [(1, 2, 3), (3, 1, 2), (8, 4, 4)])
+@pytest.mark.parametrize("B, split_k, steps", [(1, 2, 3), (3, 1, 2), (8, 4, 4), (20, 2, 2)])
 def test_kernel_interpret_matches_numpy(B, split_k, steps):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -44,25 +44,35 @@ def test_reference_matches_numpy():
 
 
 @cpu_only
-def test_kernel_lowers_for_cuda_at_tp16_shapes():
-    """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch."""
-    t = api.tuning()["sm90"]
-    x = jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
+@pytest.mark.parametrize("B", [1, 64])
+def test_kernel_lowers_for_cuda_at_tp16_shapes(B):
+    """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch for B."""
+    launch = api.pick_launch(B, 7168)
+    x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
     ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((128, 7168), jnp.bfloat16))
     with abstract_gpu("sm90"):
-        kernel.check_supported(x, ws, t["block_k"], t["split_k"])
-        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, block_k=t["block_k"], split_k=t["split_k"],
-                                                    steps=t["steps"])).trace(x, ws).lower(
+        kernel.check_supported(x, ws, **launch)
+        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(
             lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split"])
+@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem"])
 def test_kernel_refuses_what_it_cannot_run(bad):
-    B, D, rows, split = (9 if bad == "batch" else 2), 1024, (100 if bad == "rows" else 128), 3 if bad == "split" else 2
+    B = {"batch": 65, "smem": 64}.get(bad, 2)
+    D, rows, split = (7168 if bad == "smem" else 1024), (100 if bad == "rows" else 128), 3 if bad == "split" else 2
     x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError):  # smem: x's slabs for 64 tokens over D / 2 are 448 KiB
         kernel.check_supported(x, (jnp.ones((rows, D), jnp.bfloat16),), 128, split)
+
+
+def test_launch_covers_the_served_batches():
+    """Every decode batch up to the kernel's maximum has a launch that fits, and one past it is refused."""
+    ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16),)
+    for B in range(1, kernel.MAX_TOKENS + 1):
+        kernel.check_supported(jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16), ws, **api.pick_launch(B, 7168))
+    with pytest.raises(NotImplementedError, match="batch 65"):
+        api.pick_launch(kernel.MAX_TOKENS + 1, 7168)
 
 
 def test_api_falls_back_to_the_reference_off_hopper(caplog):
@@ -74,7 +84,7 @@ def test_api_falls_back_to_the_reference_off_hopper(caplog):
 
 
 @gpu_only
-@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128), (7168,)])
 def test_api_on_gpu_matches_numpy(B, rows):
     """One TP16 / TP8 rank's q/k/v/g + f_a, and o_proj's shape, through the api (the kernel on sm90)."""

@@ -237,10 +237,11 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (2, False)])
+@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False)])
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
-    go straight into the decode kernel (which sums and rounds them), else the model's GEMMs then the kernel;
+    go straight into the decode kernel (which sums and rounds them; above fuse_gates_max_batch, B = 9, XLA sums
+    them into the kernel's operands), else the model's GEMMs then the kernel;
     both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1
     some sequences are idle (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -272,12 +273,10 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes():
     H, K, R, D = 6, 128, 128, 7168
     x, g = make_inputs(r, 1, H, K, jnp.bfloat16), gate_inputs(r, 1, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
-    t = gemv_api.tuning()["sm90"]
     launch = kernel.pick_launch(_body("sm90").TUNING, x["qkv"])
 
     def step(x_BD, qkvg, f_a, *rest):
-        parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), block_k=t["block_k"], split_k=t["split_k"],
-                              steps=t["steps"])
+        parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **gemv_api.pick_launch(1, D))
         return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
                                    from_gemv=True, **launch)
 
@@ -600,9 +599,10 @@ def test_idle_sequences_on_gpu(B, H, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12)])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12), (64, 6), (64, 12)])
 def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
-    """The decode GEMV's partials read by the decode kernel, at TP16 / TP8 ranks' real shapes, bf16."""
+    """The decode GEMV's partials read by the decode kernel (B = 64: summed by XLA first), at TP16 / TP8 ranks'
+    real shapes, bf16."""
     from pallas_kernels.kda_decode import bodies
     r = rng()
     K, R, D = 128, 128, 7168

@@ -71,9 +71,10 @@ def entry_points(tuning: dict) -> Ops:
 
     def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                      dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
-        """With tuning "gemv_projections" (and where the gate projections fuse and the GEMV takes the shapes):
-        the decode GEMV (pallas_kernels.gemv) writes q/k/v/g and fa as fp32 partials and the decode kernel
-        sums and rounds them itself, two launches in all. Otherwise the model's GEMMs, then
+        """With tuning "gemv_projections" (where the GEMV takes the shapes): the decode GEMV
+        (pallas_kernels.gemv) runs q/k/v/g and f_a in one launch, as fp32 partials. Where the gate projections
+        fuse, the decode kernel sums and rounds them itself (two launches in all); above that batch one XLA
+        fusion per operand sums them, then kda_decode_gates. Otherwise the model's GEMMs, then
         kda_decode_gates."""
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
@@ -90,19 +91,28 @@ def entry_points(tuning: dict) -> Ops:
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
-        if not fuses_gates(B, H):
-            raise NotImplementedError(f"{B} x {H}: the gate projections do not fuse here")
+        if H > tuning.get("fuse_gates_max_heads", H):  # TP1: unmeasured with the GEMV, and glue lost at TP8
+            raise NotImplementedError(f"{B} x {H}: the GEMV projections are tuned at <= "
+                                      f"{tuning['fuse_gates_max_heads']} heads")
         ws = (qkvg_4HKD.reshape(-1, D), f_a_RD)
-        g = gemv_api.tuning()["sm90"]
-        gemv.check_supported(x_BD, ws, g["block_k"], g["split_k"])
+        g = gemv_api.pick_launch(B, D)
+        gemv.check_supported(x_BD, ws, **g)
         qkv_B3HK = jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)  # what the kernel checks and tiles by
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
-        qkvg_SN8, fa_SR8 = gemv.partials(x_BD, ws, block_k=g["block_k"], split_k=g["split_k"], steps=g["steps"],
-                                         interpret=interpret)
-        launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
-        return kernel.decode_gates(qkvg_SN8, fa_SR8, f_b_RHK, x_BD, b_DH, qkvg_SN8, *rest, active_B, eps=eps,
-                                   from_gemv=True, interpret=interpret,
-                                   **dict(launch, warpgroups=1))  # one warpgroup, fused gates
+        qkvg_SNT, fa_SRT = gemv.partials(x_BD, ws, **g, interpret=interpret)
+        if fuses_gates(B, H):
+            launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
+            return kernel.decode_gates(qkvg_SNT, fa_SRT, f_b_RHK, x_BD, b_DH, qkvg_SNT, *rest, active_B, eps=eps,
+                                       from_gemv=True, interpret=interpret,
+                                       **dict(launch, warpgroups=1))  # one warpgroup, fused gates
+        # Each operand summed on its own (a slice of the partials, fused into its sum), so no copy of a slice
+        # of [B, 4, H, K] is made for the kernel's operands; one rounding each, as the model's GEMMs round.
+        def finished(parts_SNT, rows, shape):
+            return parts_SNT[:, rows, :B].sum(0).T.reshape(shape).astype(x_BD.dtype)
+        qkv = finished(qkvg_SNT, slice(0, 3 * H * K), (B, 3, H, K))
+        gate = finished(qkvg_SNT, slice(3 * H * K, 4 * H * K), (B, H, K))
+        fa = finished(fa_SRT, slice(None), (B, f_a_RD.shape[0]))
+        return kda_decode_gates(qkv, fa, f_b_RHK, x_BD, b_DH, gate, *rest, active_B, eps=eps, interpret=interpret)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
