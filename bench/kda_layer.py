@@ -43,7 +43,7 @@ def layer_inputs(cfg, B, seed=0):
     return x, state, window
 
 
-def main(out_dir, cases=CASES, name="kda_layer"):
+def main(out_dir, cases=CASES, out_name="kda_layer"):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
                    jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
@@ -86,7 +86,7 @@ def main(out_dir, cases=CASES, name="kda_layer"):
                     outs["select_after"][1:], outs["latency_specialized"][1:], strict=True))
             results["rows"].append(row)
             print(row, flush=True)
-            pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+            pathlib.Path(out_dir, f"{out_name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
