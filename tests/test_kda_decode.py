@@ -236,12 +236,21 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
                 f_a=jnp.asarray(r.standard_normal((R, D)) * D ** -0.5, jnp.float32).astype(dtype))
 
 
+def gemv_up_to_64(monkeypatch):
+    """The GEMV's tuning with batch 64's launch added (measured slower than XLA on the H200, so not in
+    tuning.json): what makes kda_decode_x take the GEMV above the fused-gates batch (XLA sums the partials)."""
+    from pallas_kernels.gemv import api as gemv_api
+    t = gemv_api.tuning()
+    t["sm90"]["launch"].append(dict(max_batch=64, block_k=128, split_k=7, steps=4))
+    monkeypatch.setattr(gemv_api, "tuning", lambda: t)
+
+
 @cpu_only
 @pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False)])
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
-    go straight into the decode kernel (which sums and rounds them; above fuse_gates_max_batch, B = 9, XLA sums
-    them into the kernel's operands), else the model's GEMMs then the kernel;
+    go straight into the decode kernel (which sums and rounds them; above fuse_gates_max_batch, B = 9 with the
+    GEMV's tuning extended, XLA sums them into the kernel's operands), else the model's GEMMs then the kernel;
     both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1
     some sequences are idle (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -255,6 +264,8 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     active = idle_mask(r, B) if B > 1 else None
     want = reference.kda_decode_x(*x_args_of(x, g, w), active)
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv))
+    if B > 8:
+        gemv_up_to_64(monkeypatch)
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     with abstract_gpu("sm90"):
@@ -601,8 +612,10 @@ def test_idle_sequences_on_gpu(B, H, dtype):
 @gpu_only
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12), (64, 6), (64, 12)])
 def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
-    """The decode GEMV's partials read by the decode kernel (B = 64: summed by XLA first), at TP16 / TP8 ranks'
-    real shapes, bf16."""
+    """The decode GEMV's partials read by the decode kernel (B = 64, with the GEMV's tuning extended: summed by
+    XLA first), at TP16 / TP8 ranks' real shapes, bf16."""
+    if B > 8:
+        gemv_up_to_64(monkeypatch)
     from pallas_kernels.kda_decode import bodies
     r = rng()
     K, R, D = 128, 128, 7168
