@@ -246,11 +246,12 @@ def gemv_up_to_64(monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False)])
+@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False), (9, False)])
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
     go straight into the decode kernel (which sums and rounds them; above fuse_gates_max_batch, B = 9 with the
-    GEMV's tuning extended, XLA sums them into the kernel's operands), else the model's GEMMs then the kernel;
+    GEMV's tuning extended, XLA sums them into the kernel's operands), else the model's GEMMs then the kernel
+    (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9);
     both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1
     some sequences are idle (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -626,6 +627,22 @@ def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
     monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=True))
     got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w), active)
+    assert_idle_kept(got, want, x, active, TOL["bf16"])
+
+
+@gpu_only
+@pytest.mark.parametrize("B, H", [(64, 6), (1, 96), (8, 96)])
+def test_decode_x_xla_projections_on_gpu_matches_reference(B, H):
+    """Where the GEMV does not run (B = 64, TP1's 96 heads): XLA's projections, the kernel fed the whole qkvg
+    (no sliced copies), with the gates fused or XLA's, at real shapes, bf16."""
+    from pallas_kernels.kda_decode import bodies
+    r = rng()
+    K, R, D = 128, 128, 7168
+    x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
+    w = projection_weights(r, H, K, R, D)
+    active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
+    want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w), active)
+    got = jax.jit(bodies.entry_points(_body("sm90").TUNING).kda_decode_x)(*x_args_of(x, g, w), active)
     assert_idle_kept(got, want, x, active, TOL["bf16"])
 
 

@@ -67,8 +67,9 @@ def _sum(x, axis=None, *, scratch=None, tile_layout=None):
 
 
 def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
+    """qkv_B3HK: [B, 3, H, K], or the layer's whole qkvg [B, 4, H, K] (the kernel then reads the gate from it)."""
     B, three, H, K = qkv_B3HK.shape
-    if three != 3 or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
+    if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
         raise NotImplementedError(f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} "
                                   f"conv={conv_B3WHK.shape}")
     if K != 128:
@@ -164,9 +165,9 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials summed, rounded once
             rows = pl.ds((i * H + h) * K, K)
             return _sum_parts(lambda p: plgpu.load(qkv_ref.at[p, rows, b]), qkv_ref.shape[0]).astype(dtype)
-    else:
+    else:  # qkv [B, 3, H, K] and gate [B, H, K], or qkvg [B, 4, H, K] whole (passed as both)
         def projected(i):
-            return (gate_ref.at[b, h] if i == 3 else qkv_ref.at[b, i, h])[...]
+            return (gate_ref.at[b, h] if i == 3 and qkv_ref.shape[1] == 3 else qkv_ref.at[b, i, h])[...]
     gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
     active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
     pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
@@ -463,6 +464,8 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     active_B: int [B], None = all (then no mask input, no branches); a sequence whose entry is 0 (an idle slot)
     keeps its state (value for value: updated with decay 1 and no rank-1 write, _prologue) and its conv window
     (bit for bit), so no select over the state runs after the kernel; its y is computed.
+    qkv_B3HK may also be the layer's whole qkvg [B, 4, H, K], passed again as gate_BHK: the kernel reads the
+    gate from its fourth stream, so the caller makes no sliced copies.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
