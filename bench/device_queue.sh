@@ -139,19 +139,19 @@ case "${1:-}" in
     ;;
   session11d)  # the decode GEMV at batch 64: GPU tests, its launches vs XLA, the B = 64 sublayer
     step pytest_b64 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
-      -k "(api_on_gpu and -64]) or (decode_x_from_gemv_on_gpu and 64-)"
+      -k "(api_on_gpu and -64]) or (decode_x_on_gpu and 64-)"
     step bench_gemv_b64 130 python3 bench/gemv.py --b64 "$work"
     step bench_layer_b64 150 python3 bench/kda_layer.py "$work" --cases 16:64,8:64 --name kda_layer_b64
     ;;
   session11e)  # the decode GEMV waiting per x slab: GPU tests, batch 64 vs XLA, the sublayer at B = 1 and 64
     step pytest_b64 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
-      -k "(api_on_gpu and -64]) or (decode_x_from_gemv_on_gpu and (64- or 1-6))"
+      -k "(api_on_gpu and -64]) or (decode_x_on_gpu and (64- or 1-6-))"
     step bench_gemv_b64 90 python3 bench/gemv.py --b64 "$work"
     step bench_layer_b64 120 python3 bench/kda_layer.py "$work" --cases 16:1,16:64,8:64 --name kda_layer_b64
     ;;
   session11f)  # the kernel fed the whole qkvg where XLA projects: GPU tests, the TP16 B = 64 sublayer
     step pytest_qkvg 90 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
-      -k "decode_x_xla_projections_on_gpu"
+      -k "decode_x_on_gpu and False"
     step bench_layer_qkvg 90 python3 bench/kda_layer.py "$work" --cases 16:64 --name kda_layer_qkvg
     ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)

@@ -611,12 +611,12 @@ def test_idle_sequences_on_gpu(B, H, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, H", [(1, 6), (8, 6), (1, 12), (8, 12), (64, 6), (64, 12)])
-def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
-    """The decode GEMV's partials read by the decode kernel (B = 64, with the GEMV's tuning extended: summed by
-    XLA first), at TP16 / TP8 ranks' real shapes, bf16."""
-    if B > 8:
-        gemv_up_to_64(monkeypatch)
+@pytest.mark.parametrize("B, H, gemv", [(1, 6, True), (8, 6, True), (1, 12, True), (8, 12, True), (64, 6, True),
+                                        (64, 12, True), (64, 6, False), (1, 96, False), (8, 96, False)])
+def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
+    """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
+    (B = 64 with the GEMV's tuning extended: summed by XLA first). Else where the GEMV does not run (B = 64,
+    96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced copies), gates fused or XLA's."""
     from pallas_kernels.kda_decode import bodies
     r = rng()
     K, R, D = 128, 128, 7168
@@ -624,25 +624,12 @@ def test_decode_x_from_gemv_on_gpu_matches_reference(monkeypatch, B, H):
     w = projection_weights(r, H, K, R, D)
     active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
     want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w), active)
-    monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
+    if gemv:
+        if B > 8:
+            gemv_up_to_64(monkeypatch)
+        monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=True))
     got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w), active)
-    assert_idle_kept(got, want, x, active, TOL["bf16"])
-
-
-@gpu_only
-@pytest.mark.parametrize("B, H", [(64, 6), (1, 96), (8, 96)])
-def test_decode_x_xla_projections_on_gpu_matches_reference(B, H):
-    """Where the GEMV does not run (B = 64, TP1's 96 heads): XLA's projections, the kernel fed the whole qkvg
-    (no sliced copies), with the gates fused or XLA's, at real shapes, bf16."""
-    from pallas_kernels.kda_decode import bodies
-    r = rng()
-    K, R, D = 128, 128, 7168
-    x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
-    w = projection_weights(r, H, K, R, D)
-    active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
-    want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w), active)
-    got = jax.jit(bodies.entry_points(_body("sm90").TUNING).kda_decode_x)(*x_args_of(x, g, w), active)
     assert_idle_kept(got, want, x, active, TOL["bf16"])
 
 
