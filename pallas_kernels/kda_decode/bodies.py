@@ -108,14 +108,10 @@ def entry_points(tuning: dict) -> Ops:
             return kernel.decode_gates(qkvg_SNT, fa_SRT, f_b_RHK, x_BD, b_DH, qkvg_SNT, *rest, active_B, eps=eps,
                                        from_gemv=True, interpret=interpret,
                                        **dict(launch, warpgroups=1))  # one warpgroup, fused gates
-        # Each operand summed on its own (a slice of the partials, fused into its sum), so no copy of a slice
-        # of [B, 4, H, K] is made for the kernel's operands; one rounding each, as the model's GEMMs round.
-        def finished(parts_SNT, rows, shape):
-            return parts_SNT[:, rows, :B].sum(0).T.reshape(shape).astype(x_BD.dtype)
-        qkv = finished(qkvg_SNT, slice(0, 3 * H * K), (B, 3, H, K))
-        gate = finished(qkvg_SNT, slice(3 * H * K, 4 * H * K), (B, H, K))
-        fa = finished(fa_SRT, slice(None), (B, f_a_RD.shape[0]))
-        return kda_decode_gates(qkv, fa, f_b_RHK, x_BD, b_DH, gate, *rest, active_B, eps=eps, interpret=interpret)
+        # XLA sums the partials (one rounding, as the model's GEMMs round); qkvg goes to the kernel whole
+        qkvg = qkvg_SNT[..., :B].sum(0).T.reshape(B, 4, H, K).astype(x_BD.dtype)
+        fa = fa_SRT[..., :B].sum(0).T.astype(x_BD.dtype)
+        return kda_decode_gates(qkvg, fa, f_b_RHK, x_BD, b_DH, qkvg, *rest, active_B, eps=eps, interpret=interpret)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
