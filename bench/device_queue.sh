@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at batch 64 vs XLA, ~5 min
 #   bash bench/device_queue.sh session11f    # nvidia-h200: the kernel fed the whole qkvg, TP16 B = 64 sublayer
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
@@ -154,6 +155,10 @@ case "${1:-}" in
       -k "decode_x_on_gpu and False"
     step bench_layer_qkvg 90 python3 bench/kda_layer.py "$work" --cases 16:64 --name kda_layer_qkvg
     ;;
+  next12)  # the twelfth session's queue: 128-row GEMV blocks at batch 64 (GPU tests, launches vs XLA)
+    step pytest_rows128 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "on_gpu"
+    step bench_gemv_b64 150 python3 bench/gemv.py --b64 "$work"
+    ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"
     ;;
@@ -201,7 +206,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|next12|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
     exit 2
     ;;
 esac

@@ -46,8 +46,11 @@ def timed(row, key, f, x, sets, want):
 
 
 # Batch 64: x's slabs are 8x larger (D / split_k x 64 tokens x 2 bytes), so only long splits fit SMEM with
-# the weight stages; the tuned (128, 7, 4) is the prediction (195 KB, 350 CTAs).
-B64_CONFIGS = [(128, 7, 4), (128, 14, 3), (256, 7, 2), (64, 14, 4)]
+# the weight stages (block_k, split_k, steps, rows). 64-row blocks read as many bytes of x from L2 as of
+# weights from HBM (19 us at best, gemv_b64.json); 128-row blocks halve that: 175 CTAs of 195 KB at k64 s7,
+# 350 of 193 KB at k128 s14 (the eleventh session's queue for the twelfth).
+B64_CONFIGS = [(128, 7, 4, 64), (128, 14, 3, 64), (64, 7, 4, 128), (64, 7, 6, 128), (128, 14, 4, 128),
+               (128, 7, 2, 128)]
 
 
 def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
@@ -64,11 +67,13 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
             nbytes = sum(w.nbytes for w in sets[0]) + x.nbytes
             row = dict(case=case, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
             timed(row, "xla", reference.gemv, x, sets, want)
-            for bk, sk, st in configs:
+            for bk, sk, st, *more in configs:
+                rows_ = more[0] if more else kernel.ROWS
                 if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
-                        and kernel.smem_bytes(B, D, bk, sk, st) <= kernel.SMEM_BYTES):
-                    timed(row, f"pallas k{bk} s{sk} st{st}",
-                          lambda x, ws, bk=bk, sk=sk, st=st: kernel.gemv(x, ws, block_k=bk, split_k=sk, steps=st),
+                        and kernel.smem_bytes(B, D, bk, sk, st, rows_) <= kernel.SMEM_BYTES):
+                    timed(row, f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else ""),
+                          lambda x, ws, bk=bk, sk=sk, st=st, r=rows_: kernel.gemv(x, ws, block_k=bk, split_k=sk,
+                                                                                  steps=st, rows=r),
                           x, sets, want)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)

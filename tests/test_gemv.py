@@ -30,13 +30,14 @@ def _check(got, x, ws):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, split_k, steps", [(1, 2, 3), (3, 1, 2), (8, 4, 4), (20, 2, 2)])
-def test_kernel_interpret_matches_numpy(B, split_k, steps):
+@pytest.mark.parametrize("B, split_k, steps, rows", [(1, 2, 3, 64), (3, 1, 2, 64), (8, 4, 4, 64), (20, 2, 2, 64),
+                                                      (5, 2, 3, 128), (20, 4, 2, 128)])
+def test_kernel_interpret_matches_numpy(B, split_k, steps, rows):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-    x, ws = _inputs(rng(), B, 1024, (128, 64))
+    x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
     with abstract_gpu("sm90"):
-        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps,
+        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps, rows=rows,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
     _check(got, x, ws)
@@ -48,11 +49,11 @@ def test_reference_matches_numpy():
 
 
 @cpu_only
-@pytest.mark.parametrize("B", [1, 64])
-def test_kernel_lowers_for_cuda_at_tp16_shapes(B):
+@pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128))])
+def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1)
-    or batch 64's."""
-    launch = api.pick_launch(B, 7168) if B == 1 else WIDE
+    or batch 64's (64- and 128-row blocks)."""
+    launch = launch or api.pick_launch(B, 7168)
     x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
     ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((128, 7168), jnp.bfloat16))
     with abstract_gpu("sm90"):
@@ -62,13 +63,13 @@ def test_kernel_lowers_for_cuda_at_tp16_shapes(B):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem"])
+@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "block"])
 def test_kernel_refuses_what_it_cannot_run(bad):
     B = {"batch": 65, "smem": 64}.get(bad, 2)
     D, rows, split = (7168 if bad == "smem" else 1024), (100 if bad == "rows" else 128), 3 if bad == "split" else 2
     x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
     with pytest.raises(NotImplementedError):  # smem: x's slabs for 64 tokens over D / 2 are 448 KiB
-        kernel.check_supported(x, (jnp.ones((rows, D), jnp.bfloat16),), 128, split)
+        kernel.check_supported(x, (jnp.ones((rows, D), jnp.bfloat16),), 128, split, rows=96 if bad == "block" else 64)
 
 
 def test_launches_cover_the_batches_they_claim():
@@ -102,8 +103,11 @@ def test_api_on_gpu_matches_numpy(B, rows):
 
 
 @gpu_only
+@pytest.mark.parametrize("block_rows", [64, 128])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128)])
-def test_kernel_on_gpu_at_batch_64_matches_numpy(rows):
-    """64 tokens (x's slabs 8x larger, each pipeline step waiting for its own) at TP16 / TP8 widths."""
+def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, block_rows):
+    """64 tokens (x's slabs 8x larger, each pipeline step waiting for its own) at TP16 / TP8 widths, in 64- and
+    128-row blocks."""
     x, ws = _inputs(rng(), 64, 7168, rows)
-    _check(kernel.gemv(x, ws, **WIDE), x, ws)
+    launch = WIDE if block_rows == 64 else dict(block_k=64, split_k=7, steps=4, rows=128)
+    _check(kernel.gemv(x, ws, **launch), x, ws)

@@ -1,12 +1,14 @@
 """Streaming GEMV on Hopper tensor cores: y = x @ wᵀ for a decode batch (B <= 64) and out-major weights.
 
 At decode batch the projection is a pure weight stream (45 MB for one TP16 rank's q/k/v/g + f_a at B = 1),
-so the kernel only has to keep HBM busy and accumulate in fp32. The weight's rows go on WGMMA's M (64 per
-block) and the tokens, padded to a multiple of 8, on N (PALLAS_MGPU.md: the decode GEMV orientation), so no weight is
-transposed and x is read once per CTA. Each CTA streams one 64-row block of one weight over a 1/S slice of
-D through a multi-stage TMA pipeline; S (split_k) spreads a few hundred row blocks over the 132 SMs. The
-CTA writes its fp32 partial [64, tokens] and the wrapper sums the S partials, transposes and rounds once (one
-small XLA fusion), so the result equals reference.gemv up to the order of the fp32 sums.
+so the kernel only has to keep HBM busy and accumulate in fp32. The weight's rows go on WGMMA's M (64 or
+128 per block) and the tokens, padded to a multiple of 8, on N (PALLAS_MGPU.md: the decode GEMV
+orientation), so no weight is transposed and x is read once per CTA. Each CTA streams one row block of one
+weight over a 1/S slice of D through a multi-stage TMA pipeline; S (split_k) spreads a few hundred row blocks
+over the 132 SMs. The CTA writes its fp32 partial [rows, tokens] and the wrapper sums the S partials,
+transposes and rounds once (one small XLA fusion), so the result equals reference.gemv up to the order of
+the fp32 sums. x comes from L2 once per CTA: at 64 tokens that is as many bytes as the CTA's 64 weight rows,
+which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Eleventh session").
 
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
 """
@@ -22,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 F32 = jnp.float32
 TOKENS = 8  # WGMMA's smallest N (and its step): the decode batch is padded to a multiple
 MAX_TOKENS = 64  # the decode batches served (x's slabs grow with it: see check_supported)
-ROWS = 64  # WGMMA's M: weight rows per CTA
+ROWS = 64  # WGMMA's M: weight rows per CTA by default; rows=128 reads each x slab for two M tiles
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
@@ -33,29 +35,31 @@ def tokens(B):
     return -(-B // TOKENS) * TOKENS
 
 
-def smem_bytes(B, D, block_k, split_k, steps):
+def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS):
     """x's slabs for this CTA's K range (resident for the whole stream) + the weight pipeline's stages."""
-    return (D // split_k * tokens(B) + min(steps, D // (split_k * block_k)) * ROWS * block_k) * 2
+    return (D // split_k * tokens(B) + min(steps, D // (split_k * block_k)) * rows * block_k) * 2
 
 
-def check_supported(x_BD, ws_ND, block_k, split_k, steps=2):
+def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS):
     B, D = x_BD.shape
     if x_BD.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in ws_ND):
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
         raise NotImplementedError(f"batch {B} > {MAX_TOKENS}: a GEMM, not a decode GEMV (XLA's is fine there)")
-    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % ROWS for w in ws_ND):
-        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {ROWS} == 0")
+    if rows not in (64, 128):
+        raise NotImplementedError(f"rows={rows}: one or two WGMMA M tiles (64 or 128) per CTA")
+    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % rows for w in ws_ND):
+        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {rows} == 0")
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
         raise NotImplementedError(f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
                                   "pipeline releases a stage one step late, so it needs two)")
-    if smem_bytes(B, D, block_k, split_k, steps) > SMEM_BYTES:
+    if smem_bytes(B, D, block_k, split_k, steps, rows) > SMEM_BYTES:
         raise NotImplementedError(f"batch {B}: x's slabs and {steps} weight stages need "
-                                  f"{smem_bytes(B, D, block_k, split_k, steps)} bytes of SMEM (> {SMEM_BYTES}); "
+                                  f"{smem_bytes(B, D, block_k, split_k, steps, rows)} bytes of SMEM (> {SMEM_BYTES}); "
                                   "raise split_k or lower steps / block_k")
 
 
-def _body(xs_ref, *refs, n_blocks, block_k, steps):
+def _body(xs_ref, *refs, n_blocks, block_k, steps, rows):
     """xs_ref [D / block_k, T, block_k]: x padded to T tokens, one slab per K block (so a K block is a
     leading index, not a slice of a swizzled dim). refs: the weights [N_i, D], then the partials
     [S, N_i, T] fp32, then scratch (x slabs of this CTA's K range, their barriers)."""
@@ -71,19 +75,19 @@ def _body(xs_ref, *refs, n_blocks, block_k, steps):
             # Each step waits for its own x slab, so the weight pipeline's first loads go out with x's: waiting
             # for every slab first serialised x (131 KB per CTA from L2 at T = 64) before the weight stream
             # (H200, batch 64: 20.3 us for TP16's 47 MB, gemv_b64.json).
-            def step(idx, w_smem):  # acc [64, T] += w [64, block_k] @ x_slabᵀ [block_k, T]
+            def step(idx, w_smem):  # acc [rows, T] += w [rows, block_k] @ x_slabᵀ [block_k, T]
                 plgpu.barrier_wait(x_bar.at[idx[0]])
                 plgpu.wgmma(acc_ref, w_smem, x_smem.at[idx[0]].transpose((1, 0)))
 
             plgpu.emit_pipeline(
                 step, grid=(k_slabs,), max_concurrent_steps=steps,
-                in_specs=[plgpu.BlockSpec((ROWS, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
                                           delay_release=1)],
             )(w_ref.at[:, pl.ds(s * k_slabs * block_k, k_slabs * block_k)])
             return acc_ref[...]
 
-        acc = pl.run_scoped(scope, plgpu.ACC((ROWS, x_smem.shape[1]), F32))
-        out_ref.at[s, pl.ds(row_blk * ROWS, ROWS)][...] = acc  # WGMMA layout straight to GMEM: 2 KB at T = 8
+        acc = pl.run_scoped(scope, plgpu.ACC((rows, x_smem.shape[1]), F32))
+        out_ref.at[s, pl.ds(row_blk * rows, rows)][...] = acc  # WGMMA layout straight to GMEM: 2 KB at T = 8
 
     first = 0
     for w_ref, out_ref, n in zip(ws, outs, n_blocks, strict=True):  # which weight this CTA's block is in
@@ -91,26 +95,26 @@ def _body(xs_ref, *refs, n_blocks, block_k, steps):
         first += n
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "interpret"))
-def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "rows", "interpret"))
+def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, interpret=None):
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums)."""
     B = x_BD.shape[0]
-    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, interpret=interpret)
+    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, interpret=interpret)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "interpret"))
-def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "rows", "interpret"))
+def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding). A consumer that reads these itself (the KDA decode kernel) saves
     the glue."""
     B, D = x_BD.shape
     T = tokens(B)
-    n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
+    n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
     xs = jnp.pad(x_BD, ((0, T - B), (0, 0))).reshape(T, D // block_k, block_k).transpose(1, 0, 2)
     k_slabs = D // block_k // split_k
     kernel = plgpu.kernel(
-        functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs)),
+        functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows),
         out_type=tuple(jax.ShapeDtypeStruct((split_k, w.shape[0], T), F32) for w in ws_ND),
         scratch_types=[plgpu.SMEM((k_slabs, T, block_k), x_BD.dtype, transforms=_TRANSFORMS),
                        plgpu.Barrier(num_barriers=k_slabs)],
