@@ -18,7 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
-#   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at batch 64 vs XLA, ~5 min
+#   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at B = 64; fused gates, b out-major
 #   bash bench/device_queue.sh session11f    # nvidia-h200: the kernel fed the whole qkvg, TP16 B = 64 sublayer
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
 #   bash bench/device_queue.sh kda_reference # nvidia-h200: the XLA decode's idle-mask forms alone, ~1 min
@@ -155,9 +155,12 @@ case "${1:-}" in
       -k "decode_x_on_gpu and False"
     step bench_layer_qkvg 90 python3 bench/kda_layer.py "$work" --cases 16:64 --name kda_layer_qkvg
     ;;
-  next12)  # the twelfth session's queue: 128-row GEMV blocks at batch 64 (GPU tests, launches vs XLA)
-    step pytest_rows128 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "on_gpu"
-    step bench_gemv_b64 150 python3 bench/gemv.py --b64 "$work"
+  next12)  # the twelfth session's queue: 128-row GEMV blocks at batch 64; the fused gates with b out-major
+    step pytest_next12 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "(on_gpu and not kda_decode) or (gates and on_gpu) or decode_x_on_gpu"
+    step bench_gemv_b64 120 python3 bench/gemv.py --b64 "$work"
+    step bench_gates 150 python3 bench/kda_decode.py --gates "$work"
+    step bench_layer 120 python3 bench/kda_layer.py "$work"
     ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"

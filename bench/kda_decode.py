@@ -12,7 +12,9 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
 `--rows-canary`: one checked call per rows variant;
 `--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
-`--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json.
+`--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
+`--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
+OUT/kda_gates_out_major.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -388,18 +390,22 @@ def gates_inputs(B, H):
     r = np.random.default_rng(B * 100 + H)
     gate_in = [jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
                for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128 ** -0.5), ((B, 7168), 1.0),
-                                    ((7168, H), 7168 ** -0.5))]
+                                    ((H, 7168), 7168 ** -0.5))]
     full = [args[0], *gate_in, *args[3:]]
     return full, jax.jit(reference.kda_decode_gates)(*full)
 
 
-def gates_cases(warpgroups=(None,)):
+# b out-major [H, D] (weight table version 4): do the fused gates' limits (batch 8, 12 heads) still hold?
+GATE_SHAPES_OUT_MAJOR = GATE_SHAPES + [(8, 6), (64, 6), (1, 96), (8, 96)]
+
+
+def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
     """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
     D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch").
     warpgroups: also with every launch entry forced to that many warpgroups per CTA (None: as tuned)."""
     from pallas_kernels.kda_decode import bodies, sm90
     rows = []
-    for B, H in GATE_SHAPES:
+    for B, H in shapes:
         full, want = gates_inputs(B, H)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
         for fuse, wg in itertools.product((False, True), warpgroups):
@@ -585,6 +591,8 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--rows-canary": lambda: main_rows_canary(),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
+    "--gates": lambda out: pathlib.Path(out, "kda_gates_out_major.json").write_text(
+        json.dumps(gates_cases(shapes=GATE_SHAPES_OUT_MAJOR), indent=1)),
 }
 
 if __name__ == "__main__":

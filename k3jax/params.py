@@ -26,7 +26,8 @@ import numpy as np
 
 from k3jax.config import MXFP4_GROUP, K3Config
 
-TABLE_VERSION = 3  # 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major)
+# 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major); 4: KDA b [H, D]
+TABLE_VERSION = 4
 HF_PREFIX = "language_model."
 
 # Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
@@ -139,7 +140,8 @@ def _kda(add, a, ha, cfg: K3Config):
     add(a + ("f_a",), ha + "f_a_proj.weight", (K, D), (None, "embed"), fan_in=D)
     add(a + ("f_b",), ha + "f_b_proj.weight", (K, H, K), (None, "kda_heads", "head_dim"), "T", (H * K, K),
         fan_in=K)
-    add(a + ("b",), ha + "b_proj.weight", (D, H), ("embed", "kda_heads"), "T", (H, D), fan_in=D)
+    # out-major like HF: the decode kernel's fused gates read one head's row contiguously
+    add(a + ("b",), ha + "b_proj.weight", (H, D), ("kda_heads", "embed"), fan_in=D)
     add(a + ("A_log",), ha + "A_log", (H,), ("kda_heads",), "narrow", (cfg.kda_a_log_stored,),
         dtype="float32", init="alog")
     add(a + ("dt_bias",), ha + "dt_bias", (H, K), ("kda_heads", "head_dim"), "reshape", (H * K,),

@@ -216,7 +216,7 @@ def test_warpgroup_split_needs_its_barrier(monkeypatch):
 def gate_inputs(r, B, H, K, dtype, R=16, D=256):
     """The gate projections' inputs at the scale of the model: f and beta logits come out O(1)."""
     act = lambda *shape, scale=1.0: jnp.asarray(r.standard_normal(shape) * scale, jnp.float32).astype(dtype)  # noqa: E731
-    return dict(fa=act(B, R), f_b=act(R, H, K, scale=R ** -0.5), x=act(B, D), b=act(D, H, scale=D ** -0.5))
+    return dict(fa=act(B, R), f_b=act(R, H, K, scale=R ** -0.5), x=act(B, D), b=act(H, D, scale=D ** -0.5))
 
 
 def gate_args_of(x, g):
@@ -368,7 +368,7 @@ def test_gates_reference_matches_numpy(dtype):
     f, beta = jax.jit(reference.gates)(g["fa"], g["f_b"], g["x"], g["b"])
     f64 = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in g.items()}
     want_f = np.einsum("br,rhk->bhk", f64["fa"], f64["f_b"])
-    want_beta = f64["x"] @ f64["b"]
+    want_beta = f64["x"] @ f64["b"].T
     assert f.dtype == beta.dtype == DTYPES[dtype]
     assert_close(f, want_f, **TOL[dtype], what="f")
     assert_close(beta, want_beta, **TOL[dtype], what="beta logits")

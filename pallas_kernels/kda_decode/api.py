@@ -55,24 +55,24 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
                                              conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B), dict(eps=eps))
 
 
-def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                      A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, backend="xla"):
     """kda_decode from the gate projections' inputs: f = fa @ f_b, beta logits = x @ b (fa = x @ f_a). A body
     computes them in the decode kernel up to its tuning's "fuse_gates_max_batch" (two fewer launches per KDA
     layer); above it runs the two projections, then its decode kernel."""
     _check_active(active_B, state_BHKV)
-    return _dispatch("kda_decode_gates", backend, (qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV,
+    return _dispatch("kda_decode_gates", backend, (qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV,
                                                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
                                                    active_B), dict(eps=eps))
 
 
-def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, backend="xla"):
     """The step from the layer's normed input x and its out-major projection weights (qkvg [4, H, K, D],
     f_a [R, D]): the projections, then kda_decode_gates. A body may run the projections as its own GEMV whose
     partials the decode kernel reads (tuning "gemv_projections"); the reference runs the model's GEMMs."""
     _check_active(active_B, state_BHKV)
-    return _dispatch("kda_decode_x", backend, (x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK,
+    return _dispatch("kda_decode_x", backend, (x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK,
                                                conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B),
                      dict(eps=eps))
 

@@ -52,24 +52,25 @@ def entry_points(tuning: dict) -> Ops:
                              dt_bias_HK, o_norm_w_K, active_B, eps=eps, interpret=interpret,
                              **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret))
 
-    def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+    def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                          A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         """Up to tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any) the two projections
         run inside the decode kernel; beyond either, XLA's GEMVs (as the model runs them), then the decode
-        kernel. The heads limit: each CTA reads its head's column of b [D, H], a stride of H elements, so at
-        96 heads every element is its own 32-byte sector. Fused, a CTA keeps one warpgroup: each would redo the
-        gate GEMVs (H200, 8 x 12: 9.79 us with two warpgroups, 9.34 with one)."""
+        kernel. Both limits were measured with b in-major [D, H], when each CTA read its head's column, a stride
+        of H elements (at 96 heads every element its own 32-byte sector); b is out-major [H, D] since the
+        weight table's version 4, a contiguous row per head, not yet measured. Fused, a CTA keeps one
+        warpgroup: each would redo the gate GEMVs (H200, 8 x 12: 9.79 us with two warpgroups, 9.34 with one)."""
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         B, _, H, _ = qkv_B3HK.shape
         if fuses_gates(B, H):
-            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, *rest, active_B, eps=eps,
+            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, *rest, active_B, eps=eps,
                                        interpret=interpret, **dict(launch, warpgroups=1))
-        f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_DH)
+        f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_HD)
         return kernel.decode(qkv_B3HK, f, beta, *rest, active_B, eps=eps, interpret=interpret, **launch)
 
-    def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+    def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                      dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         """With tuning "gemv_projections" (where the GEMV takes the shapes): the decode GEMV
         (pallas_kernels.gemv) runs q/k/v/g and f_a in one launch, as fp32 partials. Where the gate projections
@@ -80,17 +81,17 @@ def entry_points(tuning: dict) -> Ops:
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
             try:
-                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B=active_B, eps=eps,
+                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, *rest, active_B=active_B, eps=eps,
                                   interpret=interpret)
             except NotImplementedError as e:
                 common.log_once("kda_decode_x", f"projections by XLA: {e}")
         qkvg_B4HK, fa_BR = reference.project(x_BD, qkvg_4HKD, f_a_RD)
         # qkvg goes in whole as both qkv and gate (kernel.check_supported): slicing it made XLA copy q/k/v and g
         # into operands of their own before the custom call (two kernels, 3.6 us at TP16 B = 64, kda_layer.json)
-        return kda_decode_gates(qkvg_B4HK, fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK, *rest, active_B, eps=eps,
+        return kda_decode_gates(qkvg_B4HK, fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK, *rest, active_B, eps=eps,
                                 interpret=interpret)
 
-    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, *rest, active_B, eps, interpret):
+    def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, *rest, active_B, eps, interpret):
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
@@ -105,13 +106,13 @@ def entry_points(tuning: dict) -> Ops:
         qkvg_SNT, fa_SRT = gemv.partials(x_BD, ws, **g, interpret=interpret)
         if fuses_gates(B, H):
             launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
-            return kernel.decode_gates(qkvg_SNT, fa_SRT, f_b_RHK, x_BD, b_DH, qkvg_SNT, *rest, active_B, eps=eps,
+            return kernel.decode_gates(qkvg_SNT, fa_SRT, f_b_RHK, x_BD, b_HD, qkvg_SNT, *rest, active_B, eps=eps,
                                        from_gemv=True, interpret=interpret,
                                        **dict(launch, warpgroups=1))  # one warpgroup, fused gates
         # XLA sums the partials (one rounding, as the model's GEMMs round); qkvg goes to the kernel whole
         qkvg = qkvg_SNT[..., :B].sum(0).T.reshape(B, 4, H, K).astype(x_BD.dtype)
         fa = fa_SRT[..., :B].sum(0).T.astype(x_BD.dtype)
-        return kda_decode_gates(qkvg, fa, f_b_RHK, x_BD, b_DH, qkvg, *rest, active_B, eps=eps, interpret=interpret)
+        return kda_decode_gates(qkvg, fa, f_b_RHK, x_BD, b_HD, qkvg, *rest, active_B, eps=eps, interpret=interpret)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):

@@ -285,8 +285,10 @@ def _fa_of(fa_ref, b, from_gemv, dtype):
 def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     """The two gate projections in-kernel (issue 6 stretch goal), thread t owning output channel t:
     f[t] = sum_r fa[r] f_b[r, h, t] (rank R, fa = x @ f_a computed once per token outside) and the beta
-    logit sum_d x[d] b[d, h] in 128-wide slices; fa_of(r) gives fa[r] in fp32 (_fa_of). fp32 sums rounded to
-    the activation dtype, as the model's projections. Every load is independent of the sums, so they issue
+    logit sum_d x[d] b[h, d] in 128-wide slices (b out-major since table version 4: a head's row is
+    contiguous, 14 KB at D = 7168; in-major [D, H] it was 7168 strided 2-byte reads, ~86 KB of sectors at
+    H = 6); fa_of(r) gives fa[r] in fp32 (_fa_of). fp32 sums rounded to the activation dtype, as the model's
+    projections. Every load is independent of the sums, so they issue
     back to back. f (through vec_smem row 6, which rounds it to the activation dtype) and the beta logit are
     returned as values."""
     R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
@@ -297,7 +299,7 @@ def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     acc = None
     for c in range(D // K):
         cols = pl.ds(c * K, K)
-        term = x_ref.at[b, cols][...].astype(F32) * plgpu.load(bw_ref.at[cols, h]).astype(F32)
+        term = x_ref.at[b, cols][...].astype(F32) * bw_ref.at[h, cols][...].astype(F32)
         acc = term if acc is None else acc + term
     return vec_smem.at[6][...], total(acc).astype(dtype)
 
@@ -474,7 +476,7 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
-def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
                  keep_slices=0, row_stores="tma"):
@@ -487,7 +489,7 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, con
     if x_BD.shape[1] % conv_B3WHK.shape[-1]:
         raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
-    return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_DH.astype(dtype)), gate_BHK, state_BHKV,
+    return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_HD.astype(dtype)), gate_BHK, state_BHKV,
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,

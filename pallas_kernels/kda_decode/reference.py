@@ -83,21 +83,21 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
     return y, new_state, new_conv
 
 
-def gates(fa_BR, f_b_RHK, x_BD, b_DH):
+def gates(fa_BR, f_b_RHK, x_BD, b_HD):
     """The gate projections a decode kernel may fuse (issue 6 stretch): f = fa @ f_b [B,H,K] (fa = x @ f_a, the
     rank-R stage shared by all heads) and the beta logits x @ b [B,H], as the model's projections compute them
     (common.dot: fp32 sums of activation-dtype operands, rounded to that dtype), so this fallback gives the XLA
     path's very numbers. Any leading axes (prefill's [B, T] too)."""
     dtype = x_BD.dtype
     f = common.dot("...r,rhk->...hk", fa_BR, f_b_RHK.astype(dtype))
-    beta = common.dot("...d,dh->...h", x_BD, b_DH.astype(dtype))
+    beta = common.dot("...d,hd->...h", x_BD, b_HD.astype(dtype))
     return f.astype(dtype), beta.astype(dtype)
 
 
-def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_DH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
+def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
                      A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
     """kda_decode with f and beta from their projections' inputs (see gates)."""
-    f_BHK, beta_BH = gates(fa_BR, f_b_RHK, x_BD, b_DH)
+    f_BHK, beta_BH = gates(fa_BR, f_b_RHK, x_BD, b_HD)
     return kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                       dt_bias_HK, o_norm_w_K, active_B, eps=eps)
 
@@ -110,11 +110,11 @@ def project(x_BD, qkvg_4HKD, f_a_RD):
     return qkvg, common.dot("...d,rd->...r", x_BD, f_a_RD.astype(dtype)).astype(dtype)
 
 
-def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_DH, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
+def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
     """kda_decode_gates from the layer's normed input x and its projection weights (see project)."""
     qkvg_B4HK, fa_BR = project(x_BD, qkvg_4HKD, f_a_RD)
-    return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_DH, qkvg_B4HK[:, 3], state_BHKV, conv_B3WHK,
+    return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK[:, 3], state_BHKV, conv_B3WHK,
                             conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps)
 
 
