@@ -288,9 +288,8 @@ def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     logit sum_d x[d] b[h, d] in 128-wide slices (b out-major since table version 4: a head's row is
     contiguous, 14 KB at D = 7168; in-major [D, H] it was 7168 strided 2-byte reads, ~86 KB of sectors at
     H = 6); fa_of(r) gives fa[r] in fp32 (_fa_of). fp32 sums rounded to the activation dtype, as the model's
-    projections. Every load is independent of the sums, so they issue
-    back to back. f (through vec_smem row 6, which rounds it to the activation dtype) and the beta logit are
-    returned as values."""
+    projections. Every load is independent of the sums, so they issue back to back. f (through vec_smem row 6,
+    which rounds it to the activation dtype) and the beta logit are returned as values."""
     R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
     f = fa_of(0) * fb_ref.at[0, h][...].astype(F32)
     for r in range(1, R):
