@@ -336,6 +336,16 @@ def test_api_refuses_a_malformed_idle_mask(bad):
         api.kda_decode(*args_of(x), jnp.asarray(bad), backend="latency_specialized")
 
 
+def test_api_refuses_qkv_without_three_streams():
+    """The layer's whole qkvg [B, 4, H, K] is for a body's own kernel; through the api it is refused, whichever
+    backend would run, with the shape it needs."""
+    x = make_inputs(rng(), 2, 2, 16, jnp.float32)
+    qkvg = jnp.concatenate([x["qkv"], x["gate"][:, None]], axis=1)
+    for backend in ("xla", "latency_specialized"):
+        with pytest.raises(ValueError, match=r"\[B, 3, H, K\]"):
+            api.kda_decode(qkvg, *args_of(x)[1:], backend=backend)
+
+
 @cpu_only
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
                                         ("rows", dict(keep_slices=3)),

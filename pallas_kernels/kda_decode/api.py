@@ -37,6 +37,14 @@ def _dispatch(op, backend, args, kwargs):
     return getattr(reference, op)(*args, **kwargs)
 
 
+def _check_qkv(qkv_B3HK):
+    """The public ops take q, k, v stacked as [B, 3, H, K]. (A body's kda_decode_x hands its own kernel the
+    layer's whole qkvg [B, 4, H, K]; through the api a fourth stream would be ignored by the kernel and refused
+    by the reference, so it is refused here.)"""
+    if qkv_B3HK.ndim != 4 or qkv_B3HK.shape[1] != 3:
+        raise ValueError(f"qkv must be [B, 3, H, K] (q, k, v stacked on axis 1), got {list(qkv_B3HK.shape)}")
+
+
 def _check_active(active_B, state_BHKV):
     """active_B must be one integer or bool per sequence: a wrong length would mask the wrong slots."""
     if active_B is not None and (active_B.shape != state_BHKV.shape[:1] or active_B.dtype.kind not in "iub"):
@@ -50,6 +58,7 @@ def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_
     active_B (int [B], None = all): sequences whose entry is 0 (idle slots) keep state and conv window (value
     for value). Pass it rather than selecting afterwards: after a kernel that select is a second pass over the
     state (H200, TP16 B = 64: 72.2 vs 55.4 us for the sublayer, bench/results/kda_layer.json)."""
+    _check_qkv(qkv_B3HK)
     _check_active(active_B, state_BHKV)
     return _dispatch("kda_decode", backend, (qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK,
                                              conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B), dict(eps=eps))
@@ -60,6 +69,7 @@ def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV,
     """kda_decode from the gate projections' inputs: f = fa @ f_b, beta logits = x @ b (fa = x @ f_a). A body
     computes them in the decode kernel up to its tuning's "fuse_gates_max_batch" (two fewer launches per KDA
     layer); above it runs the two projections, then its decode kernel."""
+    _check_qkv(qkv_B3HK)
     _check_active(active_B, state_BHKV)
     return _dispatch("kda_decode_gates", backend, (qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV,
                                                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
