@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh next12b       # nvidia-h200: fused gates at B = 64 and 96 heads, the sublayer
 #   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at B = 64; fused gates, b out-major
 #   bash bench/device_queue.sh session11f    # nvidia-h200: the kernel fed the whole qkvg, TP16 B = 64 sublayer
 #   bash bench/device_queue.sh next11        # nvidia-h200: kda_reference + kda_keep + sublayer_profile, ~10 min
@@ -161,6 +162,12 @@ case "${1:-}" in
     step bench_gemv_b64 120 python3 bench/gemv.py --b64 "$work"
     step bench_gates 150 python3 bench/kda_decode.py --gates "$work"
     step bench_layer 120 python3 bench/kda_layer.py "$work"
+    ;;
+  next12b)  # the fused gates at batch 64 (now tuned in) and at 96 heads; the sublayer with them
+    step pytest_next12b 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+      -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
+    step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
+    step bench_layer 150 python3 bench/kda_layer.py "$work"
     ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"

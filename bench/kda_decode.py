@@ -14,7 +14,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
 `--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
 `--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
-OUT/kda_gates_out_major.json.
+OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -397,6 +397,9 @@ def gates_inputs(B, H):
 
 # b out-major [H, D] (weight table version 4): do the fused gates' limits (batch 8, 12 heads) still hold?
 GATE_SHAPES_OUT_MAJOR = GATE_SHAPES + [(8, 6), (64, 6), (1, 96), (8, 96)]
+# (the twelfth session's run of those kept the tuned 12-head limit, so its 96-head rows ran unfused both ways;
+# the fused case now lifts both limits.) TP1's widths alone:
+GATE_SHAPES_96 = [(1, 96), (8, 96), (64, 96)]
 
 
 def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
@@ -409,7 +412,7 @@ def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
         full, want = gates_inputs(B, H)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
         for fuse, wg in itertools.product((False, True), warpgroups):
-            tuning = dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0)
+            tuning = dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0, fuse_gates_max_heads=H)
             if wg is not None:
                 tuning["launch"] = [dict(e, warpgroups=wg, v_split=1) for e in tuning["launch"]]
             f = jax.jit(bodies.entry_points(tuning).kda_decode_gates)
@@ -593,6 +596,8 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
     "--gates": lambda out: pathlib.Path(out, "kda_gates_out_major.json").write_text(
         json.dumps(gates_cases(shapes=GATE_SHAPES_OUT_MAJOR), indent=1)),
+    "--gates96": lambda out: pathlib.Path(out, "kda_gates_96.json").write_text(
+        json.dumps(gates_cases(shapes=GATE_SHAPES_96), indent=1)),
 }
 
 if __name__ == "__main__":

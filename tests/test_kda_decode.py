@@ -625,7 +625,7 @@ def test_idle_sequences_on_gpu(B, H, dtype):
                                         (64, 12, True), (64, 6, False), (1, 96, False), (8, 96, False)])
 def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
-    (B = 64 with the GEMV's tuning extended: summed by XLA first). Else where the GEMV does not run (B = 64,
+    (B = 64 with the GEMV's tuning extended; the kernel sums them within the fused-gates batch). Else where the GEMV does not run (B = 64,
     96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced copies), gates fused or XLA's."""
     from pallas_kernels.kda_decode import bodies
     r = rng()
@@ -659,13 +659,13 @@ def test_warpgroup_split_on_gpu_matches_reference(B, H, tma, dtype, warpgroups):
 
 @gpu_only
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6)])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
 def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
     """Both gate variants at real shapes (R = 128, D = 7168), bf16, against the reference."""
     from pallas_kernels.kda_decode import bodies
     r = rng()
     x, g = make_inputs(r, B, H, 128, jnp.bfloat16), gate_inputs(r, B, H, 128, jnp.bfloat16, R=128, D=7168)
-    tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
+    tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0, fuse_gates_max_heads=H)
     decode_gates = bodies.entry_points(tuning).kda_decode_gates
     got = jax.jit(decode_gates)(*gate_args_of(x, g))
     want = jax.jit(reference.kda_decode_gates)(*gate_args_of(x, g))

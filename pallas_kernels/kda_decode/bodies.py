@@ -56,9 +56,9 @@ def entry_points(tuning: dict) -> Ops:
                          A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
         """Up to tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any) the two projections
         run inside the decode kernel; beyond either, XLA's GEMVs (as the model runs them), then the decode
-        kernel. Both limits were measured with b in-major [D, H], when each CTA read its head's column, a stride
-        of H elements (at 96 heads every element its own 32-byte sector); b is out-major [H, D] since the
-        weight table's version 4, a contiguous row per head, not yet measured. Fused, a CTA keeps one
+        kernel. With b out-major [H, D] (weight table version 4: a contiguous row per head) fused wins at every
+        batch measured, 1-64 at 6 and 12 heads (H200, kda_gates_out_major.json); the head limit was set with b
+        in-major, each CTA reading a strided column (at 96 heads every element its own sector). Fused, a CTA keeps one
         warpgroup: each would redo the gate GEMVs (H200, 8 x 12: 9.79 us with two warpgroups, 9.34 with one)."""
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
