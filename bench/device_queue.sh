@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh verify_rows   # nvidia-h200: verify with the tile in registers a column per thread
 #   bash bench/device_queue.sh next12b       # nvidia-h200: fused gates at B = 64 and 96 heads, the sublayer
 #   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at B = 64; fused gates, b out-major
 #   bash bench/device_queue.sh session11f    # nvidia-h200: the kernel fed the whole qkvg, TP16 B = 64 sublayer
@@ -168,6 +169,10 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  verify_rows)  # verify's rows path: GPU tests, then verify alone against the api and XLA (+ ptxas register counts)
+    step pytest_verify_rows 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py -k rows_verify
+    step bench_verify_rows 300 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_verify.py --rows --iters 20 --out "$work"
     ;;
   kda_reference)  # the XLA decode's idle-mask forms alone (~1 min)
     step bench_reference 100 python3 bench/kda_patterns.py --reference "$work"

@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--split", action="store_true",
                    help="time only verify on a cluster of 4 CTAs per tile (both stagings, both gathers) against "
                         "the api and XLA verify at the few-tile shapes -> kda_verify_split.json")
+    p.add_argument("--rows", action="store_true",
+                   help="time only verify's rows path (the tile in registers, a column per thread, all T steps) "
+                        "against the api and XLA verify -> kda_verify_rows.json")
     p.add_argument("--no-variants", action="store_true",
                    help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)")
     return p.parse_args(argv)
@@ -103,6 +106,30 @@ def main_split(opts):
         results["rows"].append(row)
         print(row, flush=True)
         pathlib.Path(opts.out, "kda_verify_split.json").write_text(json.dumps(results, indent=1))
+
+
+def main_rows(opts):
+    """Verify alone: the rows path (k_chunk 16 and 32) against the api's launch and XLA. CUPTI, median of
+    opts.iters; % of HBM from verify's bytes (the state read once, the inputs, y and the commit data)."""
+    ref_v = jax.jit(reference.kda_verify)
+    fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v}
+    for k_chunk in (32, 16):
+        fns[f"rows k{k_chunk}"] = jax.jit(functools.partial(
+            verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows", k_chunk=k_chunk))
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time of verify, median of {opts.iters}", rows=[])
+    shapes = [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")] if opts.cases else \
+        [(64, 12, 8), (64, 6, 4), (8, 12, 8), (8, 12, 4), (1, 6, 4), (1, 6, 8), (8, 96, 4)]
+    for B, H, T in shapes:
+        args, _ = make_inputs(7, B, H, T)
+        want = ref_v(*args)
+        vb = verify_bytes(args, *want)
+        row = dict(B=B, H=H, T=T, verify_bytes=vb, floor_us=vb / HBM_PEAK * 1e6,
+                   **time_variants(fns, args, want, max_err, iters=opts.iters))
+        results["rows"].append(row)
+        print(row, flush=True)
+        pathlib.Path(opts.out, "kda_verify_rows.json").write_text(json.dumps(results, indent=1))
 
 
 def main(opts):
@@ -194,4 +221,4 @@ def write_table(results, path):
 
 if __name__ == "__main__":
     options = parse_args()
-    (main_split if options.split else main)(options)
+    (main_split if options.split else main_rows if options.rows else main)(options)

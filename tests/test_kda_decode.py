@@ -489,7 +489,7 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
                                             {"max_tiles": 64, "v_chunk": 64, "tma": False},
                                             {"max_tiles": 200, "v_chunk": 32, "tma": "chunked"},
-                                            {"max_tiles": None, "tma": "rows", "k_chunk": 16}]}
+                                            {"max_tiles": None, "tma": "rows", "k_chunk": 16, "keep_slices": 2}]}
     for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (8, 12, (32, "chunked")), (64, 96, (32, "rows"))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
         assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
@@ -497,6 +497,13 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     # verify stages whole tiles: a decode-only entry comes back as whole-tile TMA, without decode-only keys
     got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)))
     assert got["tma"] is True and "k_chunk" not in got and "warpgroups" not in got
+    # unless the tuning says "verify_rows": then verify keeps a rows entry (with its k_chunk), commit does not
+    tuning["verify_rows"] = True
+    got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)))
+    assert (got["tma"], got["k_chunk"]) == ("rows", 16) and "keep_slices" not in got
+    got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)), split=False)
+    assert got["tma"] is True and "k_chunk" not in got
+    assert verify_kernel.pick_launch(tuning, jnp.zeros((8, 4, 3, 12, 8)))["tma"] is True  # "chunked": decode's
 
 
 def test_api_body_runs_its_tuning():

@@ -25,11 +25,12 @@ def _layout(arch):
 
 
 def _kernels(arch, tma, interpret=None, v_split=1, gather="gmem"):
-    """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none)."""
+    """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none);
+    tma="rows": verify's rows path (commit takes the whole tile by TMA, as pick_launch gives it)."""
     from pallas_kernels.kda_decode import verify_kernel
-    kw = dict(tile_layout=_layout(arch), v_chunk=32, tma=tma, interpret=interpret)
-    return (functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, **kw),
-            functools.partial(verify_kernel.commit, **kw))
+    kw = dict(tile_layout=_layout(arch), v_chunk=32, interpret=interpret)
+    return (functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, tma=tma, **kw),
+            functools.partial(verify_kernel.commit, tma=True if tma == "rows" else tma, **kw))
 
 
 def numpy_steps(x, T):
@@ -54,7 +55,8 @@ def assert_commit_data_close(got, want, dtype):
 # (arch, staging, dtype, v_split): each body with both staging paths, each dtype twice, one CTA per tile; then
 # verify on a cluster of 4 / 2 CTAs per tile (o gathered through GMEM for CTA 0's gated norms).
 VARIANTS = [("sm90", False, "f32", 1), ("sm90", True, "bf16", 1), ("sm100", False, "bf16", 1),
-            ("sm100", True, "f32", 1), ("sm90", False, "f32", 4), ("sm100", True, "bf16", 2)]
+            ("sm100", True, "f32", 1), ("sm90", False, "f32", 4), ("sm100", True, "bf16", 2),
+            ("sm90", "rows", "f32", 1), ("sm100", "rows", "bf16", 1)]
 
 
 @cpu_only
@@ -135,8 +137,9 @@ def test_bodies_run_their_tuning(arch):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
+@pytest.mark.parametrize("tma, v_split, gather", [(tma, v, g) for tma in (False, True)
+                                                   for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))]
+                         + [("rows", 1, "gmem")])
 def test_kernels_lower_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU
     (the only CPU check of verify's peer-SMEM gather)."""
@@ -228,6 +231,19 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
     got = jax.jit(functools.partial(verify_kernel.commit, **launch))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=f"commit kernel {name}")
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H, T", [(1, 6, 4), (8, 12, 8), (64, 6, 4), (64, 12, 8)])
+def test_rows_verify_on_gpu_matches_reference(B, H, T, dtype):
+    """verify's rows path (the tile in registers, a column per thread, for all T steps) at real shapes."""
+    x = make_inputs(rng(), B, H, 128, DTYPES[dtype], T=T)
+    y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
+    verify, _ = _kernels("sm90", "rows")
+    y, data = jax.jit(verify)(*args_of(x))
+    assert_close(y, y_want, **TOL[dtype], what="y")
+    assert_commit_data_close(data, data_want, dtype)
 
 
 @gpu_only

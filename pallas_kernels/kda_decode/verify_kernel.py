@@ -45,14 +45,16 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 def pick_launch(tuning, qkv_BT3HK, split=True):
     """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
-    per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel has
-    (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V,
-    which only decode and verify have."""
+    per-slice TMA ("chunked", and "rows" unless tuning has "verify_rows") and the split over warpgroups, which
+    only the decode kernel has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops
+    the cluster split of V and the rows path, which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
-    launch["tma"] = bool(launch["tma"])
-    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
-        launch.pop(key, None)
+    rows = split and launch["tma"] == "rows" and tuning.get("verify_rows", False)  # verify's own rows path
+    launch["tma"] = "rows" if rows else bool(launch["tma"])
+    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys (k_chunk also verify's, with rows)
+        if not (rows and key == "k_chunk"):
+            launch.pop(key, None)
     if not split:
         del launch["v_split"], launch["gather"]
     return launch
@@ -83,11 +85,13 @@ def _bcaster(tile_layout, K, v_chunk):
 _KD, _QD, _DECAY, _BK, _V, _O, _DELTA = range(7)
 
 
-def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True):
+def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True, k_rows=0):
     """Inputs qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y and the commit data
     (k̂, decay, beta, delta) (+ o_xchg with v_split and gmem); scratch vec_smem, gain_smem (+ the cluster
     barrier with v_split) (+ TMA tile and barrier). With v_split, CTA s runs the T steps on its columns and
-    writes their delta; CTA 0 writes the per-token vectors and, after gathering o as kernel.py does, y."""
+    writes their delta; CTA 0 writes the per-token vectors and, after gathering o as kernel.py does, y.
+    k_rows > 0: the tile comes by one TMA per slice of k_rows rows and stays in registers, thread t owning
+    state column t, for all T steps (_steps_rows)."""
     qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:10]
     y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, *rest = refs[10:]
     split = v_split > 1
@@ -117,9 +121,15 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     a_log, dt_bias, onw = alog_ref[h], dtb_ref.at[h][...], onw_ref[...]
     # then the state's read: issued after these small loads so they do not queue behind a whole wave's state
     # traffic (in the decode kernel this took 18.08 -> 16.51 us at 64 x 6; kernel.py)
-    load_state, wait_state = _tile_reader(state_ref.at[b, h, :, pl.ds(col0, Vs)], tma_scratch, tile_layout,
-                                          v_chunk)
-    S_next = None if tma_scratch else load_state(0)  # the first ld.global read hides behind the prologue
+    if k_rows:
+        tile_smem, tile_bar = tma_scratch
+        for c in range(K // k_rows):  # one TMA per row slice: contiguous in GMEM and SMEM alike
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
+                                    tile_bar.at[c])
+    else:
+        load_state, wait_state = _tile_reader(state_ref.at[b, h, :, pl.ds(col0, Vs)], tma_scratch, tile_layout,
+                                              v_chunk)
+        S_next = None if tma_scratch else load_state(0)  # the first ld.global read hides behind the prologue
     for t in range(T):
         x = []
         for i in range(3):
@@ -172,15 +182,18 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
 
     # The T steps (§4.4) on each column piece of the tile, the next piece's read in flight meanwhile. A loop
     # over tokens, not unrolled: the code stays the size of the decode kernel's.
-    wait_state()
-    if tma_scratch:
-        S_next = load_state(0)
-    n_chunks = Vs // v_chunk
-    for c in range(n_chunks):
-        S_KC = S_next
-        if c + 1 < n_chunks:
-            S_next = load_state(c + 1)
-        lax.fori_loop(0, T, functools.partial(step, pl.ds(col0 + c * v_chunk, v_chunk)), S_KC)
+    if k_rows:
+        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype)
+    else:
+        wait_state()
+        if tma_scratch:
+            S_next = load_state(0)
+        n_chunks = Vs // v_chunk
+        for c in range(n_chunks):
+            S_KC = S_next
+            if c + 1 < n_chunks:
+                S_next = load_state(c + 1)
+            lax.fori_loop(0, T, functools.partial(step, pl.ds(col0 + c * v_chunk, v_chunk)), S_KC)
 
     # Gated RMSNorm (§4.6) per token, and delta out as whole coalesced rows.
     def norm_rows():
@@ -199,11 +212,51 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         norm_rows()
 
 
-def _tma_scratch(tma, K, V):  # the whole tile (or a CTA's V columns of it) in 128-byte swizzled SMEM + barrier
+def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype):
+    """The T steps with thread t owning state column t (kernel._recurrence_rows' layout): the whole tile, one
+    [V] row per key channel, stays in registers (K of them) from the first step to the last, and both
+    K-reductions of a step are sums inside each thread over scalars broadcast from SMEM: no shuffles, no
+    cross-warp barriers, where the column-piece path pays two cross-warp reductions per token per piece.
+    The sums run one chain per slice (independent FMA chains), as kernel._recurrence_rows does."""
+    n, rows = tile_smem.shape[:2]
+    T = vec_smem.shape[0]
+    S = []
+    for c in range(n):
+        plgpu.barrier_wait(tile_bar.at[c])
+        S += [tile_smem.at[c, j][...] for j in range(rows)]
+
+    def reduced(t, i):  # Sᵀ vec_smem[t, i] as one partial sum per slice, then their total
+        parts = []
+        for c in range(n):
+            acc = S[c * rows] * vec_smem[t, i, c * rows]
+            for j in range(c * rows + 1, (c + 1) * rows):
+                acc = acc + S[j] * vec_smem[t, i, j]
+            parts.append(acc)
+        return functools.reduce(lambda a, p: a + p, parts)
+
+    for t in range(T):
+        delta = vec_smem.at[t, _V][...] - reduced(t, _KD)
+        vec_smem.at[t, _O][...] = (reduced(t, _QD) + gain_smem[t] * delta).astype(dtype).astype(F32)
+        vec_smem.at[t, _DELTA][...] = delta
+        if t + 1 < T:  # the last token's state is never needed: verify leaves S as it was
+            S = [S[j] * vec_smem[t, _DECAY, j] + vec_smem[t, _BK, j] * delta for j in range(len(S))]
+
+
+def _tma_scratch(tma, K, V, k_chunk=32):
+    """tma=True: the whole tile (or a CTA's V columns of it) in 128-byte swizzled SMEM + barrier; "rows": row
+    slices [K / k_chunk, k_chunk, V], unswizzled (a thread's column is one bank), a barrier each."""
+    if tma == "rows":
+        return [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     return [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()] if tma else []
 
 
-def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None):
+def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=128, k_chunk=32):
+    if tma == "rows":
+        if v_split > 1 or V != 128 or K % k_chunk:
+            raise NotImplementedError(f"tma='rows' takes one CTA per tile, a thread per state column (V = 128) "
+                                      f"and k_chunk dividing K: v_split={v_split}, V={V}, K={K}, "
+                                      f"k_chunk={k_chunk}")
+        return
     if V % v_split or (V // v_split) % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
@@ -211,14 +264,16 @@ def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather",
-                                             "interpret"))
+                                             "interpret", "k_chunk"))
 def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None):
+           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None,
+           k_chunk=32):
     """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
-    cluster split of V (the T steps on a CTA's columns are the serial chain it shortens)."""
+    cluster split of V (the T steps on a CTA's columns are the serial chain it shortens). tma="rows": the tile
+    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows)."""
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
-    _check_chunk(V, v_chunk, tma, v_split, gather, interpret)
+    _check_chunk(V, v_chunk, tma, v_split, gather, interpret, K, k_chunk)
     dtype = qkv_BT3HK.dtype
     out_type = [jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
                 jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
@@ -232,9 +287,10 @@ def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
     kernel_fn = plgpu.kernel(
         functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype,
-                          v_split=v_split, gather=gather, fences=interpret is None),
+                          v_split=v_split, gather=gather, fences=interpret is None,
+                          k_rows=k_chunk if tma == "rows" else 0),
         out_type=tuple(out_type),
-        scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split)],
+        scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split, k_chunk)],
         grid=(B, H), grid_names=("b", "h"), **cluster,
         compiler_params=_LANE, interpret=interpret,
     )
@@ -306,6 +362,8 @@ def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_ch
     qkv_BT3HK = commit_data["new_inputs_BT3HK"]
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
+    if tma == "rows":
+        raise NotImplementedError("commit stages whole tiles (tma False or True); 'rows' is decode's and verify's")
     _check_chunk(V, v_chunk, tma)
     kernel_fn = plgpu.kernel(
         functools.partial(_commit_body, tile_layout=tile_layout, v_chunk=v_chunk),
