@@ -632,8 +632,9 @@ def test_idle_sequences_on_gpu(B, H, dtype):
                                         (64, 12, True), (64, 6, False), (1, 96, False), (8, 96, False)])
 def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
-    (B = 64 with the GEMV's tuning extended; the kernel sums them within the fused-gates batch). Else where the GEMV does not run (B = 64,
-    96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced copies), gates fused or XLA's."""
+    (B = 64 with the GEMV's tuning extended; the kernel sums them within the fused-gates batch). Else where
+    the GEMV does not run (B = 64, 96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced
+    copies), gates fused or XLA's."""
     from pallas_kernels.kda_decode import bodies
     r = rng()
     K, R, D = 128, 128, 7168
