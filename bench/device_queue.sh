@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh verify_api    # nvidia-h200: the api's verify (rows from 13 tiles): tests, pair table
 #   bash bench/device_queue.sh verify_rows   # nvidia-h200: verify with the tile in registers a column per thread
 #   bash bench/device_queue.sh next12b       # nvidia-h200: fused gates at B = 64 and 96 heads, the sublayer
 #   bash bench/device_queue.sh next12        # nvidia-h200: 128-row GEMV blocks at B = 64; fused gates, b out-major
@@ -169,6 +170,12 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  verify_api)  # the api's verify with verify_rows_min_tiles: GPU tests through the api, then the pair table
+    step pytest_verify_api 230 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py \
+      -k "kernels_on_gpu"
+    step bench_verify_pair 200 python3 bench/kda_verify.py --no-check --no-variants --iters 10 \
+      --cases 64:12:8,64:6:4,8:12:8,8:6:4 --out "$work"
     ;;
   verify_rows)  # verify's rows path: GPU tests, then verify alone against the api and XLA (+ ptxas register counts)
     step pytest_verify_rows 200 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py -k rows_verify

@@ -497,13 +497,15 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     # verify stages whole tiles: a decode-only entry comes back as whole-tile TMA, without decode-only keys
     got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)))
     assert got["tma"] is True and "k_chunk" not in got and "warpgroups" not in got
-    # unless the tuning says "verify_rows": then verify keeps a rows entry (with its k_chunk), commit does not
-    tuning["verify_rows"] = True
-    got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)))
-    assert (got["tma"], got["k_chunk"]) == ("rows", 16) and "keep_slices" not in got
-    got = verify_kernel.pick_launch(tuning, jnp.zeros((64, 4, 3, 96, 8)), split=False)
-    assert got["tma"] is True and "k_chunk" not in got
-    assert verify_kernel.pick_launch(tuning, jnp.zeros((8, 4, 3, 12, 8)))["tma"] is True  # "chunked": decode's
+    # from "verify_rows_min_tiles" tiles on, verify takes its own rows path (k_chunk 32) whatever decode's entry;
+    # commit never does
+    tuning["verify_rows_min_tiles"] = 13
+    for B, H in [(1, 13), (8, 12), (64, 96)]:
+        got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)))
+        assert (got["tma"], got["k_chunk"]) == ("rows", 32) and "keep_slices" not in got, (B, H, got)
+        got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)), split=False)
+        assert got["tma"] in (False, True) and "k_chunk" not in got, (B, H, got)
+    assert verify_kernel.pick_launch(tuning, jnp.zeros((1, 4, 3, 12, 8)))["tma"] is False  # 5-64 tiles: ldg
 
 
 def test_api_body_runs_its_tuning():

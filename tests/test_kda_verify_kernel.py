@@ -136,6 +136,25 @@ def test_bodies_run_their_tuning(arch):
 
 
 @cpu_only
+def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
+    """From tuning's verify_rows_min_tiles B*H tiles on (here 2), the sm90 body's verify runs the rows path."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.kda_decode import bodies, sm90, verify_kernel
+    ran = []
+    steps_rows = verify_kernel._steps_rows
+    monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
+    x = make_inputs(rng(), 1, 2, 128, jnp.float32, T=2)  # T = 2: no other test's trace to reuse
+    ops = bodies.entry_points(dict(sm90.TUNING, verify_rows_min_tiles=2))
+    with abstract_gpu("sm90"):
+        y, data = ops.kda_verify(*args_of(x), interpret=plgpu.InterpretGPUParams())
+    assert ran
+    y_want, data_want = reference.kda_verify(*args_of(x))
+    assert_close(y, y_want, **TOL["f32"], what="y")
+    assert_commit_data_close(data, data_want, "f32")
+
+
+@cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tma, v_split, gather", [(tma, v, g) for tma in (False, True)
                                                    for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))]

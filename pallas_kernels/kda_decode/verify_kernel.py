@@ -44,17 +44,18 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 
 def pick_launch(tuning, qkv_BT3HK, split=True):
-    """kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are), without the
-    per-slice TMA ("chunked", and "rows" unless tuning has "verify_rows") and the split over warpgroups, which
-    only the decode kernel has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops
-    the cluster split of V and the rows path, which only decode and verify have."""
+    """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (_steps_rows, k_chunk 32).
+    Otherwise kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are),
+    without the per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel
+    has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V
+    and the rows path, which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
-    rows = split and launch["tma"] == "rows" and tuning.get("verify_rows", False)  # verify's own rows path
-    launch["tma"] = "rows" if rows else bool(launch["tma"])
-    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys (k_chunk also verify's, with rows)
-        if not (rows and key == "k_chunk"):
-            launch.pop(key, None)
+    if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
+        return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32)
+    launch["tma"] = bool(launch["tma"])
+    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
+        launch.pop(key, None)
     if not split:
         del launch["v_split"], launch["gather"]
     return launch
