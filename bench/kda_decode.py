@@ -14,8 +14,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
 `--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
 `--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
-OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json;
-`--v4 OUT`: the rows path's per-row scalars 4 per ld.shared.v4 -> OUT/kda_row_loads_v4.json.
+OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -229,13 +228,6 @@ KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
 STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
     f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
-# The per-row scalars (e k̂, e q̂, e, beta k̂) 4 per ld.shared.v4 instead of one broadcast load each
-# (kernel._row_scalars): a quarter of the rows path's SMEM-pipe issues. Also at 48 and 96 tiles, where the
-# split and the warpgroups run now and the rows path lost with scalar loads (kda_rows.json).
-V4_VARIANTS = {"rows keep3 st.global": rows_fn(keep_slices=3, row_stores="global"),
-               "rows keep3 st.global v4": rows_fn(keep_slices=3, row_stores="global", row_loads="v4"),
-               "rows keep0 v4": rows_fn(row_loads="v4")}
-V4_SHAPES = [(64, 6), (64, 12), (8, 96), (8, 12), (8, 6)]
 
 
 def main_rows_canary():
@@ -604,7 +596,6 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
     "--gates": lambda out: pathlib.Path(out, "kda_gates_out_major.json").write_text(
         json.dumps(gates_cases(shapes=GATE_SHAPES_OUT_MAJOR), indent=1)),
-    "--v4": lambda out: main_variants(out, (), V4_SHAPES, "kda_row_loads_v4", extra=V4_VARIANTS),
     "--gates96": lambda out: pathlib.Path(out, "kda_gates_96.json").write_text(
         json.dumps(gates_cases(shapes=GATE_SHAPES_96), indent=1)),
 }

@@ -371,30 +371,6 @@ def test_kernel_keeps_idle_sequences(tma, split):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@cpu_only
-def test_row_loads_v4_lower_for_cuda():
-    """row_loads="v4" puts ld.shared.v4.f32 into the rows paths' code (decode and verify) at real shapes, and
-    "scalar" does not; interpret mode, which has no inline PTX, runs them as scalar loads (the tests above)."""
-    from pallas_kernels.kda_decode import kernel, verify_kernel
-    r = rng()
-    x, xt = make_inputs(r, 64, 6, 128, jnp.bfloat16), make_inputs(r, 64, 12, 128, jnp.bfloat16, T=8)
-    texts = {}
-    for loads in kernel.ROW_LOADS:
-        f = _variant("sm90", "rows", keep_slices=3, row_stores="global", row_loads=loads)
-        v = functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=_layout("sm90"), tma="rows",
-                              row_loads=loads)
-        with abstract_gpu("sm90"):
-            texts[loads] = [jax.jit(g).trace(*args_of(a)).lower(lowering_platforms=("cuda",)).as_text()
-                            for g, a in ((f, x), (v, xt))]
-    assert all("ld.shared.v4.f32" in t for t in texts["v4"])
-    assert not any("ld.shared.v4.f32" in t for t in texts["scalar"])
-
-
-def _layout(arch):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    return getattr(plgpu.Layout, _body(arch).TUNING["layout"])
-
-
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_gates_reference_matches_numpy(dtype):
     r = rng()
@@ -618,21 +594,19 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("k_chunk, keep, stores, loads", [
-    (16, 0, "tma", "scalar"), (32, 0, "tma", "scalar"), (64, 0, "tma", "scalar"), (32, 1, "tma", "scalar"),
-    (32, 2, "tma", "scalar"), (32, 3, "tma", "scalar"), (32, 4, "tma", "scalar"), (32, 0, "global", "scalar"),
-    (32, 2, "global", "scalar"), (32, 3, "global", "scalar"), (32, 3, "global", "v4"), (16, 0, "tma", "v4")])
-def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, stores, loads):
+@pytest.mark.parametrize("k_chunk, keep, stores", [(16, 0, "tma"), (32, 0, "tma"), (64, 0, "tma"), (32, 1, "tma"),
+                                                   (32, 2, "tma"), (32, 3, "tma"), (32, 4, "tma"),
+                                                   (32, 0, "global"), (32, 2, "global"), (32, 3, "global")])
+def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, stores):
     """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
-    passes; loads: the per-row scalars one by one or 4 per ld.shared.v4), at real shapes, with idle
-    sequences."""
+    passes), at real shapes, with idle sequences."""
     from pallas_kernels.kda_decode import kernel
     r = rng()
     x = make_inputs(r, B, H, 128, DTYPES[dtype])
     active = idle_mask(r, B) if B > 1 else None
     want = jax.jit(reference.kda_decode)(*args_of(x), active)
     f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
-                          k_chunk=k_chunk, keep_slices=keep, row_stores=stores, row_loads=loads)
+                          k_chunk=k_chunk, keep_slices=keep, row_stores=stores)
     got = jax.jit(f)(*args_of(x), active)
     if active is None:
         for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):

@@ -253,16 +253,14 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("loads", ["scalar", "v4"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H, T", [(1, 6, 4), (8, 12, 8), (64, 6, 4), (64, 12, 8)])
-def test_rows_verify_on_gpu_matches_reference(B, H, T, dtype, loads):
-    """verify's rows path (the tile in registers, a column per thread, for all T steps) at real shapes; loads:
-    the per-row scalars one by one or 4 per ld.shared.v4."""
+def test_rows_verify_on_gpu_matches_reference(B, H, T, dtype):
+    """verify's rows path (the tile in registers, a column per thread, for all T steps) at real shapes."""
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype], T=T)
     y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
     verify, _ = _kernels("sm90", "rows")
-    y, data = jax.jit(functools.partial(verify, row_loads=loads))(*args_of(x))
+    y, data = jax.jit(verify)(*args_of(x))
     assert_close(y, y_want, **TOL[dtype], what="y")
     assert_commit_data_close(data, data_want, dtype)
 

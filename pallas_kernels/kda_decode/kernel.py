@@ -24,14 +24,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
 from jax._src.pallas.mosaic_gpu.helpers import inline_ptx as _inline_ptx  # jax's own; not exported in 0.11.2
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
@@ -82,9 +78,8 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
-ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores", "row_loads")  # launch keys of tma="rows" only
+ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores")  # launch keys of tma="rows" only (see _recurrence_rows)
 ROW_STORES = ("tma", "global")
-ROW_LOADS = ("scalar", "v4")  # how the rows path broadcasts its per-row scalars (_row_scalars)
 
 
 def pick_launch(tuning, qkv_B3HK):
@@ -98,8 +93,7 @@ def pick_launch(tuning, qkv_B3HK):
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma",
-          row_loads="scalar"):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma"):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -224,7 +218,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     with jax.named_scope("recurrence"):
         if k_rows:
             _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices,
-                             stores=row_stores, loads=row_loads if on_gpu else "scalar")
+                             stores=row_stores)
         else:
             _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
                         v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
@@ -389,31 +383,7 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _row_scalars(row_ref, start, n, loads="scalar"):
-    """row_ref[start:start + n] (an fp32 SMEM row) as n values every thread holds, for the rows paths' per-row
-    factors. "scalar": one broadcast ld.shared.f32 each. "v4": one ld.shared.v4.f32 per 4 (start and n multiples
-    of 4, the row 16-byte aligned), a quarter of the SMEM-pipe issues; Mosaic GPU emits scalar loads for
-    pointers it builds by inttoptr, so LLVM cannot prove the alignment to merge them itself. GPU only (inline
-    PTX): interpret mode takes "scalar"."""
-    if loads == "scalar":
-        return [row_ref[start + j] for j in range(n)]
-    V = 128  # the splat's nominal shape: it multiplies [V] rows, thread t owning column t
-    out = []
-    for j in range(start, start + n, 4):
-        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                           return_type=[plgpu.ShapeDtypeStruct((V,), F32, layout=plgpu.Layout.WG_SPLAT((V,)))] * 4)
-        def ld_v4(_, ref):
-            f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-            addr = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
-            got = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), [addr],
-                                  "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r")
-            return [mgpu.FragmentedArray.splat(llvm.extractvalue(f32, got, [i]), (V,)) for i in range(4)]
-        out += ld_v4(row_ref.at[pl.ds(j, 4)])
-    return out
-
-
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma",
-                     loads="scalar"):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma"):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
@@ -423,13 +393,12 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
     stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
     row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
-    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays.
-    loads: how the per-row scalars are broadcast (_row_scalars)."""
+    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
-    def sliced(c, i):  # row i of vec_smem for slice c's state rows, as values every thread holds
-        return _row_scalars(vec_smem.at[i], c * rows, rows, loads)
+    def sliced(c, i):  # row i of vec_smem for slice c's state rows, as scalars (one broadcast load each)
+        return [vec_smem[i, c * rows + j] for j in range(rows)]
 
     kd_sum = qd_sum = None
     for c in range(n):
@@ -477,8 +446,7 @@ _STATIC = ("eps", "tile_layout", "v_chunk", *ROWS_KEYS, "tma", "v_split", "gathe
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma",
-           row_loads="scalar"):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma"):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -503,15 +471,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores,
-                   row_loads=row_loads)
+                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 keep_slices=0, row_stores="tma", row_loads="scalar"):
+                 keep_slices=0, row_stores="tma"):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
@@ -525,12 +492,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores, row_loads=row_loads)
+                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma", row_loads="scalar"):
+            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma"):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -551,9 +518,8 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
                                   f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
                                   f"k_chunk={k_chunk}, K={K}, V={V}")
-    if row_stores not in ROW_STORES or row_loads not in ROW_LOADS:
-        raise NotImplementedError(f"row_stores={row_stores!r}, row_loads={row_loads!r}: one of {ROW_STORES}, "
-                                  f"{ROW_LOADS}")
+    if row_stores not in ROW_STORES:
+        raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
@@ -574,8 +540,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores,
-                             row_loads=row_loads)
+                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":

@@ -52,8 +52,7 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
-        return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32,
-                    row_loads=tuning.get("verify_row_loads", "scalar"))
+        return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32)
     launch["tma"] = bool(launch["tma"])
     for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
@@ -87,8 +86,7 @@ def _bcaster(tile_layout, K, v_chunk):
 _KD, _QD, _DECAY, _BK, _V, _O, _DELTA = range(7)
 
 
-def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True, k_rows=0,
-                 row_loads="scalar"):
+def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True, k_rows=0):
     """Inputs qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y and the commit data
     (k̂, decay, beta, delta) (+ o_xchg with v_split and gmem); scratch vec_smem, gain_smem (+ the cluster
     barrier with v_split) (+ TMA tile and barrier). With v_split, CTA s runs the T steps on its columns and
@@ -186,7 +184,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # The T steps (§4.4) on each column piece of the tile, the next piece's read in flight meanwhile. A loop
     # over tokens, not unrolled: the code stays the size of the decode kernel's.
     if k_rows:
-        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype, row_loads if fences else "scalar")
+        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype)
     else:
         wait_state()
         if tma_scratch:
@@ -215,13 +213,12 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         norm_rows()
 
 
-def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype, loads="scalar"):
+def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype):
     """The T steps with thread t owning state column t (kernel._recurrence_rows' layout): the whole tile, one
     [V] row per key channel, stays in registers (K of them) from the first step to the last, and both
     K-reductions of a step are sums inside each thread over scalars broadcast from SMEM: no shuffles, no
     cross-warp barriers, where the column-piece path pays two cross-warp reductions per token per piece.
-    The sums run one chain per slice (independent FMA chains), as kernel._recurrence_rows does. loads: how the
-    per-row scalars are broadcast (kernel._row_scalars), a slice's worth at a time."""
+    The sums run one chain per slice (independent FMA chains), as kernel._recurrence_rows does."""
     n, rows = tile_smem.shape[:2]
     T = vec_smem.shape[0]
     S = []
@@ -229,16 +226,12 @@ def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype, loads="scalar")
         plgpu.barrier_wait(tile_bar.at[c])
         S += [tile_smem.at[c, j][...] for j in range(rows)]
 
-    def sliced(t, i, c):  # vec_smem[t, i] at slice c's rows, as values every thread holds
-        return kernel._row_scalars(vec_smem.at[t, i], c * rows, rows, loads)
-
     def reduced(t, i):  # Sᵀ vec_smem[t, i] as one partial sum per slice, then their total
         parts = []
         for c in range(n):
-            w = sliced(t, i, c)
-            acc = S[c * rows] * w[0]
-            for j in range(1, rows):
-                acc = acc + S[c * rows + j] * w[j]
+            acc = S[c * rows] * vec_smem[t, i, c * rows]
+            for j in range(c * rows + 1, (c + 1) * rows):
+                acc = acc + S[j] * vec_smem[t, i, j]
             parts.append(acc)
         return functools.reduce(lambda a, p: a + p, parts)
 
@@ -247,8 +240,7 @@ def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype, loads="scalar")
         vec_smem.at[t, _O][...] = (reduced(t, _QD) + gain_smem[t] * delta).astype(dtype).astype(F32)
         vec_smem.at[t, _DELTA][...] = delta
         if t + 1 < T:  # the last token's state is never needed: verify leaves S as it was
-            S = [s * e + k * delta for c in range(n)
-                 for s, e, k in zip(S[c * rows:(c + 1) * rows], sliced(t, _DECAY, c), sliced(t, _BK, c), strict=True)]
+            S = [S[j] * vec_smem[t, _DECAY, j] + vec_smem[t, _BK, j] * delta for j in range(len(S))]
 
 
 def _tma_scratch(tma, K, V, k_chunk=32):
@@ -273,14 +265,13 @@ def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=12
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather",
-                                             "interpret", "k_chunk", "row_loads"))
+                                             "interpret", "k_chunk"))
 def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None,
-           k_chunk=32, row_loads="scalar"):
+           k_chunk=32):
     """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
     cluster split of V (the T steps on a CTA's columns are the serial chain it shortens). tma="rows": the tile
-    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows; row_loads:
-    kernel._row_scalars)."""
+    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows)."""
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
     _check_chunk(V, v_chunk, tma, v_split, gather, interpret, K, k_chunk)
@@ -298,7 +289,7 @@ def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_
     kernel_fn = plgpu.kernel(
         functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype,
                           v_split=v_split, gather=gather, fences=interpret is None,
-                          k_rows=k_chunk if tma == "rows" else 0, row_loads=row_loads),
+                          k_rows=k_chunk if tma == "rows" else 0),
         out_type=tuple(out_type),
         scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split, k_chunk)],
         grid=(B, H), grid_names=("b", "h"), **cluster,
