@@ -38,7 +38,8 @@ def parse_args(argv=None):
                         "the api and XLA verify at the few-tile shapes -> kda_verify_split.json")
     p.add_argument("--rows", action="store_true",
                    help="time only verify's rows path (the tile in registers, a column per thread, all T steps) "
-                        "against the api and XLA verify -> kda_verify_rows.json")
+                        "against the api and XLA verify -> kda_verify_rows.json (or --name)")
+    p.add_argument("--name", default="kda_verify_rows", help="--rows: the result file's name")
     p.add_argument("--no-variants", action="store_true",
                    help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)")
     return p.parse_args(argv)
@@ -109,13 +110,14 @@ def main_split(opts):
 
 
 def main_rows(opts):
-    """Verify alone: the rows path (k_chunk 16 and 32) against the api's launch and XLA. CUPTI, median of
+    """Verify alone: the rows path (k_chunk 32; the key rows on 1 or 2 warpgroups) against the api's launch and
+    XLA. CUPTI, median of
     opts.iters; % of HBM from verify's bytes (the state read once, the inputs, y and the commit data)."""
     ref_v = jax.jit(reference.kda_verify)
     fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v}
-    for k_chunk in (32, 16):
-        fns[f"rows k{k_chunk}"] = jax.jit(functools.partial(
-            verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows", k_chunk=k_chunk))
+    for wgs in (1, 2):  # k_chunk 16 measured 1-7% slower than 32 (kda_verify_rows.json, twelfth session)
+        fns["rows k32" + ("" if wgs == 1 else f" wg{wgs}")] = jax.jit(functools.partial(
+            verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows", warpgroups=wgs))
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
                    measure=f"CUPTI device time of verify, median of {opts.iters}", rows=[])
@@ -129,7 +131,7 @@ def main_rows(opts):
                    **time_variants(fns, args, want, max_err, iters=opts.iters))
         results["rows"].append(row)
         print(row, flush=True)
-        pathlib.Path(opts.out, "kda_verify_rows.json").write_text(json.dumps(results, indent=1))
+        pathlib.Path(opts.out, f"{opts.name}.json").write_text(json.dumps(results, indent=1))
 
 
 def main(opts):

@@ -502,10 +502,12 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     tuning["verify_rows_min_tiles"] = 13
     for B, H in [(1, 13), (8, 12), (64, 96)]:
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)))
-        assert (got["tma"], got["k_chunk"]) == ("rows", 32) and "keep_slices" not in got, (B, H, got)
+        assert (got["tma"], got["k_chunk"], got["warpgroups"]) == ("rows", 32, 1) and "keep_slices" not in got
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)), split=False)
         assert got["tma"] in (False, True) and "k_chunk" not in got, (B, H, got)
     assert verify_kernel.pick_launch(tuning, jnp.zeros((1, 4, 3, 12, 8)))["tma"] is False  # 5-64 tiles: ldg
+    tuning["verify_rows_warpgroups"] = 2
+    assert verify_kernel.pick_launch(tuning, jnp.zeros((8, 4, 3, 12, 8)))["warpgroups"] == 2
 
 
 def test_api_body_runs_its_tuning():
