@@ -38,9 +38,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for a 30-minute session (one machine kind at a time: a switch restarts the machine): next11 runs
-# kda_reference, kda_keep and sublayer_profile in one call (~10 min) (bench/NOTES.md, "Queued for the next device session", says what each should show).
-# Everything else has run.
+# Order for the next session (one machine kind at a time: a switch restarts the machine): verify_wg2 first
+# (~6 min; bench/NOTES.md, KDA "Twelfth session", says what it should show). Everything else has run.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}

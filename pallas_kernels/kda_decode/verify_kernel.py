@@ -19,6 +19,10 @@ the conv window slides by the accepted inputs.
 
 Both keep kernel.py's launch choices: the tile straight HBM <-> registers by ld/st.global (the next piece's read
 in flight), or (tma=True) staged whole through 64 KiB of swizzled SMEM by one TMA load issued at kernel start.
+Verify also has its own rows path (tma="rows", _steps_rows; the api's from tuning.json "verify_rows_min_tiles"
+tiles on): one TMA per 32 key rows, then the whole tile in registers with thread t owning state column t for
+all T steps, so both K-reductions are sums inside a thread, no cross-warp reductions (2.0-2.5x the column
+pieces from 96 tiles on, H200); optionally its key rows over 2 warpgroups (warpgroups=2).
 """
 
 import functools
