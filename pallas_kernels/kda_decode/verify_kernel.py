@@ -199,8 +199,9 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
             vec_smem.at[t, _DELTA, cols][...] = delta_C
         return S_KC * rows(t, _DECAY) + rows(t, _BK) * bcast(delta_C, 1)  # unused after the last token
 
-    # The T steps (§4.4) on each column piece of the tile, the next piece's read in flight meanwhile. A loop
-    # over tokens, not unrolled: the code stays the size of the decode kernel's.
+    # The T steps (§4.4): the rows path unrolls them on the tile it holds in registers; otherwise on each column
+    # piece of the tile, the next piece's read in flight meanwhile, in a loop over tokens, not unrolled (the
+    # code stays the size of the decode kernel's).
     if k_rows:
         _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype, w=w, red=red, lead=lead)
     else:
