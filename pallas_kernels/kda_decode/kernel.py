@@ -386,6 +386,19 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
+def _meet_halves(red_W2V, bar, w, kd, qd):
+    """The rows paths over W warpgroups (WG w holding a share of the key rows): each WG's partial sums of both
+    K-reductions out to red_W2V, one barrier, then all W back, added in the same order by every WG, so each
+    holds the same totals (and so the same delta for its share of the update)."""
+    red_W2V.at[w, 0][...] = kd
+    red_W2V.at[w, 1][...] = qd
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    W = red_W2V.shape[0]
+    return tuple(functools.reduce(lambda a, u: a + red_W2V.at[u, i][...], range(1, W), red_W2V.at[0, i][...])
+                 for i in (0, 1))
+
+
 def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma", w=0,
                      k_xchg=None):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
@@ -423,14 +436,8 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
         qd_sum = part_q if qd_sum is None else qd_sum + part_q
         if c >= n - keep:
             held[c] = S_c
-    if k_xchg is not None:  # the halves meet: each WG's partials out, the barrier, all of them back
-        red, bar = k_xchg
-        red.at[w, 0][...] = kd_sum
-        red.at[w, 1][...] = qd_sum
-        plgpu.barrier_arrive(bar)
-        plgpu.barrier_wait(bar)
-        kd_sum, qd_sum = (functools.reduce(lambda a, u: a + red.at[u, i][...], range(1, W), red.at[0, i][...])
-                          for i in (0, 1))
+    if k_xchg is not None:
+        kd_sum, qd_sum = _meet_halves(*k_xchg, w, kd_sum, qd_sum)
     delta = vec_smem.at[4][...] - kd_sum
 
     def put_o():

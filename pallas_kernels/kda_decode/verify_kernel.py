@@ -264,14 +264,8 @@ def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype, w=0, red=None, 
 
     for t in range(T):
         kd, qd = reduced(t, _KD), reduced(t, _QD)
-        if red is not None:  # the halves meet: each WG's partials out, the token's barrier, all of them back
-            red_smem, red_bar = red
-            red_smem.at[t, w, 0][...] = kd
-            red_smem.at[t, w, 1][...] = qd
-            plgpu.barrier_arrive(red_bar.at[t])
-            plgpu.barrier_wait(red_bar.at[t])
-            kd, qd = (functools.reduce(lambda a, u: a + red_smem.at[t, u, i][...], range(1, W),
-                                       red_smem.at[t, 0, i][...]) for i in (0, 1))
+        if red is not None:  # the halves meet, behind this token's own barrier
+            kd, qd = kernel._meet_halves(red[0].at[t], red[1].at[t], w, kd, qd)
         delta = vec_smem.at[t, _V][...] - kd
 
         def put(t=t, qd=qd, delta=delta):
