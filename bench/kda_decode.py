@@ -435,6 +435,14 @@ def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
     return rows
 
 
+def write_gates(out_dir, name, rows):
+    """gates_cases' rows with the machine, jax version and method, -> OUT/<name>.json."""
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
+                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=rows)
+    pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+
+
 def api_tuning():
     return json.loads((pathlib.Path(kernel.__file__).parent / "tuning.json").read_text())
 
@@ -594,18 +602,15 @@ def main_cold(out_dir, shapes=SHAPES):
 MODES = {  # flag -> what it runs with the flag's argument (see the module docstring)
     "--cold": main_cold, "--split": main_split, "--split-canary": main_split_canary, "--wg": main_variants,
     "--idle": main_idle, "--red-scratch": main_red_scratch, "--fla": main_fla,
-    "--gates-wg": lambda out: pathlib.Path(out, "kda_gates_wg.json").write_text(
-        json.dumps(gates_cases(warpgroups=(1, 2)), indent=1)),
+    "--gates-wg": lambda out: write_gates(out, "kda_gates_wg", gates_cases(warpgroups=(1, 2))),
     "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
-    "--gates": lambda out: pathlib.Path(out, "kda_gates_out_major.json").write_text(
-        json.dumps(gates_cases(shapes=GATE_SHAPES_OUT_MAJOR), indent=1)),
+    "--gates": lambda out: write_gates(out, "kda_gates_out_major", gates_cases(shapes=GATE_SHAPES_OUT_MAJOR)),
     "--rows-wg2": lambda out: main_variants(out, (), WG2_SHAPES, "kda_rows_wg2", extra=WG2_VARIANTS),
-    "--gates96": lambda out: pathlib.Path(out, "kda_gates_96.json").write_text(
-        json.dumps(gates_cases(shapes=GATE_SHAPES_96), indent=1)),
+    "--gates96": lambda out: write_gates(out, "kda_gates_96", gates_cases(shapes=GATE_SHAPES_96)),
 }
 
 if __name__ == "__main__":
