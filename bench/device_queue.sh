@@ -18,7 +18,6 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
-#   bash bench/device_queue.sh wg2           # nvidia-h200: the rows paths over 2 warpgroups (next session)
 #   bash bench/device_queue.sh verify_api    # nvidia-h200: the api's verify (rows from 13 tiles): tests, pair table
 #   bash bench/device_queue.sh verify_rows   # nvidia-h200: verify with the tile in registers a column per thread
 #   bash bench/device_queue.sh next12b       # nvidia-h200: fused gates at B = 64 and 96 heads, the sublayer
@@ -38,8 +37,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Order for the next session (one machine kind at a time: a switch restarts the machine): wg2 first
-# (~9 min; bench/NOTES.md, KDA "Twelfth session", says what it should show). Everything else has run.
+# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
+# at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -170,13 +169,6 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
-    ;;
-  wg2)  # the thirteenth session's first: the rows paths (verify, decode) with each tile's key rows over 2 warpgroups
-    step pytest_wg2 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py \
-      tests/test_kda_decode.py -k "(rows_verify_on_gpu and -2]) or (rows_over_warpgroups_on_gpu and bf16)"
-    step bench_verify_wg2 180 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_verify.py --rows \
-      --name kda_verify_rows_wg2 --iters 20 --cases 64:12:8,64:6:4,8:96:4,8:12:8,8:12:4,1:6:4,1:6:8 --out "$work"
-    step bench_decode_wg2 150 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/kda_decode.py --rows-wg2 "$work"
     ;;
   verify_api)  # the api's verify with verify_rows_min_tiles: GPU tests through the api, then the pair table
     step pytest_verify_api 230 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py \

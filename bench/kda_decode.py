@@ -14,8 +14,7 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
 `--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
 `--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
-OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json;
-`--rows-wg2 OUT`: the rows path with each tile's key rows over 2 warpgroups -> OUT/kda_rows_wg2.json.
+OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
 """
 
@@ -229,12 +228,6 @@ KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
 STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
     f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
-# Each tile's key rows over 2 warpgroups (kernel._recurrence_rows with k_xchg): ~64 fewer registers per
-# thread and twice the warps per tile, for one SMEM exchange of the reductions' halves; from 48 tiles up.
-WG2_VARIANTS = {"rows keep3 st.global": rows_fn(keep_slices=3, row_stores="global"),
-                "rows wg2": rows_fn(warpgroups=2),
-                "rows wg2 keep3 st.global": rows_fn(warpgroups=2, keep_slices=3, row_stores="global")}
-WG2_SHAPES = [(64, 6), (64, 12), (8, 96), (8, 12), (8, 6), (1, 6)]
 
 
 def main_rows_canary():
@@ -609,7 +602,6 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
     "--gates": lambda out: write_gates(out, "kda_gates_out_major", gates_cases(shapes=GATE_SHAPES_OUT_MAJOR)),
-    "--rows-wg2": lambda out: main_variants(out, (), WG2_SHAPES, "kda_rows_wg2", extra=WG2_VARIANTS),
     "--gates96": lambda out: write_gates(out, "kda_gates_96", gates_cases(shapes=GATE_SHAPES_96)),
 }
 

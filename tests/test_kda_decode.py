@@ -350,8 +350,6 @@ def test_api_refuses_qkv_without_three_streams():
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
                                         ("rows", dict(keep_slices=3)),
                                         ("rows", dict(keep_slices=2, row_stores="global")),
-                                        ("rows", dict(warpgroups=2, keep_slices=3, row_stores="global")),
-                                        ("rows", dict(warpgroups=2)),
                                         ("chunked", dict(warpgroups=2)),
                                         (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
@@ -504,12 +502,10 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     tuning["verify_rows_min_tiles"] = 13
     for B, H in [(1, 13), (8, 12), (64, 96)]:
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)))
-        assert (got["tma"], got["k_chunk"], got["warpgroups"]) == ("rows", 32, 1) and "keep_slices" not in got
+        assert (got["tma"], got["k_chunk"]) == ("rows", 32) and "keep_slices" not in got, (B, H, got)
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)), split=False)
         assert got["tma"] in (False, True) and "k_chunk" not in got, (B, H, got)
     assert verify_kernel.pick_launch(tuning, jnp.zeros((1, 4, 3, 12, 8)))["tma"] is False  # 5-64 tiles: ldg
-    tuning["verify_rows_warpgroups"] = 2
-    assert verify_kernel.pick_launch(tuning, jnp.zeros((8, 4, 3, 12, 8)))["warpgroups"] == 2
 
 
 def test_api_body_runs_its_tuning():
@@ -524,11 +520,11 @@ def test_api_body_runs_its_tuning():
 
 @pytest.mark.parametrize("launch", [dict(v_split=3), dict(v_split=8, tma=True), dict(v_split=4, gather="dsmem"),
                                     dict(v_split=4, gather="tmem"), dict(tma="rows", v_split=2),
-                                    dict(tma="rows", warpgroups=3), dict(tma="rows", k_chunk=48),
+                                    dict(tma="rows", warpgroups=2), dict(tma="rows", k_chunk=48),
                                     dict(tma="columns")])
 def test_kernel_refuses_impossible_launches(launch):
-    """Splits that do not tile V into whole chunks, row slices that do not tile K or that the warpgroups cannot
-    share evenly (4 slices over 3), unknown stagings, and gathers interpret mode cannot run, refuse up front."""
+    """Splits that do not tile V into whole chunks, row slices that do not tile K or share a tile between
+    warpgroups, unknown stagings, and gathers interpret mode cannot run, refuse up front."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
@@ -617,21 +613,6 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, store
             assert_close(a, b, **TOL[dtype], what=name)
     else:
         assert_idle_kept(got, want, x, active, TOL[dtype])
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("keep, stores", [(0, "tma"), (3, "global")])
-def test_rows_over_warpgroups_on_gpu_matches_reference(B, H, dtype, keep, stores):
-    """The rows path with each tile's key rows over 2 warpgroups (the K-reductions' halves meeting in SMEM),
-    at real shapes, with idle sequences."""
-    r = rng()
-    x = make_inputs(r, B, H, 128, DTYPES[dtype])
-    active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
-    want = jax.jit(reference.kda_decode)(*args_of(x), active)
-    f = _variant("sm90", "rows", warpgroups=2, keep_slices=keep, row_stores=stores)
-    assert_idle_kept(jax.jit(f)(*args_of(x), active), want, x, active, TOL[dtype])
 
 
 @gpu_only

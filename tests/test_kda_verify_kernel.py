@@ -136,23 +136,6 @@ def test_bodies_run_their_tuning(arch):
 
 
 @cpu_only
-@pytest.mark.parametrize("arch, dtype, T", [("sm90", "f32", 1), ("sm90", "bf16", 8), ("sm100", "f32", 3)])
-def test_rows_verify_over_warpgroups_interpret(arch, dtype, T):
-    """verify's rows path with the tile's key rows split over 2 warpgroups (the K-reductions' halves meeting in
-    SMEM per token) == XLA verify, race-free, in interpret mode."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-    x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype], T=T)
-    verify, _ = _kernels(arch, "rows", plgpu.InterpretGPUParams(detect_races=True))
-    with abstract_gpu(arch):
-        y, data = verify(*args_of(x), warpgroups=2)
-    assert not get_races().races_found
-    y_want, data_want = reference.kda_verify(*args_of(x))
-    assert_close(y, y_want, **TOL[dtype], what="y")
-    assert_commit_data_close(data, data_want, dtype)
-
-
-@cpu_only
 def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
     """From tuning's verify_rows_min_tiles B*H tiles on (here 2), the sm90 body's verify runs the rows path."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -160,7 +143,7 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
     from pallas_kernels.kda_decode import bodies, sm90, verify_kernel
     ran = []
     steps_rows = verify_kernel._steps_rows
-    monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a, **k: ran.append(1) or steps_rows(*a, **k))
+    monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
     x = make_inputs(rng(), 1, 2, 128, jnp.float32, T=2)  # T = 2: no other test's trace to reuse
     ops = bodies.entry_points(dict(sm90.TUNING, verify_rows_min_tiles=2))
     with abstract_gpu("sm90"):
@@ -173,10 +156,10 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, v_split, gather, wgs", [(tma, v, g, 1) for tma in (False, True)
-                                                        for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))]
-                         + [("rows", 1, "gmem", 1), ("rows", 1, "gmem", 2)])
-def test_kernels_lower_for_cuda(arch, tma, v_split, gather, wgs):
+@pytest.mark.parametrize("tma, v_split, gather", [(tma, v, g) for tma in (False, True)
+                                                   for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))]
+                         + [("rows", 1, "gmem")])
+def test_kernels_lower_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU
     (the only CPU check of verify's peer-SMEM gather)."""
     r = rng()
@@ -185,8 +168,7 @@ def test_kernels_lower_for_cuda(arch, tma, v_split, gather, wgs):
     accepted = jnp.asarray(r.integers(0, 9, 8), jnp.int32)
     verify, commit = _kernels(arch, tma, v_split=v_split, gather=gather)
     with abstract_gpu(arch):
-        texts = [jax.jit(functools.partial(verify, warpgroups=wgs)).trace(*args_of(x))
-                 .lower(lowering_platforms=("cuda",)).as_text(),
+        texts = [jax.jit(verify).trace(*args_of(x)).lower(lowering_platforms=("cuda",)).as_text(),
                  jax.jit(commit).trace(x["state"], x["conv"], data, accepted)
                  .lower(lowering_platforms=("cuda",)).as_text()]
     assert all("mosaic_gpu" in t for t in texts)
@@ -271,16 +253,14 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H, T", [(1, 6, 4), (8, 12, 8), (64, 6, 4), (64, 12, 8)])
-def test_rows_verify_on_gpu_matches_reference(B, H, T, dtype, warpgroups):
-    """verify's rows path (the tile in registers, a column per thread, for all T steps; its key rows over 1 or
-    2 warpgroups) at real shapes."""
+def test_rows_verify_on_gpu_matches_reference(B, H, T, dtype):
+    """verify's rows path (the tile in registers, a column per thread, for all T steps) at real shapes."""
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype], T=T)
     y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
     verify, _ = _kernels("sm90", "rows")
-    y, data = jax.jit(functools.partial(verify, warpgroups=warpgroups))(*args_of(x))
+    y, data = jax.jit(verify)(*args_of(x))
     assert_close(y, y_want, **TOL[dtype], what="y")
     assert_commit_data_close(data, data_want, dtype)
 

@@ -116,7 +116,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     vec_all = rest.pop(0)
     xchg_bar = rest.pop(0) if v_split > 1 or warpgroups > 1 else None
     red_all = rest.pop(0) if warpgroups > 1 and on_gpu else None
-    k_xchg = (rest.pop(0), rest.pop(0)) if k_rows and warpgroups > 1 else None  # rows: the K-reductions' halves
     tma_scratch = rest
     b = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -136,10 +135,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
         return s * n_chunks + c if warpgroups > 1 else c
 
     def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
-        if k_rows:  # one TMA per row slice (contiguous in GMEM and SMEM alike); with warpgroups, each its own
-            per_wg = state_ref.shape[-2] // k_rows // warpgroups
-            for i in range(per_wg):
-                c = s * per_wg + i
+        if k_rows:  # one TMA per row slice: row slices are contiguous in GMEM and SMEM alike
+            for c in range(state_ref.shape[-2] // k_rows):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
                                         tile_bar.at[c])
         elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
@@ -221,7 +218,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     with jax.named_scope("recurrence"):
         if k_rows:
             _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices,
-                             stores=row_stores, w=s, k_xchg=k_xchg)
+                             stores=row_stores)
         else:
             _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
                         v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
@@ -386,21 +383,7 @@ def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _meet_halves(red_W2V, bar, w, kd, qd):
-    """The rows paths over W warpgroups (WG w holding a share of the key rows): each WG's partial sums of both
-    K-reductions out to red_W2V, one barrier, then all W back, added in the same order by every WG, so each
-    holds the same totals (and so the same delta for its share of the update)."""
-    red_W2V.at[w, 0][...] = kd
-    red_W2V.at[w, 1][...] = qd
-    plgpu.barrier_arrive(bar)
-    plgpu.barrier_wait(bar)
-    W = red_W2V.shape[0]
-    return tuple(functools.reduce(lambda a, u: a + red_W2V.at[u, i][...], range(1, W), red_W2V.at[0, i][...])
-                 for i in (0, 1))
-
-
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma", w=0,
-                     k_xchg=None):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma"):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
@@ -410,24 +393,19 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
     stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
     row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
-    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays.
-    k_xchg = (SMEM [W, 2, V], barrier) with W warpgroups: WG w (traced) owns the slices of key rows
-    [w K/W, (w+1) K/W) (keep counts its own), the W halves of both K-reductions meet in SMEM behind the barrier
-    and every WG adds them in the same order; WG 0 writes o (verify_kernel._steps_rows does the same)."""
-    n_all, rows = tile_smem.shape[:2]
-    W = 1 if k_xchg is None else k_xchg[0].shape[0]
-    n = n_all // W  # this WG's slices: first .. first + n - 1
-    first = w * n
-    keep = min(keep, n)
+    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays. The key rows
+    split over 2 warpgroups (93-124 registers, 16 warps per SM) were 1.0-3.2 us slower at 384-768 tiles
+    (kda_rows_wg2.json), so too few warps is not what holds this path back; that form was removed."""
+    n, rows = tile_smem.shape[:2]
     held = {}
 
-    def sliced(c, i):  # row i of vec_smem for (local) slice c's state rows, as scalars (one broadcast load each)
-        return [vec_smem[i, (first + c) * rows + j] for j in range(rows)]
+    def sliced(c, i):  # row i of vec_smem for slice c's state rows, as scalars (one broadcast load each)
+        return [vec_smem[i, c * rows + j] for j in range(rows)]
 
     kd_sum = qd_sum = None
     for c in range(n):
-        plgpu.barrier_wait(tile_bar.at[first + c])
-        S_c = [tile_smem.at[first + c, j][...] for j in range(rows)]
+        plgpu.barrier_wait(tile_bar.at[c])
+        S_c = [tile_smem.at[c, j][...] for j in range(rows)]
         kd, qd = sliced(c, 0), sliced(c, 1)
         part_k, part_q = S_c[0] * kd[0], S_c[0] * qd[0]  # per slice, so the slices' chains are independent
         for j in range(1, rows):
@@ -436,26 +414,17 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
         qd_sum = part_q if qd_sum is None else qd_sum + part_q
         if c >= n - keep:
             held[c] = S_c
-    if k_xchg is not None:
-        kd_sum, qd_sum = _meet_halves(*k_xchg, w, kd_sum, qd_sum)
     delta = vec_smem.at[4][...] - kd_sum
-
-    def put_o():
-        vec_smem.at[5][...] = (qd_sum + o_gain * delta).astype(dtype).astype(F32)
-
-    if k_xchg is None:
-        put_o()
-    else:
-        pl.when(w == 0)(put_o)
+    vec_smem.at[5][...] = (qd_sum + o_gain * delta).astype(dtype).astype(F32)
     for c in reversed(range(n)) if keep else range(n):
-        S_c = held.pop(c, None) or [tile_smem.at[first + c, j][...] for j in range(rows)]
+        S_c = held.pop(c, None) or [tile_smem.at[c, j][...] for j in range(rows)]
         decay, bk = sliced(c, 2), sliced(c, 3)
         for j in range(rows):
-            dst = new_state_KV.at[(first + c) * rows + j] if stores == "global" else tile_smem.at[first + c, j]
+            dst = new_state_KV.at[c * rows + j] if stores == "global" else tile_smem.at[c, j]
             dst[...] = S_c[j] * decay[j] + bk[j] * delta
         if stores == "tma":
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[first + c], new_state_KV.at[pl.ds((first + c) * rows, rows)])
+            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
 
 
 def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
@@ -542,15 +511,14 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
                                   f"V={V} (tma={tma})")
     if warpgroups > 1 and (v_split > 1 or tma is True):
         raise NotImplementedError("warpgroups > 1 takes one CTA per tile and per-slice state staging "
-                                  f"(tma False, 'chunked' or 'rows'), got v_split={v_split}, tma={tma}")
+                                  f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
     if tma not in (False, True, "chunked", "rows"):
         raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'rows'")
-    if tma == "rows" and (v_split > 1 or K % k_chunk or (K // k_chunk) % warpgroups or V != 128):
-        raise NotImplementedError(f"tma='rows' takes one CTA per tile (a thread per state column, V = 128; its "
-                                  f"key rows over warpgroups) and k_chunk dividing K into slices the warpgroups "
-                                  f"share evenly, got v_split={v_split}, warpgroups={warpgroups}, "
+    if tma == "rows" and (parts > 1 or K % k_chunk or V != 128):
+        raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
+                                  f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
                                   f"k_chunk={k_chunk}, K={K}, V={V}")
     if row_stores not in ROW_STORES:
         raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
@@ -576,8 +544,6 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
                              idle_mask=active_B is not None, on_gpu=interpret is None,
                              k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
-        if warpgroups > 1:  # the K-reductions' halves and their barrier (_recurrence_rows)
-            scratch += [plgpu.SMEM((warpgroups, 2, V), F32), plgpu.Barrier(num_arrivals=warpgroups)]
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not

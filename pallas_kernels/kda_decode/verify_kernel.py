@@ -22,7 +22,8 @@ in flight), or (tma=True) staged whole through 64 KiB of swizzled SMEM by one TM
 Verify also has its own rows path (tma="rows", _steps_rows; the api's from tuning.json "verify_rows_min_tiles"
 tiles on): one TMA per 32 key rows, then the whole tile in registers with thread t owning state column t for
 all T steps, so both K-reductions are sums inside a thread, no cross-warp reductions (2.0-2.5x the column
-pieces from 96 tiles on, H200); optionally its key rows over 2 warpgroups (warpgroups=2).
+pieces from 96 tiles on, H200). Its key rows split over 2 warpgroups measured 1.3-1.6x slower from 384 tiles
+on (a barrier per token; bench/results/kda_verify_rows_wg2.json) and was removed.
 """
 
 import functools
@@ -48,8 +49,7 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 
 def pick_launch(tuning, qkv_BT3HK, split=True):
-    """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (_steps_rows, k_chunk 32,
-    the key rows over tuning's "verify_rows_warpgroups" warpgroups, default 1).
+    """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (_steps_rows, k_chunk 32).
     Otherwise kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are),
     without the per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel
     has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V
@@ -57,8 +57,7 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
-        return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32,
-                    warpgroups=tuning.get("verify_rows_warpgroups", 1))
+        return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32)
     launch["tma"] = bool(launch["tma"])
     for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
@@ -92,33 +91,23 @@ def _bcaster(tile_layout, K, v_chunk):
 _KD, _QD, _DECAY, _BK, _V, _O, _DELTA = range(7)
 
 
-def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True, k_rows=0,
-                 warpgroups=1):
+def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gmem", fences=True, k_rows=0):
     """Inputs qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w; outputs y and the commit data
     (k̂, decay, beta, delta) (+ o_xchg with v_split and gmem); scratch vec_smem, gain_smem (+ the cluster
     barrier with v_split) (+ TMA tile and barrier). With v_split, CTA s runs the T steps on its columns and
     writes their delta; CTA 0 writes the per-token vectors and, after gathering o as kernel.py does, y.
     k_rows > 0: the tile comes by one TMA per slice of k_rows rows and stays in registers, thread t owning
-    state column t, for all T steps (_steps_rows); with warpgroups W > 1 (rows only) WG w holds key rows
-    [w K/W, (w+1) K/W) and each runs the O(K) prologue for itself (vec_smem and gain_smem [W, ...]); WG 0
-    writes the commit vectors, o, delta and y."""
+    state column t, for all T steps (_steps_rows)."""
     qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:10]
     y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, *rest = refs[10:]
     split = v_split > 1
     o_xchg_ref = rest.pop(0) if split and gather == "gmem" else None
     vec_smem, gain_smem, *rest = rest
     xchg_bar = rest.pop(0) if split else None
-    red = (rest.pop(0), rest.pop(0)) if warpgroups > 1 else None  # the K-reductions' halves, a barrier per token
-    red_all = rest.pop(0) if warpgroups > 1 and fences else None  # each WG's own whole-vector sum scratch
     tma_scratch = rest
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     s = lax.axis_index("s") if split else 0
-    w = lax.axis_index("wg") if warpgroups > 1 else 0
-    if warpgroups > 1:  # each warpgroup's own O(K) vectors
-        vec_smem, gain_smem = vec_smem.at[w], gain_smem.at[w]
-    lead = s == 0 if split else w == 0 if warpgroups > 1 else None  # the one CTA / WG that writes shared outputs
-    total = functools.partial(kernel._sum, scratch=None if red_all is None else red_all.at[w])  # jnp.sum
     T, _, K = vec_smem.shape
     V = state_ref.shape[-1]
     Vs = V // v_split
@@ -140,9 +129,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # traffic (in the decode kernel this took 18.08 -> 16.51 us at 64 x 6; kernel.py)
     if k_rows:
         tile_smem, tile_bar = tma_scratch
-        per_wg = K // k_rows // warpgroups
-        for i in range(per_wg):  # one TMA per row slice (contiguous in GMEM and SMEM alike), each WG its own
-            c = w * per_wg + i
+        for c in range(K // k_rows):  # one TMA per row slice: contiguous in GMEM and SMEM alike
             plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
                                     tile_bar.at[c])
     else:
@@ -157,8 +144,8 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         q, k, v = x
         g = -5.0 * _sigmoid(jnp.exp(a_log) * (f_T[t].astype(F32) + dt_bias))
         beta = _sigmoid(beta_T[t].astype(F32))
-        qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K ** -0.5)
-        kn = k * lax.rsqrt(total(k * k) + 1e-6)
+        qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
+        kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
         decay = jnp.exp(g)
 
         def commit_vectors(t=t, kn=kn, decay=decay, beta=beta):
@@ -166,16 +153,16 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
             decay_ref.at[b, t, h][...] = decay
             beta_out_ref[b, t, h] = beta
 
-        if lead is None:
-            commit_vectors()
+        if split:
+            pl.when(s == 0)(commit_vectors)
         else:
-            pl.when(lead)(commit_vectors)
+            commit_vectors()
         vec_smem.at[t, _KD][...] = decay * kn
         vec_smem.at[t, _QD][...] = decay * qn
         vec_smem.at[t, _DECAY][...] = decay
         vec_smem.at[t, _BK][...] = beta * kn
         vec_smem.at[t, _V][...] = v
-        gain_smem[t] = beta * total(kn * qn)
+        gain_smem[t] = beta * jnp.sum(kn * qn)
 
     bcast = _bcaster(tile_layout, K, v_chunk)
 
@@ -203,7 +190,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # piece of the tile, the next piece's read in flight meanwhile, in a loop over tokens, not unrolled (the
     # code stays the size of the decode kernel's).
     if k_rows:
-        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype, w=w, red=red, lead=lead)
+        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype)
     else:
         wait_state()
         if tma_scratch:
@@ -220,64 +207,46 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         o_src = o_xchg_ref.at[b, :, h] if split and gather == "gmem" else vec_smem.at[:, _O]
         for t in range(T):
             o = o_src.at[t][...]
-            n = o * lax.rsqrt(total(o * o) * (1.0 / K) + eps) * onw
+            n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw
             y_ref.at[b, t, h][...] = (n * _sigmoid(gate_T[t].astype(F32))).astype(dtype)
             if not split:
                 delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
 
     if split:
         kernel._cluster_sync(xchg_bar, fences)
-    if lead is None:
-        norm_rows()
+        pl.when(s == 0)(norm_rows)
     else:
-        pl.when(lead)(norm_rows)
+        norm_rows()
 
 
-def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype, w=0, red=None, lead=None):
+def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype):
     """The T steps with thread t owning state column t (kernel._recurrence_rows' layout): the whole tile, one
     [V] row per key channel, stays in registers (K of them) from the first step to the last, and both
     K-reductions of a step are sums inside each thread over scalars broadcast from SMEM: no shuffles, no
     cross-warp barriers, where the column-piece path pays two cross-warp reductions per token per piece.
-    The sums run one chain per slice (independent FMA chains), as kernel._recurrence_rows does.
-    red = (red_smem [T, W, 2, V], barriers [T]) with W warpgroups: WG w (traced) holds the slices of key rows
-    [w K/W, (w+1) K/W), half the registers each, and per token the W partial sums of both reductions meet in
-    red_smem behind that token's barrier; every WG adds them in the same order, so all hold the same delta. WG
-    `lead` writes o and delta."""
-    n_all, rows = tile_smem.shape[:2]
+    The sums run one chain per slice (independent FMA chains), as kernel._recurrence_rows does."""
+    n, rows = tile_smem.shape[:2]
     T = vec_smem.shape[0]
-    W = 1 if red is None else red[0].shape[1]
-    n = n_all // W  # this WG's slices: w * n .. w * n + n - 1
-    row0 = w * n * rows  # this WG's first key row (traced with W > 1)
     S = []
-    for i in range(n):
-        plgpu.barrier_wait(tile_bar.at[w * n + i])
-        S += [tile_smem.at[w * n + i, j][...] for j in range(rows)]
+    for c in range(n):
+        plgpu.barrier_wait(tile_bar.at[c])
+        S += [tile_smem.at[c, j][...] for j in range(rows)]
 
-    def reduced(t, i):  # Sᵀ vec_smem[t, i] over this WG's rows, one partial sum per slice, then their total
+    def reduced(t, i):  # Sᵀ vec_smem[t, i] as one partial sum per slice, then their total
         parts = []
         for c in range(n):
-            acc = S[c * rows] * vec_smem[t, i, row0 + c * rows]
+            acc = S[c * rows] * vec_smem[t, i, c * rows]
             for j in range(c * rows + 1, (c + 1) * rows):
-                acc = acc + S[j] * vec_smem[t, i, row0 + j]
+                acc = acc + S[j] * vec_smem[t, i, j]
             parts.append(acc)
         return functools.reduce(lambda a, p: a + p, parts)
 
     for t in range(T):
-        kd, qd = reduced(t, _KD), reduced(t, _QD)
-        if red is not None:  # the halves meet, behind this token's own barrier
-            kd, qd = kernel._meet_halves(red[0].at[t], red[1].at[t], w, kd, qd)
-        delta = vec_smem.at[t, _V][...] - kd
-
-        def put(t=t, qd=qd, delta=delta):
-            vec_smem.at[t, _O][...] = (qd + gain_smem[t] * delta).astype(dtype).astype(F32)
-            vec_smem.at[t, _DELTA][...] = delta
-
-        if lead is None:
-            put()
-        else:
-            pl.when(lead)(put)
+        delta = vec_smem.at[t, _V][...] - reduced(t, _KD)
+        vec_smem.at[t, _O][...] = (reduced(t, _QD) + gain_smem[t] * delta).astype(dtype).astype(F32)
+        vec_smem.at[t, _DELTA][...] = delta
         if t + 1 < T:  # the last token's state is never needed: verify leaves S as it was
-            S = [S[j] * vec_smem[t, _DECAY, row0 + j] + vec_smem[t, _BK, row0 + j] * delta for j in range(len(S))]
+            S = [S[j] * vec_smem[t, _DECAY, j] + vec_smem[t, _BK, j] * delta for j in range(len(S))]
 
 
 def _tma_scratch(tma, K, V, k_chunk=32):
@@ -302,41 +271,31 @@ def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=12
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather",
-                                             "interpret", "k_chunk", "warpgroups"))
+                                             "interpret", "k_chunk"))
 def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None,
-           k_chunk=32, warpgroups=1):
+           k_chunk=32):
     """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
     cluster split of V (the T steps on a CTA's columns are the serial chain it shortens). tma="rows": the tile
-    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows);
-    warpgroups > 1 (rows only): the tile's key rows split over that many warpgroups of the CTA."""
+    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows)."""
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
     _check_chunk(V, v_chunk, tma, v_split, gather, interpret, K, k_chunk)
-    if warpgroups > 1 and (tma != "rows" or (K // k_chunk) % warpgroups):
-        raise NotImplementedError(f"warpgroups={warpgroups}: only tma='rows', with the K / k_chunk = "
-                                  f"{K // k_chunk} slices split evenly (tma={tma})")
     dtype = qkv_BT3HK.dtype
     out_type = [jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
                 jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
                 jax.ShapeDtypeStruct((B, T, H, V), F32)]
-    wg = (warpgroups,) if warpgroups > 1 else ()  # each warpgroup's own vectors
-    scratch = [plgpu.SMEM((*wg, T, 7, K), F32), plgpu.SMEM((*wg, T), F32)]
+    scratch = [plgpu.SMEM((T, 7, K), F32), plgpu.SMEM((T,), F32)]
     cluster = {}
     if v_split > 1:
         if gather == "gmem":
             out_type.append(jax.ShapeDtypeStruct((B, T, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
-    if warpgroups > 1:
-        scratch += [plgpu.SMEM((T, warpgroups, 2, V), F32), plgpu.Barrier(num_arrivals=warpgroups, num_barriers=T)]
-        if interpret is None:  # kernel._sum's per-warpgroup scratch (interpret mode needs none)
-            scratch.append(plgpu.SMEM((warpgroups, kernel._RED_SCRATCH), F32))
-        cluster = dict(num_threads=warpgroups, thread_name="wg")
     kernel_fn = plgpu.kernel(
         functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype,
                           v_split=v_split, gather=gather, fences=interpret is None,
-                          k_rows=k_chunk if tma == "rows" else 0, warpgroups=warpgroups),
+                          k_rows=k_chunk if tma == "rows" else 0),
         out_type=tuple(out_type),
         scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split, k_chunk)],
         grid=(B, H), grid_names=("b", "h"), **cluster,
