@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh b64_stream    # nvidia-h200: the decode GEMV at batch 64 with x streamed, the sublayer
 #   bash bench/device_queue.sh verify_api    # nvidia-h200: the api's verify (rows from 13 tiles): tests, pair table
 #   bash bench/device_queue.sh verify_rows   # nvidia-h200: verify with the tile in registers a column per thread
 #   bash bench/device_queue.sh next12b       # nvidia-h200: fused gates at B = 64 and 96 heads, the sublayer
@@ -37,8 +38,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
-# at a time: a switch restarts the machine.
+# Queued: b64_stream (~8 min; bench/NOTES.md, KDA "Thirteenth session, call 2"). One machine kind at a time: a
+# switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -169,6 +170,13 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  b64_stream)  # the decode GEMV at batch 64 with x streamed beside the weights: GPU tests, bench, the B = 64 sublayer
+    step pytest_b64 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "batch_64 or (decode_x_on_gpu and 64-)"
+    step bench_gemv_b64 200 python3 bench/gemv.py --b64-stream "$work"
+    step bench_layer_b64 150 python3 bench/kda_layer.py "$work" --cases 16:64,8:64 --name kda_layer_b64_stream \
+      --gemv-launch '{"max_batch": 64, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": true}'
     ;;
   verify_api)  # the api's verify with verify_rows_min_tiles: GPU tests through the api, then the pair table
     step pytest_verify_api 230 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py \

@@ -1,7 +1,9 @@
 """The decode GEMV (pallas_kernels.gemv) against XLA's out-major GEMV on one GPU, CUPTI device time.
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT
-(`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json)
+(`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json;
+`--b64-stream OUT`: batch 64 with x streamed beside the weights against the best resident launches ->
+OUT/gemv_b64_stream.json)
 Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
 HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
 """
@@ -53,6 +55,14 @@ B64_CONFIGS = [(128, 7, 4, 64), (128, 14, 3, 64), (64, 7, 4, 128), (64, 7, 6, 12
                (128, 7, 2, 128)]
 
 
+# x streamed beside the weights (block_k, split_k, steps, rows, x_stream): no resident slabs, so short splits fit
+# at batch 64. TP16's 50 row blocks: split 2 -> 100 CTAs of one per SM (192 KB); split 4 -> 200 CTAs of 96 KB,
+# two per SM, all resident; split 7 -> 350 of 64 KB, three per SM, one wave. The first two rows are the
+# resident launches that measured best (gemv_b64.json, gemv_b64_rows128.json).
+B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (64, 7, 6, 128, False), (128, 2, 6, 64, True), (64, 2, 12, 64, True),
+                      (128, 4, 3, 64, True), (64, 4, 6, 64, True), (128, 7, 2, 64, True), (128, 4, 4, 128, True)]
+
+
 def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__, sets=SETS,
@@ -69,19 +79,22 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
             timed(row, "xla", reference.gemv, x, sets, want)
             for bk, sk, st, *more in configs:
                 rows_ = more[0] if more else kernel.ROWS
+                stream = len(more) > 1 and more[1]
                 if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
-                        and kernel.smem_bytes(B, D, bk, sk, st, rows_) <= kernel.SMEM_BYTES):
-                    timed(row, f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else ""),
-                          lambda x, ws, bk=bk, sk=sk, st=st, r=rows_: kernel.gemv(x, ws, block_k=bk, split_k=sk,
-                                                                                  steps=st, rows=r),
-                          x, sets, want)
+                        and kernel.smem_bytes(B, D, bk, sk, st, rows_, stream) <= kernel.SMEM_BYTES):
+                    name = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + (" xs" if stream else "")
+                    timed(row, name, lambda x, ws, bk=bk, sk=sk, st=st, r=rows_, xs=stream: kernel.gemv(
+                        x, ws, block_k=bk, split_k=sk, steps=st, rows=r, x_stream=xs), x, sets, want)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--b64"]:
+    if sys.argv[1:2] == ["--b64-stream"]:
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_STREAM_CONFIGS, cases=CASES[:2],
+             name="gemv_b64_stream")
+    elif sys.argv[1:2] == ["--b64"]:
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_CONFIGS, cases=CASES[:2],
              name="gemv_b64")
     else:

@@ -4,7 +4,10 @@
 a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
 
   PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
-  (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES)
+      [--gemv-launch '{"max_batch": 64, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": true}']
+  (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES;
+  --gemv-launch: also "gemv_launch", latency_specialized with that entry appended to the decode GEMV's tuning,
+  in place of select_after)
 
 Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
 then the select that keeps idle slots' state and window (what model.extend ran after the op until the ninth
@@ -16,6 +19,7 @@ local tables), random, bf16; state and conv window random. CUPTI device time, me
 runs; kernels counted per call.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -29,6 +33,7 @@ from bench.device_time import ITERS, device_us, kernel_names, per_kernel_us  # n
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
+from pallas_kernels.gemv import api as gemv_api  # noqa: E402
 
 CASES = [(16, 1), (16, 8), (16, 64), (8, 1), (8, 8)]  # (tp, batch): 6 and 12 local heads
 
@@ -43,7 +48,19 @@ def layer_inputs(cfg, B, seed=0):
     return x, state, window
 
 
-def main(out_dir, cases=CASES, out_name="kda_layer"):
+@contextlib.contextmanager
+def gemv_entry(entry):
+    """The decode GEMV's tuning with `entry` after its own launches (so it serves only the batches past them)."""
+    tuning = gemv_api.tuning
+    t = tuning()
+    gemv_api.tuning = lambda: {**t, "sm90": {**t["sm90"], "launch": [*t["sm90"]["launch"], entry]}}
+    try:
+        yield
+    finally:
+        gemv_api.tuning = tuning
+
+
+def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
     dev = jax.devices()[0]
     results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
                    jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
@@ -57,25 +74,30 @@ def main(out_dir, cases=CASES, out_name="kda_layer"):
             row = dict(tp=tp, heads=lcfg.kda_num_heads, B=B)
             active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
             outs = {}
-            for backend in ("xla", "latency_specialized", "select_after"):
+            for backend in ("xla", "latency_specialized", "gemv_launch" if gemv_launch else "select_after"):
                 if backend == "select_after":
                     def f(p, x, s, w, a, c=lcfg):
                         out, s2, w2 = kda.kda_decode(p, x, c, s, w, "latency_specialized")
                         keep = a[:, None, None, None] != 0
                         return out, jnp.where(keep, s2, s), jnp.where(keep[..., None], w2, w)
                 else:
-                    def f(p, x, s, w, a, backend=backend, c=lcfg):
-                        return kda.kda_decode(p, x, c, s, w, backend, active_B=a)
+                    op = "latency_specialized" if backend == "gemv_launch" else backend
+
+                    def f(p, x, s, w, a, c=lcfg, op=op):
+                        return kda.kda_decode(p, x, c, s, w, op, active_B=a)
                 f = jax.jit(f)
                 args = (p, x, state, window, active)
                 try:
-                    outs[backend] = f(*args)
+                    with gemv_entry(gemv_launch) if backend == "gemv_launch" else contextlib.nullcontext():
+                        outs[backend] = f(*args)  # traced here, so under the entry
                     row[f"{backend}_us"] = device_us(f, *args)
                     row[f"{backend}_kernels"] = len(kernel_names(f, *args))
                     row[f"{backend}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
                 except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
                     row[f"{backend}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
-            for name in ("latency_specialized", "select_after"):
+            if gemv_launch:
+                row["gemv_launch"] = gemv_launch
+            for name in ("latency_specialized", "select_after", "gemv_launch"):
                 if name in outs and "xla" in outs:
                     live = active != 0  # an idle slot's output is not specified
                     a, b = (o[0][live].astype(jnp.float32) for o in (outs[name], outs["xla"]))
@@ -95,5 +117,6 @@ if __name__ == "__main__":
     ap.add_argument("out_dir", nargs="?", default=".")
     ap.add_argument("--cases", type=lambda s: [tuple(map(int, c.split(":"))) for c in s.split(",")], default=CASES)
     ap.add_argument("--name", default="kda_layer")
+    ap.add_argument("--gemv-launch", type=json.loads, default=None)
     a = ap.parse_args()
-    main(a.out_dir, a.cases, a.name)
+    main(a.out_dir, a.cases, a.name, a.gemv_launch)

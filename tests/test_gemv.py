@@ -12,6 +12,9 @@ from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 # Batch 64's launch (x's slabs fit SMEM beside 4 weight stages): measured slower than XLA on the H200, so
 # tuning.json has no entry past batch 8 and the api runs XLA there; the kernel itself is kept correct for it.
 WIDE = dict(block_k=128, split_k=7, steps=4)
+# Batch 64 with x streamed beside the weights (no resident slabs): split 2 fits, TP16's 50 row blocks x 2 in one
+# wave.
+STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream=True)
 
 
 def _inputs(r, B, D, rows):
@@ -30,14 +33,16 @@ def _check(got, x, ws):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, split_k, steps, rows", [(1, 2, 3, 64), (3, 1, 2, 64), (8, 4, 4, 64), (20, 2, 2, 64),
-                                                      (5, 2, 3, 128), (20, 4, 2, 128)])
-def test_kernel_interpret_matches_numpy(B, split_k, steps, rows):
+@pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
+    (1, 2, 3, 64, False), (3, 1, 2, 64, False), (8, 4, 4, 64, False), (20, 2, 2, 64, False), (5, 2, 3, 128, False),
+    (20, 4, 2, 128, False), (3, 2, 3, 64, True), (20, 1, 2, 128, True), (64, 2, 4, 64, True)])
+def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
+    """x resident (one slab per K block) or streamed beside the weights (x_stream), race-free."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
     with abstract_gpu("sm90"):
-        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps, rows=rows,
+        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
     _check(got, x, ws)
@@ -49,7 +54,8 @@ def test_reference_matches_numpy():
 
 
 @cpu_only
-@pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128))])
+@pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128)),
+                                       (64, STREAMED)])
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1)
     or batch 64's (64- and 128-row blocks)."""
@@ -103,11 +109,11 @@ def test_api_on_gpu_matches_numpy(B, rows):
 
 
 @gpu_only
-@pytest.mark.parametrize("block_rows", [64, 128])
+@pytest.mark.parametrize("launch", ["r64", "r128", "streamed"])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128)])
-def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, block_rows):
-    """64 tokens (x's slabs 8x larger, each pipeline step waiting for its own) at TP16 / TP8 widths, in 64- and
-    128-row blocks."""
+def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, launch):
+    """64 tokens at TP16 / TP8 widths: x's slabs resident (8x larger, each pipeline step waiting for its own) in
+    64- and 128-row blocks, or x streamed beside the weights."""
     x, ws = _inputs(rng(), 64, 7168, rows)
-    launch = WIDE if block_rows == 64 else dict(block_k=64, split_k=7, steps=4, rows=128)
+    launch = dict(r64=WIDE, r128=dict(block_k=64, split_k=7, steps=4, rows=128), streamed=STREAMED)[launch]
     _check(kernel.gemv(x, ws, **launch), x, ws)

@@ -237,11 +237,12 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
 
 
 def gemv_up_to_64(monkeypatch):
-    """The GEMV's tuning with batch 64's launch added (measured slower than XLA on the H200, so not in
-    tuning.json): what makes kda_decode_x take the GEMV above the fused-gates batch (XLA sums the partials)."""
+    """The GEMV's tuning with a launch up to batch 64 added (x streamed beside the weights, split 2: the
+    candidate of bench/gemv.py --b64-stream): what makes kda_decode_x take the GEMV above batch 8, its partials
+    read by the decode kernel within the fused-gates batch."""
     from pallas_kernels.gemv import api as gemv_api
     t = gemv_api.tuning()
-    t["sm90"]["launch"].append(dict(max_batch=64, block_k=128, split_k=7, steps=4))
+    t["sm90"]["launch"].append(dict(max_batch=64, block_k=128, split_k=2, steps=6, x_stream=True))
     monkeypatch.setattr(gemv_api, "tuning", lambda: t)
 
 
@@ -276,19 +277,22 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
 
 
 @cpu_only
-def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes():
-    """The GEMV's partials and the decode kernel reading them, lowered (not run) at one TP16 rank's shapes."""
+@pytest.mark.parametrize("B", [1, 64])
+def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
+    """The GEMV's partials and the decode kernel reading them, lowered (not run) at one TP16 rank's shapes:
+    B = 1 with the GEMV's tuning, B = 64 with x streamed (gemv_up_to_64's launch)."""
     from pallas_kernels.gemv import api as gemv_api
     from pallas_kernels.gemv import kernel as gemv
     from pallas_kernels.kda_decode import kernel
     r = rng()
     H, K, R, D = 6, 128, 128, 7168
-    x, g = make_inputs(r, 1, H, K, jnp.bfloat16), gate_inputs(r, 1, H, K, jnp.bfloat16, R=R, D=D)
+    x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
     launch = kernel.pick_launch(_body("sm90").TUNING, x["qkv"])
+    g_launch = gemv_api.pick_launch(1, D) if B == 1 else dict(block_k=128, split_k=2, steps=6, x_stream=True)
 
     def step(x_BD, qkvg, f_a, *rest):
-        parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **gemv_api.pick_launch(1, D))
+        parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **g_launch)
         return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
                                    from_gemv=True, **launch)
 

@@ -16,15 +16,16 @@ def tuning() -> dict:
 
 
 def pick_launch(B, D) -> dict:
-    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows); NotImplementedError past
-    the last entry's max_batch."""
+    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream);
+    NotImplementedError past the last entry's max_batch."""
     entry = next((e for e in tuning()["sm90"]["launch"] if B <= e["max_batch"]), None)
     if entry is None:
         raise NotImplementedError(f"batch {B}: no GEMV launch in tuning.json (the decode GEMV serves up to "
                                   f"{tuning()['sm90']['launch'][-1]['max_batch']})")
     # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
     split_k = entry["split_k"] if D % (entry["split_k"] * entry["block_k"]) == 0 else 1
-    return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64))
+    return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64),
+                x_stream=entry.get("x_stream", False))
 
 
 def _kernel(x_BD, ws_ND):

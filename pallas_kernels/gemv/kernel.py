@@ -11,6 +11,12 @@ the fp32 sums. x comes from L2 once per CTA: at 64 tokens that is as many bytes 
 which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Eleventh session").
 
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
+
+x_stream=True: x is not held resident but streamed beside the weights, one [T, block_k] tile per pipeline
+stage (from L2: every CTA of a K range reads it). Resident x slabs grow with the batch (D / split_k x 64
+tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of 195 KB, about 2.7 waves of one CTA per
+SM, each wave paying its pipeline's fill); streamed, split 2 fits at any batch and TP16's 50 row blocks x 2
+run as one wave with short partials (the thirteenth session's batch-64 experiment, bench/NOTES.md).
 """
 
 import functools
@@ -35,12 +41,16 @@ def tokens(B):
     return -(-B // TOKENS) * TOKENS
 
 
-def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS):
-    """x's slabs for this CTA's K range (resident for the whole stream) + the weight pipeline's stages."""
-    return (D // split_k * tokens(B) + min(steps, D // (split_k * block_k)) * rows * block_k) * 2
+def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
+    """x's slabs for this CTA's K range (resident for the whole stream) + the weight pipeline's stages; with
+    x_stream each stage holds x's tile beside the weight's and nothing is resident."""
+    stages = min(steps, D // (split_k * block_k))
+    if x_stream:
+        return stages * (rows + tokens(B)) * block_k * 2
+    return (D // split_k * tokens(B) + stages * rows * block_k) * 2
 
 
-def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS):
+def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=False):
     B, D = x_BD.shape
     if x_BD.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in ws_ND):
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
@@ -53,40 +63,48 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS):
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
         raise NotImplementedError(f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
                                   "pipeline releases a stage one step late, so it needs two)")
-    if smem_bytes(B, D, block_k, split_k, steps, rows) > SMEM_BYTES:
-        raise NotImplementedError(f"batch {B}: x's slabs and {steps} weight stages need "
-                                  f"{smem_bytes(B, D, block_k, split_k, steps, rows)} bytes of SMEM (> {SMEM_BYTES}); "
-                                  "raise split_k or lower steps / block_k")
+    if smem_bytes(B, D, block_k, split_k, steps, rows, x_stream) > SMEM_BYTES:
+        raise NotImplementedError(f"batch {B}: x ({'streamed' if x_stream else 'resident'}) and {steps} weight "
+                                  f"stages need {smem_bytes(B, D, block_k, split_k, steps, rows, x_stream)} bytes "
+                                  f"of SMEM (> {SMEM_BYTES}); raise split_k, stream x or lower steps / block_k")
 
 
-def _body(xs_ref, *refs, n_blocks, block_k, steps, rows):
-    """xs_ref [D / block_k, T, block_k]: x padded to T tokens, one slab per K block (so a K block is a
-    leading index, not a slice of a swizzled dim). refs: the weights [N_i, D], then the partials
-    [S, N_i, T] fp32, then scratch (x slabs of this CTA's K range, their barriers)."""
+def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
+    """x_ref: x padded to T tokens, [T, D] with x_stream, else [D / block_k, T, block_k], one slab per K block
+    (so a resident slab is a leading index, not a slice of a swizzled dim). refs: the weights [N_i, D], then
+    the partials [S, N_i, T] fp32, then (resident x only) scratch: this CTA's x slabs and their barriers."""
     n_w = len(n_blocks)
-    ws, outs, (x_smem, x_bar) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+    ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
-    k_slabs = x_smem.shape[0]  # this CTA's K blocks
-    for j in range(k_slabs):  # x: one TMA per slab, all in flight with the weight pipeline's first stages
-        plgpu.copy_gmem_to_smem(xs_ref.at[s * k_slabs + j], x_smem.at[j], x_bar.at[j])
+    k_range = pl.ds(s * k_slabs * block_k, k_slabs * block_k)  # this CTA's columns of D
+    if not x_stream:
+        x_smem, x_bar = scratch
+        for j in range(k_slabs):  # x: one TMA per slab, all in flight with the weight pipeline's first stages
+            plgpu.copy_gmem_to_smem(x_ref.at[s * k_slabs + j], x_smem.at[j], x_bar.at[j])
 
     def run(w_ref, out_ref, row_blk):
         def scope(acc_ref):
-            # Each step waits for its own x slab, so the weight pipeline's first loads go out with x's: waiting
-            # for every slab first serialised x (131 KB per CTA from L2 at T = 64) before the weight stream
-            # (H200, batch 64: 20.3 us for TP16's 47 MB, gemv_b64.json).
-            def step(idx, w_smem):  # acc [rows, T] += w [rows, block_k] @ x_slabᵀ [block_k, T]
-                plgpu.barrier_wait(x_bar.at[idx[0]])
-                plgpu.wgmma(acc_ref, w_smem, x_smem.at[idx[0]].transpose((1, 0)))
+            # Resident x: each step waits for its own slab, so the weight pipeline's first loads go out with x's:
+            # waiting for every slab first serialised x (131 KB per CTA from L2 at T = 64) before the weight
+            # stream (H200, batch 64: 20.3 us for TP16's 47 MB, gemv_b64.json).
+            def step(idx, w_smem, *x_tile):  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
+                if x_stream:
+                    x_Tk = x_tile[0]
+                else:
+                    plgpu.barrier_wait(x_bar.at[idx[0]])
+                    x_Tk = x_smem.at[idx[0]]
+                plgpu.wgmma(acc_ref, w_smem, x_Tk.transpose((1, 0)))
 
-            plgpu.emit_pipeline(
-                step, grid=(k_slabs,), max_concurrent_steps=steps,
-                in_specs=[plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
-                                          delay_release=1)],
-            )(w_ref.at[:, pl.ds(s * k_slabs * block_k, k_slabs * block_k)])
+            specs = [plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
+                                     delay_release=1)]
+            srcs = [w_ref.at[:, k_range]]
+            if x_stream:  # x's [T, block_k] tile of the same K block, in the same stage
+                specs.append(plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1))
+                srcs.append(x_ref.at[:, k_range])
+            plgpu.emit_pipeline(step, grid=(k_slabs,), max_concurrent_steps=steps, in_specs=specs)(*srcs)
             return acc_ref[...]
 
-        acc = pl.run_scoped(scope, plgpu.ACC((rows, x_smem.shape[1]), F32))
+        acc = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
         out_ref.at[s, pl.ds(row_blk * rows, rows)][...] = acc  # WGMMA layout straight to GMEM: 2 KB at T = 8
 
     first = 0
@@ -95,31 +113,40 @@ def _body(xs_ref, *refs, n_blocks, block_k, steps, rows):
         first += n
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "rows", "interpret"))
-def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, interpret=None):
+_STATIC = ("block_k", "split_k", "steps", "rows", "x_stream", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=False, interpret=None):
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums)."""
     B = x_BD.shape[0]
-    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, interpret=interpret)
+    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
+                     interpret=interpret)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split_k", "steps", "rows", "interpret"))
-def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, interpret=None):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=False, interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding). A consumer that reads these itself (the KDA decode kernel) saves
     the glue."""
     B, D = x_BD.shape
     T = tokens(B)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    xs = jnp.pad(x_BD, ((0, T - B), (0, 0))).reshape(T, D // block_k, block_k).transpose(1, 0, 2)
+    x_TD = jnp.pad(x_BD, ((0, T - B), (0, 0)))  # a no-op at a batch of whole 8s
     k_slabs = D // block_k // split_k
+    scratch = []
+    if not x_stream:  # resident: one slab per K block, [D / block_k, T, block_k]
+        x_TD = x_TD.reshape(T, D // block_k, block_k).transpose(1, 0, 2)
+        scratch = [plgpu.SMEM((k_slabs, T, block_k), x_BD.dtype, transforms=_TRANSFORMS),
+                   plgpu.Barrier(num_barriers=k_slabs)]
     kernel = plgpu.kernel(
-        functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows),
+        functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
+                          k_slabs=k_slabs, T=T, x_stream=x_stream),
         out_type=tuple(jax.ShapeDtypeStruct((split_k, w.shape[0], T), F32) for w in ws_ND),
-        scratch_types=[plgpu.SMEM((k_slabs, T, block_k), x_BD.dtype, transforms=_TRANSFORMS),
-                       plgpu.Barrier(num_barriers=k_slabs)],
+        scratch_types=scratch,
         grid=(sum(n_blocks), split_k), grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return tuple(kernel(xs, *ws_ND))
+    return tuple(kernel(x_TD, *ws_ND))
