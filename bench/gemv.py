@@ -57,10 +57,11 @@ B64_CONFIGS = [(128, 7, 4, 64), (128, 14, 3, 64), (64, 7, 4, 128), (64, 7, 6, 12
 
 # x streamed beside the weights (block_k, split_k, steps, rows, x_stream): no resident slabs, so short splits fit
 # at batch 64. TP16's 50 row blocks: split 2 -> 100 CTAs of one per SM (192 KB); split 4 -> 200 CTAs of 96 KB,
-# two per SM, all resident; split 7 -> 350 of 64 KB, three per SM, one wave. The first two rows are the
-# resident launches that measured best (gemv_b64.json, gemv_b64_rows128.json).
-B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (64, 7, 6, 128, False), (128, 2, 6, 64, True), (64, 2, 12, 64, True),
-                      (128, 4, 3, 64, True), (64, 4, 6, 64, True), (128, 7, 2, 64, True), (128, 4, 4, 128, True)]
+# two per SM, all resident; split 7 -> 350 of 64 KB, three per SM, one wave. The first row is the resident
+# launch that measured best (gemv_b64.json). The thirteenth session's first call measured all of these
+# (gemv_b64_stream_nt.json, partials [S, N, T]): split 2, 6 stages of 128 columns best; its second the four
+# kept here with the tokens on M (token-major partials).
+B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (128, 2, 6, 64, True), (64, 2, 12, 64, True), (128, 4, 4, 128, True)]
 
 
 def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
@@ -82,8 +83,8 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
                 stream = len(more) > 1 and more[1]
                 if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
                         and kernel.smem_bytes(B, D, bk, sk, st, rows_, stream) <= kernel.SMEM_BYTES):
-                    name = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + (" xs" if stream else "")
-                    timed(row, name, lambda x, ws, bk=bk, sk=sk, st=st, r=rows_, xs=stream: kernel.gemv(
+                    key = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + (" xs" if stream else "")
+                    timed(row, key, lambda x, ws, bk=bk, sk=sk, st=st, r=rows_, xs=stream: kernel.gemv(
                         x, ws, block_k=bk, split_k=sk, steps=st, rows=r, x_stream=xs), x, sets, want)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -51,7 +51,7 @@ def main_sublayer(out):
     qkvg, fa = jax.jit(reference.project)(x, p["qkvg"], p["f_a"])
     H, K = window.shape[-2:]
     launch = dict(kernel.pick_launch(sm90.TUNING, jax.ShapeDtypeStruct((B, 3, H, K), x.dtype)), warpgroups=1)
-    cases = {"from GEMV partials": ((qkvg_SN8, fa_SR8, p["f_b"], x, p["b"], qkvg_SN8, *rest), dict(from_gemv=True)),
+    cases = {"from GEMV partials": ((qkvg_SN8, fa_SR8, p["f_b"], x, p["b"], qkvg_SN8, *rest), dict(from_gemv="NT")),
              "finished projections": ((qkvg[:, :3], fa, p["f_b"], x, p["b"], qkvg[:, 3], *rest), {})}
     for name, (args, kw) in cases.items():
       tdir = os.path.join(out, f"kda sublayer trace B{B} {name}")

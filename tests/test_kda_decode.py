@@ -294,7 +294,7 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
     def step(x_BD, qkvg, f_a, *rest):
         parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **g_launch)
         return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
-                                   from_gemv=True, **launch)
+                                   from_gemv="NT" if B == 1 else "TN", **launch)
 
     args = x_args_of(x, g, w)
     with abstract_gpu("sm90"):

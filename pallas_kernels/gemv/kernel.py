@@ -12,11 +12,14 @@ which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Elevent
 
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
 
-x_stream=True: x is not held resident but streamed beside the weights, one [T, block_k] tile per pipeline
-stage (from L2: every CTA of a K range reads it). Resident x slabs grow with the batch (D / split_k x 64
-tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of 195 KB, about 2.7 waves of one CTA per
-SM, each wave paying its pipeline's fill); streamed, split 2 fits at any batch and TP16's 50 row blocks x 2
-run as one wave with short partials (the thirteenth session's batch-64 experiment, bench/NOTES.md).
+x_stream=True (batches past 8): x is not held resident but streamed beside the weights, one [64, block_k]
+tile per pipeline stage (from L2: every CTA of a K range reads it), and the tokens, padded to 64, go on
+WGMMA's M and the weight rows on N, so the partials come out token-major [S, 64, N]: a token's outputs are
+contiguous for the KDA decode kernel that reads them (column b of [S, N, 64] was 4-byte reads 256 bytes apart:
+the decode kernel took 28.8 instead of 19.1 us at TP16 B = 64, kda_layer_b64_stream_nt.json). Resident x slabs
+grow with the batch (D / split_k x 64 tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of
+195 KB, about 2.7 waves of one CTA per SM, each wave paying its pipeline's fill); streamed, split 2 fits and
+TP16's 50 row blocks x 2 run as one wave with short partials: 13.4 vs 18.9 us (H200, gemv_b64_stream_nt.json).
 """
 
 import functools
@@ -36,9 +39,9 @@ _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def tokens(B):
-    """The batch padded to WGMMA's N granularity."""
-    return -(-B // TOKENS) * TOKENS
+def tokens(B, x_stream=False):
+    """The batch padded to WGMMA's N granularity, or (x_stream: tokens on M) to its M of 64."""
+    return MAX_TOKENS if x_stream else -(-B // TOKENS) * TOKENS
 
 
 def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
@@ -46,7 +49,7 @@ def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
     x_stream each stage holds x's tile beside the weight's and nothing is resident."""
     stages = min(steps, D // (split_k * block_k))
     if x_stream:
-        return stages * (rows + tokens(B)) * block_k * 2
+        return stages * (rows + tokens(B, True)) * block_k * 2
     return (D // split_k * tokens(B) + stages * rows * block_k) * 2
 
 
@@ -87,13 +90,12 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
             # Resident x: each step waits for its own slab, so the weight pipeline's first loads go out with x's:
             # waiting for every slab first serialised x (131 KB per CTA from L2 at T = 64) before the weight
             # stream (H200, batch 64: 20.3 us for TP16's 47 MB, gemv_b64.json).
-            def step(idx, w_smem, *x_tile):  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
-                if x_stream:
-                    x_Tk = x_tile[0]
-                else:
+            def step(idx, w_smem, *x_tile):
+                if x_stream:  # acc [T, rows] += x [T, block_k] @ wᵀ [block_k, rows]
+                    plgpu.wgmma(acc_ref, x_tile[0], w_smem.transpose((1, 0)))
+                else:  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
                     plgpu.barrier_wait(x_bar.at[idx[0]])
-                    x_Tk = x_smem.at[idx[0]]
-                plgpu.wgmma(acc_ref, w_smem, x_Tk.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, w_smem, x_smem.at[idx[0]].transpose((1, 0)))
 
             specs = [plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
                                      delay_release=1)]
@@ -104,8 +106,11 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
             plgpu.emit_pipeline(step, grid=(k_slabs,), max_concurrent_steps=steps, in_specs=specs)(*srcs)
             return acc_ref[...]
 
-        acc = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
-        out_ref.at[s, pl.ds(row_blk * rows, rows)][...] = acc  # WGMMA layout straight to GMEM: 2 KB at T = 8
+        block = pl.ds(row_blk * rows, rows)
+        if x_stream:  # token-major [S, T, N]
+            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32))
+        else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
+            out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
 
     first = 0
     for w_ref, out_ref, n in zip(ws, outs, n_blocks, strict=True):  # which weight this CTA's block is in
@@ -122,16 +127,18 @@ def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=Fa
     B = x_BD.shape[0]
     parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
                      interpret=interpret)
+    if x_stream:  # token-major
+        return tuple(p.sum(0)[:B].astype(x_BD.dtype) for p in parts)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=False, interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
-    b's output (columns B..T-1 are padding). A consumer that reads these itself (the KDA decode kernel) saves
-    the glue."""
+    b's output (columns B..T-1 are padding); with x_stream token-major [split_k, 64, N_i], row b token b's. A
+    consumer that reads these itself (the KDA decode kernel) saves the glue."""
     B, D = x_BD.shape
-    T = tokens(B)
+    T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
     x_TD = jnp.pad(x_BD, ((0, T - B), (0, 0)))  # a no-op at a batch of whole 8s
     k_slabs = D // block_k // split_k
@@ -143,7 +150,8 @@ def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_strea
     kernel = plgpu.kernel(
         functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
                           k_slabs=k_slabs, T=T, x_stream=x_stream),
-        out_type=tuple(jax.ShapeDtypeStruct((split_k, w.shape[0], T), F32) for w in ws_ND),
+        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream else (split_k, w.shape[0], T), F32)
+                       for w in ws_ND),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k), grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

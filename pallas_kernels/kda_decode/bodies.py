@@ -103,15 +103,18 @@ def entry_points(tuning: dict) -> Ops:
         gemv.check_supported(x_BD, ws, **g)
         qkv_B3HK = jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)  # what the kernel checks and tiles by
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
-        qkvg_SNT, fa_SRT = gemv.partials(x_BD, ws, **g, interpret=interpret)
+        qkvg_parts, fa_parts = gemv.partials(x_BD, ws, **g, interpret=interpret)  # [S, N, T], x_stream [S, T, N]
+        layout = "TN" if g["x_stream"] else "NT"
         if fuses_gates(B, H):
             launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
-            return kernel.decode_gates(qkvg_SNT, fa_SRT, f_b_RHK, x_BD, b_HD, qkvg_SNT, *rest, active_B, eps=eps,
-                                       from_gemv=True, interpret=interpret,
+            return kernel.decode_gates(qkvg_parts, fa_parts, f_b_RHK, x_BD, b_HD, qkvg_parts, *rest, active_B,
+                                       eps=eps, from_gemv=layout, interpret=interpret,
                                        **dict(launch, warpgroups=1))  # one warpgroup, fused gates
-        # XLA sums the partials (one rounding, as the model's GEMMs round); qkvg goes to the kernel whole
-        qkvg = qkvg_SNT[..., :B].sum(0).T.reshape(B, 4, H, K).astype(x_BD.dtype)
-        fa = fa_SRT[..., :B].sum(0).T.astype(x_BD.dtype)
+
+        def summed(parts):  # XLA sums the partials (one rounding, as the model's GEMMs round) -> [B, N]
+            return (parts[:, :B] if layout == "TN" else parts[..., :B].transpose(0, 2, 1)).sum(0).astype(x_BD.dtype)
+
+        qkvg, fa = summed(qkvg_parts).reshape(B, 4, H, K), summed(fa_parts)  # qkvg goes to the kernel whole
         return kda_decode_gates(qkvg, fa, f_b_RHK, x_BD, b_HD, qkvg, *rest, active_B, eps=eps, interpret=interpret)
 
     def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,

@@ -105,9 +105,10 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
     keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
-    from_gemv: qkv and gate are both the projection GEMV's fp32 partials [S, 4 H K, 8]
-    (pallas_kernels.gemv.kernel.partials; token b in column b) and fa its partials [S, R, 8]: this kernel sums
-    and rounds them (once, as the model's projections round), so no glue kernel runs."""
+    from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
+    and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
+    [S, T, R] (token-major, the GEMV's x_stream launch): this kernel sums and rounds them (once, as the
+    model's projections round), so no glue kernel runs."""
     n_in = (12 if fuse_gates else 10) + idle_mask
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
@@ -164,7 +165,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     if from_gemv:
         def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials summed, rounded once
             rows = pl.ds((i * H + h) * K, K)
-            return _sum_parts(lambda p: plgpu.load(qkv_ref.at[p, rows, b]), qkv_ref.shape[0]).astype(dtype)
+            at = (lambda p: qkv_ref.at[p, b, rows]) if from_gemv == "TN" else (lambda p: qkv_ref.at[p, rows, b])
+            return _sum_parts(lambda p: plgpu.load(at(p)), qkv_ref.shape[0]).astype(dtype)
     else:  # qkv [B, 3, H, K] and gate [B, H, K], or qkvg [B, 4, H, K] whole (passed as both)
         def projected(i):
             return (gate_ref.at[b, h] if i == 3 and qkv_ref.shape[1] == 3 else qkv_ref.at[b, i, h])[...]
@@ -276,9 +278,11 @@ def _sum_parts(load, n):
 
 
 def _fa_of(fa_ref, b, from_gemv, dtype):
-    """r -> fa[b, r] in fp32: a [B, R] input, or summed from the GEMV's partials [S, R, 8] and rounded."""
+    """r -> fa[b, r] in fp32: a [B, R] input, or summed from the GEMV's partials ([S, R, T], or token-major
+    [S, T, R]) and rounded."""
     if from_gemv:
-        return lambda r: _sum_parts(lambda p: fa_ref[p, r, b], fa_ref.shape[0]).astype(dtype).astype(F32)
+        at = (lambda p, r: fa_ref[p, b, r]) if from_gemv == "TN" else (lambda p, r: fa_ref[p, r, b])
+        return lambda r: _sum_parts(lambda p: at(p, r), fa_ref.shape[0]).astype(dtype).astype(F32)
     return lambda r: fa_ref[b, r].astype(F32)
 
 
@@ -483,10 +487,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, con
                  keep_slices=0, row_stores="tma"):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
-    from_gemv: straight from the decode GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials), so that no
-    other kernel runs between the two: qkv_B3HK and gate_BHK are both its partials [S, 4 H K, 8] for the
-    out-major qkvg [4, H, K, D] as [4 H K, D], fa_BR its partials [S, R, 8] for f_a [R, D]; the kernel sums and
-    rounds them itself."""
+    from_gemv ("NT" or "TN", the partials' layout: see _body): straight from the decode GEMV's fp32 partials
+    (pallas_kernels.gemv.kernel.partials), so that no other kernel runs between the two: qkv_B3HK and gate_BHK
+    are both its partials for the out-major qkvg [4, H, K, D] as [4 H K, D], fa_BR its partials for f_a [R, D];
+    the kernel sums and rounds them itself."""
+    if from_gemv not in (False, "NT", "TN"):
+        raise NotImplementedError(f"from_gemv={from_gemv!r}: False, 'NT' or 'TN' (the GEMV partials' layout)")
     if x_BD.shape[1] % conv_B3WHK.shape[-1]:
         raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
