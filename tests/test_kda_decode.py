@@ -236,25 +236,15 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
                 f_a=jnp.asarray(r.standard_normal((R, D)) * D ** -0.5, jnp.float32).astype(dtype))
 
 
-def gemv_up_to_64(monkeypatch):
-    """The GEMV's tuning with a launch up to batch 64 added (x streamed beside the weights, split 2: the
-    candidate of bench/gemv.py --b64-stream): what makes kda_decode_x take the GEMV above batch 8, its partials
-    read by the decode kernel within the fused-gates batch."""
-    from pallas_kernels.gemv import api as gemv_api
-    t = gemv_api.tuning()
-    t["sm90"]["launch"].append(dict(max_batch=64, block_k=128, split_k=2, steps=6, x_stream=True))
-    monkeypatch.setattr(gemv_api, "tuning", lambda: t)
-
-
 @cpu_only
 @pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False), (9, False)])
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
-    go straight into the decode kernel (which sums and rounds them; above fuse_gates_max_batch, B = 9 with the
-    GEMV's tuning extended, XLA sums them into the kernel's operands), else the model's GEMMs then the kernel
-    (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9);
-    both against the reference (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1
-    some sequences are idle (active_B), as in a serving batch."""
+    go straight into the decode kernel (which sums and rounds them; B = 9 runs the GEMV's streamed launch, its
+    token-major partials summed by XLA, since this test sets fuse_gates_max_batch 8), else the model's GEMMs
+    then the kernel (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9); both against the reference
+    (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1 some sequences are idle
+    (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
@@ -265,9 +255,7 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
     w = projection_weights(r, H, K, R, D)
     active = idle_mask(r, B) if B > 1 else None
     want = reference.kda_decode_x(*x_args_of(x, g, w), active)
-    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv))
-    if B > 8:
-        gemv_up_to_64(monkeypatch)
+    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv, fuse_gates_max_batch=8))
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     with abstract_gpu("sm90"):
@@ -280,7 +268,7 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
 @pytest.mark.parametrize("B", [1, 64])
 def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
     """The GEMV's partials and the decode kernel reading them, lowered (not run) at one TP16 rank's shapes:
-    B = 1 with the GEMV's tuning, B = 64 with x streamed (gemv_up_to_64's launch)."""
+    B = 1 and 64 with the GEMV's tuning (B = 64: x streamed, token-major partials)."""
     from pallas_kernels.gemv import api as gemv_api
     from pallas_kernels.gemv import kernel as gemv
     from pallas_kernels.kda_decode import kernel
@@ -289,12 +277,12 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
     launch = kernel.pick_launch(_body("sm90").TUNING, x["qkv"])
-    g_launch = gemv_api.pick_launch(1, D) if B == 1 else dict(block_k=128, split_k=2, steps=6, x_stream=True)
+    g_launch = gemv_api.pick_launch(B, D)
 
     def step(x_BD, qkvg, f_a, *rest):
         parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **g_launch)
         return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
-                                   from_gemv="NT" if B == 1 else "TN", **launch)
+                                   from_gemv="TN" if g_launch["x_stream"] else "NT", **launch)
 
     args = x_args_of(x, g, w)
     with abstract_gpu("sm90"):
@@ -638,7 +626,7 @@ def test_idle_sequences_on_gpu(B, H, dtype):
                                         (64, 12, True), (64, 6, False), (1, 96, False), (8, 96, False)])
 def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
-    (B = 64 with the GEMV's tuning extended; the kernel sums them within the fused-gates batch). Else where
+    (B = 64: x streamed, token-major partials; the kernel sums them within the fused-gates batch). Else where
     the GEMV does not run (B = 64, 96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced
     copies), gates fused or XLA's."""
     from pallas_kernels.kda_decode import bodies
@@ -649,8 +637,6 @@ def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     active = idle_mask(r, B) if B > 1 else jnp.ones(B, jnp.int32)
     want = jax.jit(reference.kda_decode_x)(*x_args_of(x, g, w), active)
     if gemv:
-        if B > 8:
-            gemv_up_to_64(monkeypatch)
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=True))
     got = jax.jit(ops.kda_decode_x)(*x_args_of(x, g, w), active)

@@ -1,5 +1,5 @@
 """Dispatch for the decode GEMV: the Hopper kernel where it applies (backend="latency_specialized", sm90,
-bf16, a batch that tuning.json has a launch for: <= 8), the XLA reference otherwise, the reason logged once
+bf16, a batch that tuning.json has a launch for: <= 64), the XLA reference otherwise, the reason logged once
 (logger "k3jax.backends")."""
 
 import json
