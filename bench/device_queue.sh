@@ -18,6 +18,8 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh partials      # nvidia-h200: the decode kernel fed by GEMV partials (sums after the
+#                                            #   state's TMA, fa through SMEM): GPU tests, the sublayer at B = 1-64
 #   bash bench/device_queue.sh b64_stream    # nvidia-h200: the decode GEMV at batch 64 with x streamed, the sublayer
 #   bash bench/device_queue.sh verify_api    # nvidia-h200: the api's verify (rows from 13 tiles): tests, pair table
 #   bash bench/device_queue.sh verify_rows   # nvidia-h200: verify with the tile in registers a column per thread
@@ -38,7 +40,7 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Queued: b64_stream (~8 min; bench/NOTES.md, KDA "Thirteenth session, call 2"). One machine kind at a time: a
+# Queued: partials (~7 min; bench/NOTES.md, KDA "Thirteenth session", call 4). One machine kind at a time: a
 # switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -170,6 +172,11 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  partials)  # the decode kernel fed by the GEMV's partials: GPU tests through kda_decode_x, the whole sublayer table
+    step pytest_partials 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py tests/test_gemv.py \
+      -k "decode_x_on_gpu or (api_on_gpu and 64)"
+    step bench_layer 260 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:64,8:1,8:8,8:64
     ;;
   b64_stream)  # the decode GEMV at batch 64 with x streamed beside the weights: GPU tests, bench, the B = 64 sublayer
     step pytest_b64 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \

@@ -237,25 +237,26 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, gemv", [(1, True), (3, True), (9, True), (2, False), (9, False)])
-def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv):
+@pytest.mark.parametrize("B, gemv, fuse_max", [(1, True, 64), (3, True, 64), (9, True, 64), (9, True, 8),
+                                                (2, False, 64), (9, False, 8)])
+def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
     go straight into the decode kernel (which sums and rounds them; B = 9 runs the GEMV's streamed launch, its
-    token-major partials summed by XLA, since this test sets fuse_gates_max_batch 8), else the model's GEMMs
-    then the kernel (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9); both against the reference
-    (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 64. With B > 1 some sequences are idle
+    token-major partials read by the kernel, or with fuse_gates_max_batch 8 summed by XLA), else the model's
+    GEMMs then the kernel (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9); both against the reference
+    (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 128. With B > 1 some sequences are idle
     (active_B), as in a serving batch."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.kda_decode import bodies
     r = rng()
-    H, K, R, D = 2, 128, 64, 1024
+    H, K, R, D = 2, 128, 128, 1024  # R = K, as in K3: the fused f gate's fa broadcast through SMEM
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
     w = projection_weights(r, H, K, R, D)
     active = idle_mask(r, B) if B > 1 else None
     want = reference.kda_decode_x(*x_args_of(x, g, w), active)
-    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv, fuse_gates_max_batch=8))
+    ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv, fuse_gates_max_batch=fuse_max))
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     with abstract_gpu("sm90"):

@@ -163,19 +163,28 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
-        def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials summed, rounded once
+        def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials, loaded (summed by `resolve`)
             rows = pl.ds((i * H + h) * K, K)
             at = (lambda p: qkv_ref.at[p, b, rows]) if from_gemv == "TN" else (lambda p: qkv_ref.at[p, rows, b])
-            return _sum_parts(lambda p: plgpu.load(at(p)), qkv_ref.shape[0]).astype(dtype)
+            return tuple(plgpu.load(at(p)) for p in range(qkv_ref.shape[0]))
     else:  # qkv [B, 3, H, K] and gate [B, H, K], or qkvg [B, 4, H, K] whole (passed as both)
         def projected(i):
             return (gate_ref.at[b, h] if i == 3 and qkv_ref.shape[1] == 3 else qkv_ref.at[b, i, h])[...]
+
+    def resolve(v):  # the partials summed (in the GEMV glue's order) and rounded once, as the model's GEMMs
+        return _sum_parts(lambda p: v[p], len(v)).astype(dtype) if isinstance(v, tuple) else v
+
     gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
     active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
     pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
     if tma_scratch:
         issue_state_tma()
+    # The partials' sums come after the state's TMA issue: a warp issues in order, so the first add, waiting
+    # for its loads, held the tile's request back a loaded-memory round trip (TP16 B = 64 from the GEMV's
+    # token-major partials: 24.9 us against 19.2 from finished projections, kda_layer_b64_stream.json).
+    gate_K = resolve(gate_K)
+    pro_in = ([[*w[:-1], resolve(w[-1])] for w in pro_in[0]], *pro_in[1:])
     active = True if active_b is None else active_b != 0  # True: no mask, no branches
     # Without TMA, issue the first state read before the O(K) prologue, which then hides its latency.
     S_0 = None if tma_scratch else load_state(0)
@@ -189,7 +198,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("prologue"):
         with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py)
-            f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype), *gate_in[1:], b, h, vec_smem, dtype,
+            f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype, vec_smem.at[7] if vec_smem.shape[-2] > 7
+                                    else None), *gate_in[1:], b, h, vec_smem, dtype,
                              total) if fuse_gates else f_beta
         o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
                            write_conv=s == 0, active=active)
@@ -277,12 +287,20 @@ def _sum_parts(load, n):
     return acc
 
 
-def _fa_of(fa_ref, b, from_gemv, dtype):
+def _fa_of(fa_ref, b, from_gemv, dtype, fa_smem=None):
     """r -> fa[b, r] in fp32: a [B, R] input, or summed from the GEMV's partials ([S, R, T], or token-major
-    [S, T, R]) and rounded."""
+    [S, T, R]) and rounded. With fa_smem (an SMEM row of R = K words): each partial as one vector (thread t
+    loading fa[t]), summed and rounded once, and broadcast to every thread through fa_smem, so the f gate's R
+    scalars are SMEM loads, not S x R scalar GMEM loads each summed before its use. _gates reads them only
+    after the beta logit's total(), a warpgroup barrier (the rows path reads vec_smem behind the same kind)."""
     if from_gemv:
+        S = fa_ref.shape[0]
+        if fa_smem is not None:
+            at = (lambda p: fa_ref.at[p, b]) if from_gemv == "TN" else (lambda p: fa_ref.at[p, :, b])
+            fa_smem[...] = _sum_parts(lambda p: plgpu.load(at(p)), S).astype(dtype).astype(F32)
+            return lambda r: fa_smem[r]
         at = (lambda p, r: fa_ref[p, b, r]) if from_gemv == "TN" else (lambda p, r: fa_ref[p, r, b])
-        return lambda r: _sum_parts(lambda p: at(p, r), fa_ref.shape[0]).astype(dtype).astype(F32)
+        return lambda r: _sum_parts(lambda p: at(p, r), S).astype(dtype).astype(F32)
     return lambda r: fa_ref[b, r].astype(F32)
 
 
@@ -295,16 +313,17 @@ def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
     projections. Every load is independent of the sums, so they issue back to back. f (through vec_smem row 6,
     which rounds it to the activation dtype) and the beta logit are returned as values."""
     R, D, K = fb_ref.shape[0], x_ref.shape[1], vec_smem.shape[-1]
-    f = fa_of(0) * fb_ref.at[0, h][...].astype(F32)
-    for r in range(1, R):
-        f = f + fa_of(r) * fb_ref.at[r, h][...].astype(F32)
-    vec_smem.at[6][...] = f.astype(dtype).astype(F32)
     acc = None
     for c in range(D // K):
         cols = pl.ds(c * K, K)
         term = x_ref.at[b, cols][...].astype(F32) * bw_ref.at[h, cols][...].astype(F32)
         acc = term if acc is None else acc + term
-    return vec_smem.at[6][...], total(acc).astype(dtype)
+    beta = total(acc).astype(dtype)  # first: a warpgroup barrier before fa_of reads an SMEM row (_fa_of)
+    f = fa_of(0) * fb_ref.at[0, h][...].astype(F32)
+    for r in range(1, R):
+        f = f + fa_of(r) * fb_ref.at[r, h][...].astype(F32)
+    vec_smem.at[6][...] = f.astype(dtype).astype(F32)
+    return vec_smem.at[6][...], beta
 
 
 def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
@@ -532,7 +551,9 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
                 jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
-    vec_rows = 7 if fuse_gates else 6
+    # vec_smem rows: 0-5 (_prologue, o), 6 f (fused gates), 7 fa broadcast (from the GEMV's partials, R = K: _fa_of)
+    fa_broadcast = bool(fuse_gates and from_gemv) and gate_in[0].shape[2 if from_gemv == "TN" else 1] == K
+    vec_rows = 6 + int(fuse_gates) + int(fa_broadcast)
     scratch = [plgpu.SMEM((warpgroups, vec_rows, K) if warpgroups > 1 else (vec_rows, K), F32)]
     launch_kw = {}  # the split's: warpgroups of one CTA, or a cluster
     if warpgroups > 1:  # every warpgroup's o is in WG 0's SMEM before it normalises
