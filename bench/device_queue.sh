@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh o_proj        # nvidia-h200: o_proj through the decode GEMV from batch 9: tests, sublayer
 #   bash bench/device_queue.sh partials      # nvidia-h200: the decode kernel fed by GEMV partials (sums after the
 #                                            #   state's TMA, fa through SMEM): GPU tests, the sublayer at B = 1-64
 #   bash bench/device_queue.sh b64_stream    # nvidia-h200: the decode GEMV at batch 64 with x streamed, the sublayer
@@ -40,8 +41,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
-# at a time: a switch restarts the machine.
+# Queued: o_proj (~5 min; bench/NOTES.md, KDA "Thirteenth session", call 5). One machine kind at a time: a
+# switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -172,6 +173,10 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  o_proj)  # o_proj through the decode GEMV (tuning o_proj_launch): GPU tests, the sublayer where it runs and at B = 8
+    step pytest_o_proj 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "o_proj_on_gpu"
+    step bench_layer 200 python3 bench/kda_layer.py "$work" --cases 16:64,8:64,16:8 --name kda_layer_o_proj
     ;;
   partials)  # the decode kernel fed by the GEMV's partials: GPU tests through kda_decode_x, the whole sublayer table
     step pytest_partials 150 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py tests/test_gemv.py \

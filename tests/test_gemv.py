@@ -88,6 +88,21 @@ def test_launches_cover_the_batches_they_claim():
         api.pick_launch(served + 1, 7168)
 
 
+def test_o_proj_launches_cover_what_they_claim():
+    """o_proj's launches (its short D: 768 at TP16, 1536 at TP8) fit every batch they cover and write the output
+    themselves (split 1, x streamed); outside them the api refuses, so the model's o_proj runs XLA."""
+    table = api.tuning()["sm90"]["o_proj_launch"]
+    for D in (768, 1536):
+        for B in range(1, kernel.MAX_TOKENS + 1):
+            if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
+                launch = api.pick_launch(B, D, table="o_proj_launch")
+                kernel.check_supported(jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
+                                       (jax.ShapeDtypeStruct((7168, D), jnp.bfloat16),), **launch)
+            else:
+                with pytest.raises(NotImplementedError, match=f"batch {B}: no GEMV o_proj_launch"):
+                    api.pick_launch(B, D, table="o_proj_launch")
+
+
 def test_api_falls_back_to_the_reference_off_hopper(caplog):
     x, ws = _inputs(rng(), 2, 256, (64,))
     got = api.gemv(x, ws, backend="latency_specialized")  # CPU: no sm90, the reference runs
@@ -104,6 +119,14 @@ def test_api_on_gpu_matches_numpy(B, rows):
     D = 768 if rows == (7168,) else 7168
     x, ws = _inputs(rng(), B, D, rows)
     _check(api._kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
+
+
+@gpu_only
+@pytest.mark.parametrize("B, D", [(64, 768), (64, 1536), (24, 768)])
+def test_o_proj_on_gpu_matches_numpy(B, D):
+    """o_proj's launch through the api at TP16 / TP8 widths (the kernel writes the rounded output itself)."""
+    x, ws = _inputs(rng(), B, D, (7168,))
+    _check(api._kernel(x, ws, "o_proj_launch"), x, ws)
 
 
 @gpu_only

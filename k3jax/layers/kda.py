@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from k3jax.config import L2NORM_EPS, K3Config
 from k3jax.layers.common import F32, linear
+from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.kda_decode import api as kda_api
 from pallas_kernels.kda_decode import reference as kda_ref
 
@@ -23,10 +24,14 @@ def project(p, x_BTD):
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
 
 
-def o_proj(y_HK, w_DHK):
+def o_proj(y_HK, w_DHK, backend="xla"):
     """This rank's o_proj partial: y [..., H, K] against the out-major w [D, H, K], heads x head dim contracted
-    as one axis (the caller all-reduces it, layers/boundary.py)."""
-    return linear(y_HK.reshape(*y_HK.shape[:-2], -1), w_DHK.reshape(w_DHK.shape[0], -1), "...c,dc->...d")
+    as one axis (the caller all-reduces it, layers/boundary.py). A decode step under latency_specialized runs
+    the decode GEMV where its tuning has an o_proj launch for the batch (else the same maths by XLA)."""
+    y, w = y_HK.reshape(*y_HK.shape[:-2], -1), w_DHK.reshape(w_DHK.shape[0], -1)
+    if backend == "latency_specialized" and y.ndim == 2:
+        return gemv_api.gemv(y, (w,), backend=backend, table="o_proj_launch")[0]
+    return linear(y, w, "...c,dc->...d")
 
 
 def decay_gate(f_BTHK, A_log_H, dt_bias_HK, lower_bound):
@@ -147,4 +152,4 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", 
     y, state, window = kda_api.kda_decode_x(x_BD, p["qkvg"], p["f_a"], p["f_b"], p["b"], state_BHKV, window_B3WHK,
                                             p["conv"], p["A_log"], p["dt_bias"], p["o_norm"], active_B,
                                             eps=cfg.rms_norm_eps, backend=backend)
-    return o_proj(y, p["o"]), state, window
+    return o_proj(y, p["o"], backend), state, window

@@ -15,36 +15,39 @@ def tuning() -> dict:
     return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())
 
 
-def pick_launch(B, D) -> dict:
-    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream);
-    NotImplementedError past the last entry's max_batch."""
-    entry = next((e for e in tuning()["sm90"]["launch"] if B <= e["max_batch"]), None)
+def pick_launch(B, D, table="launch") -> dict:
+    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream): the first
+    entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B;
+    NotImplementedError where none does."""
+    entries = tuning()["sm90"].get(table, [])
+    entry = next((e for e in entries if e.get("min_batch", 1) <= B <= e["max_batch"]), None)
     if entry is None:
-        raise NotImplementedError(f"batch {B}: no GEMV launch in tuning.json (the decode GEMV serves up to "
-                                  f"{tuning()['sm90']['launch'][-1]['max_batch']})")
+        raise NotImplementedError(f"batch {B}: no GEMV {table} entry in tuning.json (it serves batches "
+                                  f"{[(e.get('min_batch', 1), e['max_batch']) for e in entries]})")
     # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
     split_k = entry["split_k"] if D % (entry["split_k"] * entry["block_k"]) == 0 else 1
     return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64),
                 x_stream=entry.get("x_stream", False))
 
 
-def _kernel(x_BD, ws_ND):
+def _kernel(x_BD, ws_ND, table="launch"):
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
     from pallas_kernels.gemv import kernel
-    launch = pick_launch(*x_BD.shape)
+    launch = pick_launch(*x_BD.shape, table=table)
     kernel.check_supported(x_BD, ws_ND, **launch)
     return kernel.gemv(x_BD, tuple(ws_ND), **launch)
 
 
-def gemv(x_BD, ws_ND, *, backend="xla"):
-    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype, fp32 sums."""
+def gemv(x_BD, ws_ND, *, backend="xla", table="launch"):
+    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype, fp32 sums. table: the
+    tuning's launch list to pick from (pick_launch)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "latency_specialized":
         try:
-            return _kernel(x_BD, ws_ND)
+            return _kernel(x_BD, ws_ND, table)
         except NotImplementedError as e:
-            common.log_once("gemv", str(e))
+            common.log_once(f"gemv {table}", str(e))
     return reference.gemv(x_BD, ws_ND)

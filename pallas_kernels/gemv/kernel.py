@@ -107,8 +107,8 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
             return acc_ref[...]
 
         block = pl.ds(row_blk * rows, rows)
-        if x_stream:  # token-major [S, T, N]
-            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32))
+        if x_stream:  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
+            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32)).astype(out_ref.dtype)
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
             out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
 
@@ -123,12 +123,14 @@ _STATIC = ("block_k", "split_k", "steps", "rows", "x_stream", "interpret")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=False, interpret=None):
-    """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums)."""
+    """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With x
+    streamed and one split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
-    parts = partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
-                     interpret=interpret)
+    direct = x_stream and split_k == 1
+    parts = _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
+                      interpret=interpret, out_dtype=x_BD.dtype if direct else F32)
     if x_stream:  # token-major
-        return tuple(p.sum(0)[:B].astype(x_BD.dtype) for p in parts)
+        return tuple((p[0] if direct else p.sum(0))[:B].astype(x_BD.dtype) for p in parts)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
 
@@ -137,6 +139,11 @@ def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_strea
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding); with x_stream token-major [split_k, 64, N_i], row b token b's. A
     consumer that reads these itself (the KDA decode kernel) saves the glue."""
+    return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
+                     interpret=interpret)
+
+
+def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret, out_dtype=F32):
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
@@ -150,8 +157,8 @@ def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_strea
     kernel = plgpu.kernel(
         functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
                           k_slabs=k_slabs, T=T, x_stream=x_stream),
-        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream else (split_k, w.shape[0], T), F32)
-                       for w in ws_ND),
+        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream else (split_k, w.shape[0], T),
+                                            out_dtype) for w in ws_ND),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k), grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
