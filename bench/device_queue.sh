@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
 #   bash bench/device_queue.sh o_proj        # nvidia-h200: o_proj through the decode GEMV from batch 9: tests, sublayer
 #   bash bench/device_queue.sh partials      # nvidia-h200: the decode kernel fed by GEMV partials (sums after the
 #                                            #   state's TMA, fa through SMEM): GPU tests, the sublayer at B = 1-64
@@ -41,8 +42,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
-# at a time: a switch restarts the machine.
+# Queued: x_slabs (~5 min; bench/NOTES.md, KDA "Thirteenth session", call 6). One machine kind at a time: a
+# switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
@@ -173,6 +174,11 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  x_slabs)  # the resident-x GEMV with x's slabs loaded straight from x (no XLA transpose): GPU tests, B <= 8 layer
+    step pytest_x_slabs 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "api_on_gpu or (decode_x_on_gpu and (1- or 8-))"
+    step bench_layer 150 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,8:1,8:8 --name kda_layer_x_slabs
     ;;
   o_proj)  # o_proj through the decode GEMV (tuning o_proj_launch): GPU tests, the sublayer where it runs and at B = 8
     step pytest_o_proj 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "o_proj_on_gpu"

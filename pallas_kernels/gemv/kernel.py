@@ -73,9 +73,9 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
 
 
 def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
-    """x_ref: x padded to T tokens, [T, D] with x_stream, else [D / block_k, T, block_k], one slab per K block
-    (so a resident slab is a leading index, not a slice of a swizzled dim). refs: the weights [N_i, D], then
-    the partials [S, N_i, T] fp32, then (resident x only) scratch: this CTA's x slabs and their barriers."""
+    """x_ref: x padded to T tokens, [T, D]. refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream:
+    [S, T, N_i]), then (resident x only) scratch: this CTA's x slabs [K blocks, T, block_k] (a slab a leading
+    index, not a slice of a swizzled dim), each one TMA of x's [T, block_k] columns, and their barriers."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
@@ -83,7 +83,8 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
     if not x_stream:
         x_smem, x_bar = scratch
         for j in range(k_slabs):  # x: one TMA per slab, all in flight with the weight pipeline's first stages
-            plgpu.copy_gmem_to_smem(x_ref.at[s * k_slabs + j], x_smem.at[j], x_bar.at[j])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds((s * k_slabs + j) * block_k, block_k)], x_smem.at[j],
+                                    x_bar.at[j])
 
     def run(w_ref, out_ref, row_blk):
         def scope(acc_ref):
@@ -147,11 +148,10 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    x_TD = jnp.pad(x_BD, ((0, T - B), (0, 0)))  # a no-op at a batch of whole 8s
+    x_TD = jnp.pad(x_BD, ((0, T - B), (0, 0)))  # a no-op at a batch of whole 8s (64s with x_stream)
     k_slabs = D // block_k // split_k
     scratch = []
-    if not x_stream:  # resident: one slab per K block, [D / block_k, T, block_k]
-        x_TD = x_TD.reshape(T, D // block_k, block_k).transpose(1, 0, 2)
+    if not x_stream:  # resident: one slab per K block of this CTA's range, [k_slabs, T, block_k]
         scratch = [plgpu.SMEM((k_slabs, T, block_k), x_BD.dtype, transforms=_TRANSFORMS),
                    plgpu.Barrier(num_barriers=k_slabs)]
     kernel = plgpu.kernel(
