@@ -42,8 +42,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Queued: x_slabs (~5 min; bench/NOTES.md, KDA "Thirteenth session", call 6). One machine kind at a time: a
-# switch restarts the machine.
+# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
+# at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
