@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
 #   bash bench/device_queue.sh o_proj        # nvidia-h200: o_proj through the decode GEMV from batch 9: tests, sublayer
 #   bash bench/device_queue.sh partials      # nvidia-h200: the decode kernel fed by GEMV partials (sums after the
@@ -174,6 +175,9 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  mid_batch)  # the whole KDA sublayer between batch 8 and 64 (streamed GEMV, o_proj through the GEMV)
+    step bench_layer 200 python3 bench/kda_layer.py "$work" --cases 16:16,16:32,8:32 --name kda_layer_mid_batch
     ;;
   x_slabs)  # the resident-x GEMV with x's slabs loaded straight from x (no XLA transpose): GPU tests, B <= 8 layer
     step pytest_x_slabs 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
