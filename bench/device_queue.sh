@@ -177,6 +177,7 @@ case "${1:-}" in
     step bench_layer 150 python3 bench/kda_layer.py "$work"
     ;;
   mid_batch)  # the whole KDA sublayer between batch 8 and 64 (streamed GEMV, o_proj through the GEMV)
+    step pytest_mid 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "api_on_gpu or o_proj_on_gpu"
     step bench_layer 200 python3 bench/kda_layer.py "$work" --cases 16:16,16:32,8:32 --name kda_layer_mid_batch
     ;;
   x_slabs)  # the resident-x GEMV with x's slabs loaded straight from x (no XLA transpose): GPU tests, B <= 8 layer

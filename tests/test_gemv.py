@@ -112,7 +112,7 @@ def test_api_falls_back_to_the_reference_off_hopper(caplog):
 
 
 @gpu_only
-@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("B", [1, 8, 24, 64])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128), (7168,)])
 def test_api_on_gpu_matches_numpy(B, rows):
     """One TP16 / TP8 rank's q/k/v/g + f_a, and o_proj's shape, through the api (the kernel on sm90)."""
