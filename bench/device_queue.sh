@@ -18,6 +18,7 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
 #   bash bench/device_queue.sh o_proj        # nvidia-h200: o_proj through the decode GEMV from batch 9: tests, sublayer
@@ -175,6 +176,9 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  gemv_mid)  # the streamed GEMV alone at batch 16, 32 and 64, x unpadded: is the TMA box past B free?
+    step bench_gemv_mid 200 python3 bench/gemv.py --mid "$work"
     ;;
   mid_batch)  # the whole KDA sublayer between batch 8 and 64 (streamed GEMV, o_proj through the GEMV)
     step pytest_mid 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "api_on_gpu or o_proj_on_gpu"

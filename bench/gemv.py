@@ -3,7 +3,8 @@
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT
 (`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json;
 `--b64-stream OUT`: batch 64 with x streamed beside the weights against the best resident launches ->
-OUT/gemv_b64_stream.json)
+OUT/gemv_b64_stream.json; `--mid OUT`: the streamed launches alone at batch 16, 32 and 64, x unpadded (the
+TMA's zero fill past B) -> OUT/gemv_mid_batch.json)
 Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
 HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
 """
@@ -92,7 +93,11 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--b64-stream"]:
+    if sys.argv[1:2] == ["--mid"]:  # q/k/v/g + f_a (split 2) and o_proj (split 1, the output written directly)
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(16, 32, 64),
+             configs=[(128, 2, 6, 64, True), (128, 1, 6, 64, True)], cases=[CASES[0], CASES[2]],
+             name="gemv_mid_batch")
+    elif sys.argv[1:2] == ["--b64-stream"]:
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_STREAM_CONFIGS, cases=CASES[:2],
              name="gemv_b64_stream")
     elif sys.argv[1:2] == ["--b64"]:
