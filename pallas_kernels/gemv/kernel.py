@@ -13,8 +13,9 @@ which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Elevent
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
 
 x_stream=True (batches past 8): x is not held resident but streamed beside the weights, one [64, block_k]
-tile per pipeline stage (from L2: every CTA of a K range reads it), and the tokens, padded to 64, go on
-WGMMA's M and the weight rows on N, so the partials come out token-major [S, 64, N]: a token's outputs are
+tile per pipeline stage (from L2: every CTA of a K range reads it; the TMA fills the tile's rows past B with
+zeros), and the tokens go on WGMMA's M and the weight rows on N, so the partials come out token-major
+[S, 64, N]: a token's outputs are
 contiguous for the KDA decode kernel that reads them (column b of [S, N, 64] was 4-byte reads 256 bytes apart:
 the decode kernel took 28.8 instead of 19.1 us at TP16 B = 64, kda_layer_b64_stream_nt.json). Resident x slabs
 grow with the batch (D / split_k x 64 tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of
@@ -73,9 +74,11 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
 
 
 def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
-    """x_ref: x padded to T tokens, [T, D]. refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream:
-    [S, T, N_i]), then (resident x only) scratch: this CTA's x slabs [K blocks, T, block_k] (a slab a leading
-    index, not a slice of a swizzled dim), each one TMA of x's [T, block_k] columns, and their barriers."""
+    """x_ref: x padded to T tokens, [T, D] (x_stream: x as it is, [B, D], read in [T, block_k] tiles whose rows
+    past B the TMA fills with zeros). refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream:
+    [S, T, N_i], in x's dtype with one split), then (resident x only) scratch: this CTA's x slabs [K blocks, T,
+    block_k] (a slab a leading index, not a slice of a swizzled dim), each one TMA of x's [T, block_k]
+    columns, and their barriers."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
