@@ -18,6 +18,9 @@
 #   bash bench/device_queue.sh session11c    # nvidia-h200: GPU tests through the api's final tuning, the table
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
+#   bash bench/device_queue.sh session14a    # nvidia-h200: the streamed GEMV with tokens on N (tests, alone at
+#                                            #   12-48), the rows decode prefetching a later tile's state to L2
+#   bash bench/device_queue.sh session14b    # nvidia-h200: the sublayer at 16-48 with the tokens-on-N GEMV
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -44,7 +47,8 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
+# Queued: session14a, session14b (bench/NOTES.md, KDA "Fourteenth session"); every other group has run.
+# One machine kind
 # at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -177,6 +181,17 @@ case "${1:-}" in
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
     ;;
+  session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
+    step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "tokens_on_n_on_gpu or prefetch_ahead_on_gpu"
+    step bench_gemv_on_n 220 python3 bench/gemv.py --tokens-on-n "$work"
+    step bench_prefetch 150 python3 bench/kda_decode.py --prefetch-ahead "$work"
+    ;;
+  session14b)  # the whole sublayer at batch 16-48 with q/k/v/g + f_a through the tokens-on-N GEMV
+    step bench_layer 240 python3 bench/kda_layer.py "$work" --cases 16:16,16:24,16:32,16:48,8:32 \
+      --name kda_layer_tokens_on_n \
+      --gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}'
+    ;;
   gemv_mid)  # the streamed GEMV alone at batch 16, 32 and 64, x unpadded: is the TMA box past B free?
     step bench_gemv_mid 200 python3 bench/gemv.py --mid "$work"
     ;;
@@ -203,7 +218,7 @@ case "${1:-}" in
       -k "batch_64 or (decode_x_on_gpu and 64-)"
     step bench_gemv_b64 200 python3 bench/gemv.py --b64-stream "$work"
     step bench_layer_b64 150 python3 bench/kda_layer.py "$work" --cases 16:64,8:64 --name kda_layer_b64_stream \
-      --gemv-launch '{"max_batch": 64, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": true}'
+      --gemv-launch '{"max_batch": 64, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "M"}'
     ;;
   verify_api)  # the api's verify with verify_rows_min_tiles: GPU tests through the api, then the pair table
     step pytest_verify_api 230 python3 -m pytest -q -p no:cacheprovider tests/test_kda_verify_kernel.py \

@@ -62,7 +62,7 @@ B64_CONFIGS = [(128, 7, 4, 64), (128, 14, 3, 64), (64, 7, 4, 128), (64, 7, 6, 12
 # launch that measured best (gemv_b64.json). The thirteenth session's first call measured all of these
 # (gemv_b64_stream_nt.json, partials [S, N, T]): split 2, 6 stages of 128 columns best; its second the four
 # kept here with the tokens on M (token-major partials).
-B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (128, 2, 6, 64, True), (64, 2, 12, 64, True), (128, 4, 4, 128, True)]
+B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (128, 2, 6, 64, "M"), (64, 2, 12, 64, "M"), (128, 4, 4, 128, "M")]
 
 
 def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
@@ -84,7 +84,8 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
                 stream = len(more) > 1 and more[1]
                 if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
                         and kernel.smem_bytes(B, D, bk, sk, st, rows_, stream) <= kernel.SMEM_BYTES):
-                    key = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + (" xs" if stream else "")
+                    key = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + {
+                        False: "", True: " xs", "M": " xs", "N": " xsN"}[stream]
                     timed(row, key, lambda x, ws, bk=bk, sk=sk, st=st, r=rows_, xs=stream: kernel.gemv(
                         x, ws, block_k=bk, split_k=sk, steps=st, rows=r, x_stream=xs), x, sets, want)
             results["rows"].append(row)
@@ -95,8 +96,12 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--mid"]:  # q/k/v/g + f_a (split 2) and o_proj (split 1, the output written directly)
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(16, 32, 64),
-             configs=[(128, 2, 6, 64, True), (128, 1, 6, 64, True)], cases=[CASES[0], CASES[2]],
+             configs=[(128, 2, 6, 64, "M"), (128, 1, 6, 64, "M")], cases=[CASES[0], CASES[2]],
              name="gemv_mid_batch")
+    elif sys.argv[1:2] == ["--tokens-on-n"]:  # x streamed with the tokens on WGMMA's M (64-row tile) or N
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(12, 16, 32, 48),
+             configs=[(128, s, 6, 64, on) for s in (2, 1) for on in ("M", "N")], cases=[CASES[0], CASES[2]],
+             name="gemv_tokens_on_n")
     elif sys.argv[1:2] == ["--b64-stream"]:
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_STREAM_CONFIGS, cases=CASES[:2],
              name="gemv_b64_stream")

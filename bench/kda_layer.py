@@ -4,9 +4,9 @@
 a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
 
   PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
-      [--gemv-launch '{"max_batch": 64, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": true}']
+      [--gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}']
   (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES;
-  --gemv-launch: also "gemv_launch", latency_specialized with that entry appended to the decode GEMV's tuning,
+  --gemv-launch: also "gemv_launch", latency_specialized with that entry first in the decode GEMV's tuning,
   in place of select_after)
 
 Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
@@ -50,10 +50,11 @@ def layer_inputs(cfg, B, seed=0):
 
 @contextlib.contextmanager
 def gemv_entry(entry):
-    """The decode GEMV's tuning with `entry` after its own launches (so it serves only the batches past them)."""
+    """The decode GEMV's tuning with `entry` before its own launches (so it serves the batches its min_batch and
+    max_batch hold; the tuned launches the rest)."""
     tuning = gemv_api.tuning
     t = tuning()
-    gemv_api.tuning = lambda: {**t, "sm90": {**t["sm90"], "launch": [*t["sm90"]["launch"], entry]}}
+    gemv_api.tuning = lambda: {**t, "sm90": {**t["sm90"], "launch": [entry, *t["sm90"]["launch"]]}}
     try:
         yield
     finally:

@@ -12,7 +12,8 @@ from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 # Batch 64 with x's slabs resident (they fit SMEM beside 4 weight stages only at split 7): measured slower than
 # XLA on the H200; tuning.json streams x past batch 8 instead (STREAMED). The resident form stays correct there.
 WIDE = dict(block_k=128, split_k=7, steps=4)
-STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream=True)
+STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")
+STREAMED_N = dict(STREAMED, x_stream="N")  # tokens on N: no 64-row tile past B
 
 
 def _inputs(r, B, D, rows):
@@ -33,9 +34,10 @@ def _check(got, x, ws):
 @cpu_only
 @pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
     (1, 2, 3, 64, False), (3, 1, 2, 64, False), (8, 4, 4, 64, False), (20, 2, 2, 64, False), (5, 2, 3, 128, False),
-    (20, 4, 2, 128, False), (3, 2, 3, 64, True), (20, 1, 2, 128, True), (64, 2, 4, 64, True)])
+    (20, 4, 2, 128, False), (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"),
+    (32, 1, 2, 128, "N")])
 def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
-    """x resident (one slab per K block) or streamed beside the weights (x_stream), race-free."""
+    """x resident (one slab per K block) or streamed beside the weights (x_stream, tokens on M or N), race-free."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
@@ -53,7 +55,7 @@ def test_reference_matches_numpy():
 
 @cpu_only
 @pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128)),
-                                       (64, STREAMED)])
+                                       (64, STREAMED), (32, STREAMED_N)])
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1)
     or batch 64's (64- and 128-row blocks)."""
@@ -138,3 +140,15 @@ def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, launch):
     x, ws = _inputs(rng(), 64, 7168, rows)
     launch = dict(r64=WIDE, r128=dict(block_k=64, split_k=7, steps=4, rows=128), streamed=STREAMED)[launch]
     _check(kernel.gemv(x, ws, **launch), x, ws)
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [12, 32])
+@pytest.mark.parametrize("rows", [(3072, 128), (7168,)])
+def test_streamed_tokens_on_n_on_gpu_matches_numpy(B, rows):
+    """x streamed with the tokens on WGMMA's N (a [round8(B), block_k] tile, x unpadded) at TP16 widths: q/k/v/g
+    + f_a over D = 7168 (split 2) and o_proj's over D = 768 (split 1, partials summed by the wrapper)."""
+    D = 768 if rows == (7168,) else 7168
+    x, ws = _inputs(rng(), B, D, rows)
+    _check(kernel.gemv(x, ws, **dict(STREAMED_N, split_k=1 if D == 768 else 2)), x, ws)
+

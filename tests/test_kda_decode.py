@@ -283,7 +283,7 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
     def step(x_BD, qkvg, f_a, *rest):
         parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **g_launch)
         return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
-                                   from_gemv="TN" if g_launch["x_stream"] else "NT", **launch)
+                                   from_gemv="TN" if g_launch["x_stream"] == "M" else "NT", **launch)
 
     args = x_args_of(x, g, w)
     with abstract_gpu("sm90"):
@@ -343,6 +343,7 @@ def test_api_refuses_qkv_without_three_streams():
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
                                         ("rows", dict(keep_slices=3)),
                                         ("rows", dict(keep_slices=2, row_stores="global")),
+                                        ("rows", dict(keep_slices=3, row_stores="global", prefetch_ahead=2)),
                                         ("chunked", dict(warpgroups=2)),
                                         (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
@@ -606,6 +607,20 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, store
             assert_close(a, b, **TOL[dtype], what=name)
     else:
         assert_idle_kept(got, want, x, active, TOL[dtype])
+
+
+@gpu_only
+@pytest.mark.parametrize("B, H, ahead", [(64, 12, 396), (8, 96, 396), (64, 96, 1)])
+def test_rows_prefetch_ahead_on_gpu_matches_reference(B, H, ahead):
+    """The rows path asking L2 for a later tile's state (prefetch_ahead) computes the same step."""
+    from pallas_kernels.kda_decode import kernel
+    r = rng()
+    x = make_inputs(r, B, H, 128, jnp.bfloat16)
+    active = idle_mask(r, B)
+    want = jax.jit(reference.kda_decode)(*args_of(x), active)
+    f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
+                          keep_slices=3, row_stores="global", prefetch_ahead=ahead)
+    assert_idle_kept(jax.jit(f)(*args_of(x), active), want, x, active, TOL["bf16"])
 
 
 @gpu_only

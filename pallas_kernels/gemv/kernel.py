@@ -12,7 +12,7 @@ which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Elevent
 
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
 
-x_stream=True (batches past 8): x is not held resident but streamed beside the weights, one [64, block_k]
+x_stream="M" (batches past 8): x is not held resident but streamed beside the weights, one [64, block_k]
 tile per pipeline stage (from L2: every CTA of a K range reads it; the TMA fills the tile's rows past B with
 zeros), and the tokens go on WGMMA's M and the weight rows on N, so the partials come out token-major
 [S, 64, N]: a token's outputs are
@@ -21,6 +21,9 @@ the decode kernel took 28.8 instead of 19.1 us at TP16 B = 64, kda_layer_b64_str
 grow with the batch (D / split_k x 64 tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of
 195 KB, about 2.7 waves of one CTA per SM, each wave paying its pipeline's fill); streamed, split 2 fits and
 TP16's 50 row blocks x 2 run as one wave with short partials: 13.4 vs 18.9 us (H200, gemv_b64_stream_nt.json).
+Below 64 tokens the 64-row tile reads past B, which measured 2.7-3 us slower (16.1 us at B = 16 against 13.2
+at 64, gemv_mid_batch.json). x_stream="N" streams x the same way with the tokens on N as the resident path
+has them (a [round8(B), block_k] tile, no rows past B at whole 8s) and the resident path's partials [S, N, T].
 """
 
 import functools
@@ -40,9 +43,12 @@ _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+X_STREAMS = (False, "M", "N")  # x resident; or streamed with the tokens on WGMMA's M (64-row tiles) or N
+
+
 def tokens(B, x_stream=False):
-    """The batch padded to WGMMA's N granularity, or (x_stream: tokens on M) to its M of 64."""
-    return MAX_TOKENS if x_stream else -(-B // TOKENS) * TOKENS
+    """The batch padded to WGMMA's N granularity, or (x_stream "M": tokens on M) to its M of 64."""
+    return MAX_TOKENS if x_stream == "M" else -(-B // TOKENS) * TOKENS
 
 
 def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
@@ -56,6 +62,8 @@ def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
 
 def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=False):
     B, D = x_BD.shape
+    if x_stream not in X_STREAMS:
+        raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
     if x_BD.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in ws_ND):
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
@@ -75,8 +83,8 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
 
 def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
     """x_ref: x padded to T tokens, [T, D] (x_stream: x as it is, [B, D], read in [T, block_k] tiles whose rows
-    past B the TMA fills with zeros). refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream:
-    [S, T, N_i], in x's dtype with one split), then (resident x only) scratch: this CTA's x slabs [K blocks, T,
+    past B the TMA fills with zeros). refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream
+    "M": [S, T, N_i], in x's dtype with one split), then (resident x only) scratch: this CTA's x slabs [K blocks, T,
     block_k] (a slab a leading index, not a slice of a swizzled dim), each one TMA of x's [T, block_k]
     columns, and their barriers."""
     n_w = len(n_blocks)
@@ -95,9 +103,11 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
             # waiting for every slab first serialised x (131 KB per CTA from L2 at T = 64) before the weight
             # stream (H200, batch 64: 20.3 us for TP16's 47 MB, gemv_b64.json).
             def step(idx, w_smem, *x_tile):
-                if x_stream:  # acc [T, rows] += x [T, block_k] @ wᵀ [block_k, rows]
+                if x_stream == "M":  # acc [T, rows] += x [T, block_k] @ wᵀ [block_k, rows]
                     plgpu.wgmma(acc_ref, x_tile[0], w_smem.transpose((1, 0)))
-                else:  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
+                elif x_stream == "N":  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
+                    plgpu.wgmma(acc_ref, w_smem, x_tile[0].transpose((1, 0)))
+                else:  # the same with x's resident slab
                     plgpu.barrier_wait(x_bar.at[idx[0]])
                     plgpu.wgmma(acc_ref, w_smem, x_smem.at[idx[0]].transpose((1, 0)))
 
@@ -111,7 +121,7 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
             return acc_ref[...]
 
         block = pl.ds(row_blk * rows, rows)
-        if x_stream:  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
+        if x_stream == "M":  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
             out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32)).astype(out_ref.dtype)
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
             out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
@@ -130,10 +140,10 @@ def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=Fa
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With x
     streamed and one split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
-    direct = x_stream and split_k == 1
+    direct = x_stream == "M" and split_k == 1
     parts = _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
                       interpret=interpret, out_dtype=x_BD.dtype if direct else F32)
-    if x_stream:  # token-major
+    if x_stream == "M":  # token-major
         return tuple((p[0] if direct else p.sum(0))[:B].astype(x_BD.dtype) for p in parts)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
@@ -141,7 +151,7 @@ def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=Fa
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def partials(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=False, interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
-    b's output (columns B..T-1 are padding); with x_stream token-major [split_k, 64, N_i], row b token b's. A
+    b's output (columns B..T-1 are padding); with x_stream "M" token-major [split_k, 64, N_i], row b token b's. A
     consumer that reads these itself (the KDA decode kernel) saves the glue."""
     return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
                      interpret=interpret)
@@ -151,7 +161,7 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    # Resident x: padded to whole 8s (a no-op at B = 8). Streamed: as it is; the TMA of a [64, block_k] tile
+    # Resident x: padded to whole 8s (a no-op at B = 8). Streamed: as it is; the TMA of a [T, block_k] tile
     # fills the rows past B with zeros (XLA's pad and its kernel were 1.2-1.4 us at B = 16, H200).
     x_TD = x_BD if x_stream else jnp.pad(x_BD, ((0, T - B), (0, 0)))
     k_slabs = D // block_k // split_k
@@ -162,7 +172,7 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     kernel = plgpu.kernel(
         functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
                           k_slabs=k_slabs, T=T, x_stream=x_stream),
-        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream else (split_k, w.shape[0], T),
+        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream == "M" else (split_k, w.shape[0], T),
                                             out_dtype) for w in ws_ND),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k), grid_names=("n", "k"),

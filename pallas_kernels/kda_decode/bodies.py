@@ -103,8 +103,8 @@ def entry_points(tuning: dict) -> Ops:
         gemv.check_supported(x_BD, ws, **g)
         qkv_B3HK = jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)  # what the kernel checks and tiles by
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
-        qkvg_parts, fa_parts = gemv.partials(x_BD, ws, **g, interpret=interpret)  # [S, N, T], x_stream [S, T, N]
-        layout = "TN" if g["x_stream"] else "NT"
+        qkvg_parts, fa_parts = gemv.partials(x_BD, ws, **g, interpret=interpret)  # [S, N, T], x_stream "M" [S, T, N]
+        layout = "TN" if g["x_stream"] == "M" else "NT"
         if fuses_gates(B, H):
             launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
             return kernel.decode_gates(qkvg_parts, fa_parts, f_b_RHK, x_BD, b_HD, qkvg_parts, *rest, active_B,
