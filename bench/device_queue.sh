@@ -187,10 +187,16 @@ case "${1:-}" in
     step bench_gemv_on_n 220 python3 bench/gemv.py --tokens-on-n "$work"
     step bench_prefetch 150 python3 bench/kda_decode.py --prefetch-ahead "$work"
     ;;
-  session14b)  # the whole sublayer at batch 16-48 with q/k/v/g + f_a through the tokens-on-N GEMV
-    step bench_layer 240 python3 bench/kda_layer.py "$work" --cases 16:16,16:24,16:32,16:48,8:32 \
+  session14b)  # the whole sublayer at batch 12-48 with q/k/v/g + f_a (then also o_proj) through the tokens-on-N GEMV
+    step pytest_14b 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py \
+      -k "tokens_on_n_on_gpu or (api_on_gpu and 12) or (o_proj_on_gpu and 37)"
+    step bench_layer 200 python3 bench/kda_layer.py "$work" --cases 16:12,16:16,16:32,16:48,8:32 \
       --name kda_layer_tokens_on_n \
       --gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}'
+    step bench_layer_o 170 python3 bench/kda_layer.py "$work" --cases 16:12,16:16,16:32,8:32 \
+      --name kda_layer_tokens_on_n_o_proj --gemv-launch '[{"min_batch": 9, "max_batch": 48, "block_k": 128,
+      "split_k": 2, "steps": 6, "x_stream": "N"}, {"table": "o_proj_launch", "min_batch": 9, "max_batch": 32,
+      "block_k": 128, "split_k": 1, "steps": 6, "x_stream": "N"}]'
     ;;
   gemv_mid)  # the streamed GEMV alone at batch 16, 32 and 64, x unpadded: is the TMA box past B free?
     step bench_gemv_mid 200 python3 bench/gemv.py --mid "$work"

@@ -13,7 +13,6 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_dec
 `--rows-canary`: one checked call per rows variant;
 `--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
 `--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
-`--prefetch-ahead OUT`: the tuned rows launch asking L2 for tile t + P's state -> OUT/kda_prefetch_ahead.json;
 `--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
 OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json.
 Writes kda_decode.json and kda_decode.md into the given folder.
@@ -229,11 +228,6 @@ KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
 STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
     f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
-# The tuned rows launch (keep 3, st.global) asking L2 for tile t + P's state after its own tile's TMA
-# (kernel prefetch_ahead). 160 registers and ~68 KB of SMEM hold 3 CTAs per SM: 396 resident on the H200, so
-# P = 396 is the next wave's tile; 132 and 264 land inside the wave that is running (a control at 384 tiles).
-PREFETCH_VARIANTS = {f"rows keep3 st.global ahead{p}": rows_fn(keep_slices=3, row_stores="global", prefetch_ahead=p)
-                     for p in (132, 396, 792)}
 
 
 def main_rows_canary():
@@ -607,7 +601,6 @@ MODES = {  # flag -> what it runs with the flag's argument (see the module docst
     "--rows-canary": lambda: main_rows_canary(),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
     "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
-    "--prefetch-ahead": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_prefetch_ahead", extra=PREFETCH_VARIANTS),
     "--gates": lambda out: write_gates(out, "kda_gates_out_major", gates_cases(shapes=GATE_SHAPES_OUT_MAJOR)),
     "--gates96": lambda out: write_gates(out, "kda_gates_96", gates_cases(shapes=GATE_SHAPES_96)),
 }

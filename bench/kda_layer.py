@@ -6,8 +6,8 @@ a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
   PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
       [--gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}']
   (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES;
-  --gemv-launch: also "gemv_launch", latency_specialized with that entry first in the decode GEMV's tuning,
-  in place of select_after)
+  --gemv-launch: also "gemv_launch", latency_specialized with that entry (or list of entries, each naming its
+  "table" if not "launch") first in the decode GEMV's tuning, in place of select_after)
 
 Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
 then the select that keeps idle slots' state and window (what model.extend ran after the op until the ninth
@@ -49,12 +49,17 @@ def layer_inputs(cfg, B, seed=0):
 
 
 @contextlib.contextmanager
-def gemv_entry(entry):
-    """The decode GEMV's tuning with `entry` before its own launches (so it serves the batches its min_batch and
-    max_batch hold; the tuned launches the rest)."""
+def gemv_entry(entries):
+    """The decode GEMV's tuning with each entry (a dict, or a list of them) before the launches of its "table"
+    ("launch" unless it names "o_proj_launch"), so it serves the batches its min_batch and max_batch hold and
+    the tuned launches the rest."""
     tuning = gemv_api.tuning
     t = tuning()
-    gemv_api.tuning = lambda: {**t, "sm90": {**t["sm90"], "launch": [entry, *t["sm90"]["launch"]]}}
+    sm90 = dict(t["sm90"])
+    for entry in entries if isinstance(entries, list) else [entries]:
+        table = entry.get("table", "launch")
+        sm90[table] = [entry, *sm90.get(table, [])]
+    gemv_api.tuning = lambda: {**t, "sm90": sm90}
     try:
         yield
     finally:

@@ -237,12 +237,14 @@ def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
 
 
 @cpu_only
-@pytest.mark.parametrize("B, gemv, fuse_max", [(1, True, 64), (3, True, 64), (9, True, 64), (9, True, 8),
-                                                (2, False, 64), (9, False, 8)])
-def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max):
+@pytest.mark.parametrize("B, gemv, fuse_max, x_stream", [
+    (1, True, 64, None), (3, True, 64, None), (9, True, 64, "M"), (9, True, 8, "M"), (12, True, 64, "N"),
+    (12, True, 8, "N"), (2, False, 64, None), (9, False, 8, None)])
+def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max, x_stream):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
-    go straight into the decode kernel (which sums and rounds them; B = 9 runs the GEMV's streamed launch, its
-    token-major partials read by the kernel, or with fuse_gates_max_batch 8 summed by XLA), else the model's
+    go straight into the decode kernel (which sums and rounds them; B = 9 and 12 run the GEMV's streamed launch
+    with the tokens on M (x_stream "M", token-major partials) or N ([S, N, T] partials), read by the kernel, or
+    with fuse_gates_max_batch 8 summed by XLA), else the model's
     GEMMs then the kernel (fed the whole qkvg, gates fused at B = 2, XLA's at B = 9); both against the reference
     (the model's GEMMs, then the XLA step). bf16, D = 1024, R = 128. With B > 1 some sequences are idle
     (active_B), as in a serving batch."""
@@ -257,6 +259,10 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max):
     active = idle_mask(r, B) if B > 1 else None
     want = reference.kda_decode_x(*x_args_of(x, g, w), active)
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv, fuse_gates_max_batch=fuse_max))
+    if x_stream:  # the tuning's launch with the tokens on x_stream's WGMMA dimension
+        from pallas_kernels.gemv import api as gemv_api
+        pick = gemv_api.pick_launch
+        monkeypatch.setattr(gemv_api, "pick_launch", lambda *a, **k: dict(pick(*a, **k), x_stream=x_stream))
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
         monkeypatch.setattr(reference, "project", lambda *a: pytest.fail("fell back to XLA projections"))
     with abstract_gpu("sm90"):
@@ -343,7 +349,6 @@ def test_api_refuses_qkv_without_three_streams():
 @pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
                                         ("rows", dict(keep_slices=3)),
                                         ("rows", dict(keep_slices=2, row_stores="global")),
-                                        ("rows", dict(keep_slices=3, row_stores="global", prefetch_ahead=2)),
                                         ("chunked", dict(warpgroups=2)),
                                         (True, dict(v_split=2))])
 def test_kernel_keeps_idle_sequences(tma, split):
@@ -607,20 +612,6 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, store
             assert_close(a, b, **TOL[dtype], what=name)
     else:
         assert_idle_kept(got, want, x, active, TOL[dtype])
-
-
-@gpu_only
-@pytest.mark.parametrize("B, H, ahead", [(64, 12, 396), (8, 96, 396), (64, 96, 1)])
-def test_rows_prefetch_ahead_on_gpu_matches_reference(B, H, ahead):
-    """The rows path asking L2 for a later tile's state (prefetch_ahead) computes the same step."""
-    from pallas_kernels.kda_decode import kernel
-    r = rng()
-    x = make_inputs(r, B, H, 128, jnp.bfloat16)
-    active = idle_mask(r, B)
-    want = jax.jit(reference.kda_decode)(*args_of(x), active)
-    f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
-                          keep_slices=3, row_stores="global", prefetch_ahead=ahead)
-    assert_idle_kept(jax.jit(f)(*args_of(x), active), want, x, active, TOL["bf16"])
 
 
 @gpu_only

@@ -161,9 +161,10 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    # Resident x: padded to whole 8s (a no-op at B = 8). Streamed: as it is; the TMA of a [T, block_k] tile
-    # fills the rows past B with zeros (XLA's pad and its kernel were 1.2-1.4 us at B = 16, H200).
-    x_TD = x_BD if x_stream else jnp.pad(x_BD, ((0, T - B), (0, 0)))
+    # Resident x: padded to T (whole 8s; a no-op at B = 8). Streamed: padded to whole 8s only, because Mosaic's
+    # TMA refuses an x whose rows are not (a no-op at B = 16, 24, ...; XLA's pad kernel was 1.2-1.4 us at
+    # B = 16 on the H200); the TMA of a [T, block_k] tile fills any rows past them with zeros.
+    x_TD = jnp.pad(x_BD, ((0, (tokens(B) if x_stream else T) - B), (0, 0)))
     k_slabs = D // block_k // split_k
     scratch = []
     if not x_stream:  # resident: one slab per K block of this CTA's range, [k_slabs, T, block_k]

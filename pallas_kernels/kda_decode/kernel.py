@@ -78,7 +78,7 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
-ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores", "prefetch_ahead")  # tma="rows" only (_recurrence_rows)
+ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores")  # launch keys of tma="rows" only (see _recurrence_rows)
 ROW_STORES = ("tma", "global")
 
 
@@ -93,8 +93,7 @@ def pick_launch(tuning, qkv_B3HK):
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma",
-          prefetch_ahead=0):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma"):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -106,9 +105,8 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
     keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
-    prefetch_ahead P > 0 (k_rows): after its own tile's TMA the CTA of tile t = b H + h asks L2 for tile t + P's
-    state (a TMA prefetch, no SMEM), so that with more tiles than fit on the GPU at once (P about the resident
-    CTAs) the next wave's reads overlap this wave's update and stores instead of following them.
+    An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
+    slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144 (kda_prefetch_ahead.json).
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
     [S, T, R] (token-major, the GEMV's x_stream launch): this kernel sums and rounds them (once, as the
@@ -184,11 +182,6 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
     if tma_scratch:
         issue_state_tma()
-    if prefetch_ahead:
-        n_b, n_h = state_ref.shape[:2]
-        later = b * n_h + h + prefetch_ahead
-        t = jnp.minimum(later, n_b * n_h - 1)  # an index in range; predicated off past the last tile
-        plgpu.async_prefetch(state_ref.at[t // n_h, t % n_h], predicate=later < n_b * n_h)
     # The partials' sums come after the state's TMA issue: a warp issues in order, so the first add, waiting
     # for its loads, held the tile's request back a loaded-memory round trip (TP16 B = 64 from the GEMV's
     # token-major partials: 24.9 us against 19.2 from finished projections, kda_layer_b64_stream.json).
@@ -480,8 +473,7 @@ _STATIC = ("eps", "tile_layout", "v_chunk", *ROWS_KEYS, "tma", "v_split", "gathe
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
            o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma",
-           prefetch_ahead=0):
+           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma"):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -506,15 +498,14 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                    dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
                    v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores,
-                   prefetch_ahead=prefetch_ahead)
+                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 keep_slices=0, row_stores="tma", prefetch_ahead=0):
+                 keep_slices=0, row_stores="tma"):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv ("NT" or "TN", the partials' layout: see _body): straight from the decode GEMV's fp32 partials
@@ -530,14 +521,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores,
-                   prefetch_ahead=prefetch_ahead)
+                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma",
-           prefetch_ahead=0):
+            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma"):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -558,8 +547,6 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
         raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
                                   f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
                                   f"k_chunk={k_chunk}, K={K}, V={V}")
-    if prefetch_ahead and (tma != "rows" or prefetch_ahead < 0):
-        raise NotImplementedError(f"prefetch_ahead={prefetch_ahead}: a positive tile count, rows path only")
     if row_stores not in ROW_STORES:
         raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
@@ -584,8 +571,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores,
-                   prefetch_ahead=prefetch_ahead)
+                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
