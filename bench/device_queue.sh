@@ -21,6 +21,7 @@
 #   bash bench/device_queue.sh session14a    # nvidia-h200: the streamed GEMV with tokens on N (tests, alone at
 #                                            #   12-48), the rows decode prefetching a later tile's state to L2
 #   bash bench/device_queue.sh session14b    # nvidia-h200: the sublayer at 16-48 with the tokens-on-N GEMV
+#   bash bench/device_queue.sh session14c    # nvidia-h200: kda_decode_x tests and the sublayer, tuned on N to 32
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -47,7 +48,7 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Queued: session14a, session14b (bench/NOTES.md, KDA "Fourteenth session"); every other group has run.
+# Queued: session14c (bench/NOTES.md, KDA "Fourteenth session"); every other group has run.
 # One machine kind
 # at a time: a switch restarts the machine.
 set -u
@@ -180,6 +181,12 @@ case "${1:-}" in
       -k "gates_on_gpu or (decode_x_on_gpu and 64-)"
     step bench_gates96 120 python3 bench/kda_decode.py --gates96 "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work"
+    ;;
+  session14c)  # the tuned launches (q/k/v/g + f_a on N from batch 9 to 32): GPU tests through kda_decode_x, sublayer
+    step pytest_14c 120 python3 -m pytest -q -p no:cacheprovider tests/test_kda_decode.py \
+      -k "decode_x_on_gpu and (12- or 32-)"
+    step bench_layer 240 python3 bench/kda_layer.py "$work" --cases 16:12,16:16,16:24,16:32,8:16,8:32 \
+      --name kda_layer_tuned_on_n
     ;;
   session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
     step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \

@@ -629,8 +629,9 @@ def test_idle_sequences_on_gpu(B, H, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, H, gemv", [(1, 6, True), (8, 6, True), (1, 12, True), (8, 12, True), (64, 6, True),
-                                        (64, 12, True), (64, 6, False), (1, 96, False), (8, 96, False)])
+@pytest.mark.parametrize("B, H, gemv", [(1, 6, True), (8, 6, True), (1, 12, True), (8, 12, True), (12, 6, True),
+                                        (32, 12, True), (64, 6, True), (64, 12, True), (64, 6, False),
+                                        (1, 96, False), (8, 96, False)])
 def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
     (B = 64: x streamed, token-major partials; the kernel sums them within the fused-gates batch). Else where
