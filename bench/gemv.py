@@ -102,6 +102,10 @@ if __name__ == "__main__":
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(12, 16, 32, 48),
              configs=[(128, s, 6, 64, on) for s in (2, 1) for on in ("M", "N")], cases=[CASES[0], CASES[2]],
              name="gemv_tokens_on_n")
+    elif sys.argv[1:2] == ["--small-on-n"]:  # batch <= 8: x resident (tuned) or streamed with the tokens on N
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(1, 8),
+             configs=[(256, 2, 4), (128, 2, 6, 64, "N"), (256, 2, 4, 64, "N"), (128, 2, 8, 64, "N"),
+                      (128, 1, 6, 64, "N")], cases=CASES, name="gemv_small_on_n")
     elif sys.argv[1:2] == ["--b64-stream"]:
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_STREAM_CONFIGS, cases=CASES[:2],
              name="gemv_b64_stream")

@@ -35,7 +35,7 @@ def _check(got, x, ws):
 @pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
     (1, 2, 3, 64, False), (3, 1, 2, 64, False), (8, 4, 4, 64, False), (20, 2, 2, 64, False), (5, 2, 3, 128, False),
     (20, 4, 2, 128, False), (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"),
-    (32, 1, 2, 128, "N")])
+    (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N")])
 def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
     """x resident (one slab per K block) or streamed beside the weights (x_stream, tokens on M or N), race-free."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -56,7 +56,7 @@ def test_reference_matches_numpy():
 @cpu_only
 @pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128)),
                                        (64, STREAMED), (32, STREAMED_N), (12, STREAMED), (12, STREAMED_N),
-                                       (37, STREAMED_N)])
+                                       (37, STREAMED_N), (1, STREAMED_N), (5, STREAMED_N)])
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1)
     or batch 64's (64- and 128-row blocks), or x streamed at batches that are not whole 8s (Mosaic's TMA

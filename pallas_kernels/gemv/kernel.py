@@ -51,6 +51,14 @@ def tokens(B, x_stream=False):
     return MAX_TOKENS if x_stream == "M" else -(-B // TOKENS) * TOKENS
 
 
+def x_rows(B, x_stream=False):
+    """The rows of x the kernel reads: a resident x padded to tokens(B); a streamed x as it is where Mosaic's
+    TMA takes it (fewer than 8 rows, or whole 8s), else padded to whole 8s (it refuses 12 rows)."""
+    if not x_stream:
+        return tokens(B)
+    return B if B < TOKENS or B % TOKENS == 0 else tokens(B)
+
+
 def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
     """x's slabs for this CTA's K range (resident for the whole stream) + the weight pipeline's stages; with
     x_stream each stage holds x's tile beside the weight's and nothing is resident."""
@@ -161,10 +169,10 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    # Resident x: padded to T (whole 8s; a no-op at B = 8). Streamed: padded to whole 8s only, because Mosaic's
-    # TMA refuses an x whose rows are not (a no-op at B = 16, 24, ...; XLA's pad kernel was 1.2-1.4 us at
-    # B = 16 on the H200); the TMA of a [T, block_k] tile fills any rows past them with zeros.
-    x_TD = jnp.pad(x_BD, ((0, (tokens(B) if x_stream else T) - B), (0, 0)))
+    # Resident x: padded to T (whole 8s; a no-op at B = 8). Streamed: padded only where Mosaic's TMA needs it
+    # (x_rows; XLA's pad kernel was 1.2-1.4 us at B = 16 on the H200); the TMA of a [T, block_k] tile fills
+    # the rows past x's with zeros.
+    x_TD = jnp.pad(x_BD, ((0, x_rows(B, x_stream) - B), (0, 0)))
     k_slabs = D // block_k // split_k
     scratch = []
     if not x_stream:  # resident: one slab per K block of this CTA's range, [k_slabs, T, block_k]
