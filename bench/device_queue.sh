@@ -189,7 +189,8 @@ case "${1:-}" in
       --name kda_layer_tuned_on_n
     ;;
   session14d)  # batch <= 8 with x streamed and the tokens on N (no XLA pad below 8 rows): the GEMV alone, sublayer
-    step bench_gemv_small 210 python3 bench/gemv.py --small-on-n "$work"
+    step pytest_14d 60 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "tokens_on_n_on_gpu and (1] or 5])"
+    step bench_gemv_small 200 python3 bench/gemv.py --small-on-n "$work"
     step bench_layer 150 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,8:1,8:8 --name kda_layer_small_on_n \
       --gemv-launch '{"max_batch": 8, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}'
     step bench_layer_o 130 python3 bench/kda_layer.py "$work" --cases 16:1,8:1,8:8 --name kda_layer_small_on_n_o \

@@ -145,7 +145,7 @@ def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, launch):
 
 
 @gpu_only
-@pytest.mark.parametrize("B", [12, 32])
+@pytest.mark.parametrize("B", [1, 5, 12, 32])
 @pytest.mark.parametrize("rows", [(3072, 128), (7168,)])
 def test_streamed_tokens_on_n_on_gpu_matches_numpy(B, rows):
     """x streamed with the tokens on WGMMA's N (a [round8(B), block_k] tile, x unpadded) at TP16 widths: q/k/v/g
