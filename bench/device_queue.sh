@@ -23,6 +23,7 @@
 #   bash bench/device_queue.sh session14b    # nvidia-h200: the sublayer at 16-48 with the tokens-on-N GEMV
 #   bash bench/device_queue.sh session14c    # nvidia-h200: kda_decode_x tests and the sublayer, tuned on N to 32
 #   bash bench/device_queue.sh session14d    # nvidia-h200: batch <= 8 on N: the GEMV alone, the sublayer
+#   bash bench/device_queue.sh session14e    # nvidia-h200: the final tuning: GPU tests, the sublayer table
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -49,7 +50,7 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Queued: session14d (bench/NOTES.md, KDA "Fourteenth session"); every other group has run. One machine kind
+# Queued: session14e (bench/NOTES.md, KDA "Fourteenth session"); every other group has run. One machine kind
 # at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -196,6 +197,12 @@ case "${1:-}" in
     step bench_layer_o 130 python3 bench/kda_layer.py "$work" --cases 16:1,8:1,8:8 --name kda_layer_small_on_n_o \
       --gemv-launch '[{"max_batch": 8, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}, {"table":
       "o_proj_launch", "max_batch": 8, "block_k": 128, "split_k": 1, "steps": 6, "x_stream": "N"}]'
+    ;;
+  session14e)  # the final tuning (N at 1-32, o_proj on N at TP8 B <= 8): GPU tests through the api, the sublayer table
+    step pytest_14e 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+      -k "(decode_x_on_gpu and (1-6 or 8-12)) or (o_proj_on_gpu and 1536) or (api_on_gpu and not 24 and not 64)"
+    step bench_layer 260 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:64,8:1,8:8,8:64 \
+      --name kda_layer_session14
     ;;
   session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
     step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \

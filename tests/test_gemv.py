@@ -93,17 +93,17 @@ def test_launches_cover_the_batches_they_claim():
 
 
 def test_o_proj_launches_cover_what_they_claim():
-    """o_proj's launches (its short D: 768 at TP16, 1536 at TP8) fit every batch they cover and write the output
-    themselves (split 1, x streamed); outside them the api refuses, so the model's o_proj runs XLA."""
+    """o_proj's launches (its short D: 768 at TP16, 1536 at TP8) fit every batch and D they cover (split 1, x
+    streamed); outside them the api refuses, so the model's o_proj runs XLA."""
     table = api.tuning()["sm90"]["o_proj_launch"]
     for D in (768, 1536):
         for B in range(1, kernel.MAX_TOKENS + 1):
-            if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
+            if any(e.get("min_batch", 1) <= B <= e["max_batch"] and D >= e.get("min_d", 0) for e in table):
                 launch = api.pick_launch(B, D, table="o_proj_launch")
                 kernel.check_supported(jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
                                        (jax.ShapeDtypeStruct((7168, D), jnp.bfloat16),), **launch)
             else:
-                with pytest.raises(NotImplementedError, match=f"batch {B}: no GEMV o_proj_launch"):
+                with pytest.raises(NotImplementedError, match=f"batch {B}, D {D}: no GEMV o_proj_launch"):
                     api.pick_launch(B, D, table="o_proj_launch")
 
 
@@ -126,9 +126,9 @@ def test_api_on_gpu_matches_numpy(B, rows):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, D", [(64, 768), (64, 1536), (24, 768), (37, 768)])
+@pytest.mark.parametrize("B, D", [(64, 768), (64, 1536), (24, 768), (37, 768), (1, 1536), (8, 1536)])
 def test_o_proj_on_gpu_matches_numpy(B, D):
-    """o_proj's launch through the api at TP16 / TP8 widths (the kernel writes the rounded output itself)."""
+    """o_proj's launch through the api at TP16 / TP8 widths (on M the kernel writes the rounded output itself)."""
     x, ws = _inputs(rng(), B, D, (7168,))
     _check(api._kernel(x, ws, "o_proj_launch"), x, ws)
 
