@@ -199,10 +199,11 @@ case "${1:-}" in
       "o_proj_launch", "max_batch": 8, "block_k": 128, "split_k": 1, "steps": 6, "x_stream": "N"}]'
     ;;
   session14e)  # the final tuning (N at 1-32, o_proj on N at TP8 B <= 8): GPU tests through the api, the sublayer table
-    step pytest_14e 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
+    step pytest_14e 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
       -k "(decode_x_on_gpu and (1-6 or 8-12)) or (o_proj_on_gpu and 1536) or (api_on_gpu and not 24 and not 64)"
-    step bench_layer 260 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:64,8:1,8:8,8:64 \
+    step bench_layer 250 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:64,8:1,8:8,8:64 \
       --name kda_layer_session14
+    step bench_after_writes 110 python3 bench/gemv.py --after-writes "$work"
     ;;
   session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
     step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \

@@ -4,7 +4,8 @@ Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py
 (`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json;
 `--b64-stream OUT`: batch 64 with x streamed beside the weights against the best resident launches ->
 OUT/gemv_b64_stream.json; `--mid OUT`: the streamed launches alone at batch 16, 32 and 64, x unpadded (the
-TMA's zero fill past B) -> OUT/gemv_mid_batch.json)
+TMA's zero fill past B) -> OUT/gemv_mid_batch.json; `--after-writes OUT`: the tuned GEMV right after a kernel
+that writes 0-25 MB -> OUT/gemv_after_writes.json)
 Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
 HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
 """
@@ -93,6 +94,42 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
             pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
+def main_after_writes(out_dir, mbs=(0, 6.3, 12.6, 25.2), batches=(16, 64)):
+    """The tuned GEMV (one TP16 rank's q/k/v/g + f_a) right after an XLA kernel that writes W MB (s * c, the way
+    a decode step's KDA kernel writes its state before the next layer's GEMV): if the dirty L2 lines drain to
+    HBM while the GEMV streams its weights, the GEMV's kernel time grows by about W / HBM bandwidth. W = 6.3 /
+    25.2 MB is the TP16 state at B = 16 / 64. Per weight set i: s_i * c, then the GEMV of x + 0 * (s_i * c)[0]
+    (the dependency that orders them). Writes OUT/gemv_after_writes.json."""
+    from pallas_kernels.gemv import api
+    case, D, rows = CASES[0]
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__, sets=SETS,
+                   measure="CUPTI, median of 20 calls; the GEMV's kernel time averaged over the sets", rows=[])
+    r = np.random.default_rng(0)
+    sets = [tuple(jnp.asarray(r.standard_normal((n, D)) * D ** -0.5, jnp.bfloat16) for n in rows) for _ in range(SETS)]
+    for B in batches:
+        x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
+        launch = api.pick_launch(B, D)
+        for mb in mbs:
+            n = max(256, int(mb * 1e6 / 4) // 256 * 256)
+            states = [jnp.asarray(r.standard_normal(n), jnp.float32) for _ in range(SETS)]
+
+            def f(x, sets, states, launch=launch):
+                outs = []
+                for ws, s in zip(sets, states, strict=True):
+                    s2 = s * 1.0001
+                    outs.append((s2, kernel.gemv(x + (0 * s2[0]).astype(x.dtype), ws, **launch)))
+                return outs
+            g = jax.jit(f)
+            per_kernel = per_kernel_us(g, x, sets, states)
+            gemv_us = [t for name, t in per_kernel if "mosaic" in name]
+            row = dict(case=case, B=B, launch=launch, written_MB=n * 4 / 1e6, gemv_us=sum(gemv_us) / len(gemv_us),
+                       kernels=[(k, round(t, 2)) for k, t in per_kernel])
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            pathlib.Path(out_dir, "gemv_after_writes.json").write_text(json.dumps(results, indent=1))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--mid"]:  # q/k/v/g + f_a (split 2) and o_proj (split 1, the output written directly)
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(16, 32, 64),
@@ -102,6 +139,8 @@ if __name__ == "__main__":
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(12, 16, 32, 48),
              configs=[(128, s, 6, 64, on) for s in (2, 1) for on in ("M", "N")], cases=[CASES[0], CASES[2]],
              name="gemv_tokens_on_n")
+    elif sys.argv[1:2] == ["--after-writes"]:
+        main_after_writes(sys.argv[2] if len(sys.argv) > 2 else ".")
     elif sys.argv[1:2] == ["--small-on-n"]:  # batch <= 8: x resident (tuned) or streamed with the tokens on N
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(1, 8),
              configs=[(256, 2, 4), (128, 2, 6, 64, "N"), (256, 2, 4, 64, "N"), (128, 2, 8, 64, "N"),
