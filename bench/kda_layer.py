@@ -5,7 +5,7 @@ a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
 
   PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
       [--gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}']
-  (GPU; writes OUT_DIR/kda_layer.json, or OUT_DIR/NAME.json; --cases: tp:batch pairs instead of CASES;
+  (GPU; writes OUT_DIR/kda_layer.{json,md}, or OUT_DIR/NAME.{json,md}; --cases: tp:batch pairs instead of CASES;
   --gemv-launch: also "gemv_launch", latency_specialized with that entry (or list of entries, each naming its
   "table" if not "launch") first in the decode GEMV's tuning, in place of select_after)
 
@@ -115,6 +115,23 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
             results["rows"].append(row)
             print(row, flush=True)
             pathlib.Path(out_dir, f"{out_name}.json").write_text(json.dumps(results, indent=1))
+            write_table(results, pathlib.Path(out_dir, f"{out_name}.md"))
+
+
+def write_table(results, path):
+    """results (main's dict) as a markdown table: per (tp, batch) XLA and latency_specialized, kernels and speedup."""
+    lines = [f"# One KDA sublayer of a decode step ({results['device']}, jax {results['jax']})", "",
+             f"{results['what']}; {results['measure']}. One idle slot at B > 1. Per-kernel times in the json.", "",
+             "| TP | local heads | B | XLA us (kernels) | latency_specialized us (kernels) | speedup |",
+             "|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        ls = r["latency_specialized_us"]
+        if not isinstance(ls, float):
+            lines.append(f"| {r['tp']} | {r['heads']} | {r['B']} | {r['xla_us']:.2f} ({r['xla_kernels']}) | {ls} | - |")
+            continue
+        lines.append(f"| {r['tp']} | {r['heads']} | {r['B']} | {r['xla_us']:.2f} ({r['xla_kernels']}) | "
+                     f"{ls:.2f} ({r['latency_specialized_kernels']}) | {r['xla_us'] / ls:.2f}x |")
+    pathlib.Path(path).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
