@@ -89,15 +89,12 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
                                   f"of SMEM (> {SMEM_BYTES}); raise split_k, stream x or lower steps / block_k")
 
 
-def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, on_gpu):
+def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
     """x_ref: x padded to T tokens, [T, D] (x_stream: x as it is, [B, D], read in [T, block_k] tiles whose rows
     past B the TMA fills with zeros). refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream
     "M": [S, T, N_i], in x's dtype with one split), then (resident x only) scratch: this CTA's x slabs [K blocks, T,
     block_k] (a slab a leading index, not a slice of a swizzled dim), each one TMA of x's [T, block_k]
     columns, and their barriers."""
-    if on_gpu:  # a kernel launched after this one with PDL (the KDA decode's) may start now; it waits for our
-        # outputs with griddepcontrol.wait, so this only lets it issue what it reads from elsewhere
-        plgpu.griddepcontrol_launch_dependents()
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
@@ -183,7 +180,7 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
                    plgpu.Barrier(num_barriers=k_slabs)]
     kernel = plgpu.kernel(
         functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
-                          k_slabs=k_slabs, T=T, x_stream=x_stream, on_gpu=interpret is None),
+                          k_slabs=k_slabs, T=T, x_stream=x_stream),
         out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream == "M" else (split_k, w.shape[0], T),
                                             out_dtype) for w in ws_ND),
         scratch_types=scratch,

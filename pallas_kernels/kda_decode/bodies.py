@@ -108,7 +108,7 @@ def entry_points(tuning: dict) -> Ops:
         if fuses_gates(B, H):
             launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
             return kernel.decode_gates(qkvg_parts, fa_parts, f_b_RHK, x_BD, b_HD, qkvg_parts, *rest, active_B,
-                                       eps=eps, from_gemv=layout, interpret=interpret, pdl=tuning.get("pdl", False),
+                                       eps=eps, from_gemv=layout, interpret=interpret,
                                        **dict(launch, warpgroups=1))  # one warpgroup, fused gates
 
         def summed(parts):  # XLA sums the partials (one rounding, as the model's GEMMs round) -> [B, N]

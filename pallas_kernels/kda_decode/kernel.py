@@ -93,8 +93,7 @@ def pick_launch(tuning, qkv_B3HK):
 
 
 def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma",
-          pdl=False):
+          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma"):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -108,14 +107,12 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
     An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
     slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144 (kda_prefetch_ahead.json).
+    Programmatic dependent launch after the GEMV (state TMA, then griddepcontrol.wait before the partials;
+    commit b0626a5) ran correctly but jax 0.11.2's runtime did not launch the kernel early (kda_pdl.json).
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
     [S, T, R] (token-major, the GEMV's x_stream launch): this kernel sums and rounds them (once, as the
-    model's projections round), so no glue kernel runs.
-    pdl (with from_gemv, on a GPU): programmatic dependent launch. The kernel may start while the GEMV before it
-    still runs (the GEMV lets it, griddepcontrol.launch_dependents). The state, which no kernel of this step
-    writes, has its TMA issued first; griddepcontrol.wait then holds everything else until the GEMV has
-    finished and its partials are visible."""
+    model's projections round), so no glue kernel runs."""
     n_in = (12 if fuse_gates else 10) + idle_mask
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
@@ -181,15 +178,11 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     def resolve(v):  # the partials summed (in the GEMV glue's order) and rounded once, as the model's GEMMs
         return _sum_parts(lambda p: v[p], len(v)).astype(dtype) if isinstance(v, tuple) else v
 
-    if pdl:  # before the GEMV's partials exist: only the state (and nothing this step writes) may be read
-        if tma_scratch:
-            issue_state_tma()
-        plgpu.griddepcontrol_wait()
     gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
     active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
     pro_in = _prologue_loads(projected, conv_ref.at[b, :, :, h], w_ref, alog_ref, dtb_ref, h)
     f_beta = None if fuse_gates else (gate_in[0].at[b, h][...].astype(F32), gate_in[1][b, h])
-    if tma_scratch and not pdl:
+    if tma_scratch:
         issue_state_tma()
     # The partials' sums come after the state's TMA issue: a warp issues in order, so the first add, waiting
     # for its loads, held the tile's request back a loaded-memory round trip (TP16 B = 64 from the GEMV's
@@ -510,17 +503,17 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
                    profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv", "pdl"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
 def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
                  dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
                  gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 keep_slices=0, row_stores="tma", pdl=False):
+                 keep_slices=0, row_stores="tma"):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv ("NT" or "TN", the partials' layout: see _body): straight from the decode GEMV's fp32 partials
     (pallas_kernels.gemv.kernel.partials), so that no other kernel runs between the two: qkv_B3HK and gate_BHK
     are both its partials for the out-major qkvg [4, H, K, D] as [4 H K, D], fa_BR its partials for f_a [R, D];
-    the kernel sums and rounds them itself; pdl: see _body (from_gemv only, ignored in interpret mode)."""
+    the kernel sums and rounds them itself."""
     if from_gemv not in (False, "NT", "TN"):
         raise NotImplementedError(f"from_gemv={from_gemv!r}: False, 'NT' or 'TN' (the GEMV partials' layout)")
     if x_BD.shape[1] % conv_B3WHK.shape[-1]:
@@ -530,12 +523,12 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, con
                    conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
                    tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
                    warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores, pdl=pdl)
+                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
 
 
 def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
             active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma", pdl=False):
+            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma"):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -580,8 +573,7 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
                              v_split=v_split, gather=gather, warpgroups=warpgroups,
                              idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores,
-                             pdl=bool(pdl and from_gemv and interpret is None))
+                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
