@@ -24,6 +24,7 @@
 #   bash bench/device_queue.sh session14c    # nvidia-h200: kda_decode_x tests and the sublayer, tuned on N to 32
 #   bash bench/device_queue.sh session14d    # nvidia-h200: batch <= 8 on N: the GEMV alone, the sublayer
 #   bash bench/device_queue.sh session14e    # nvidia-h200: the final tuning: GPU tests, the sublayer table
+#   bash bench/device_queue.sh session14g    # nvidia-h200: o_proj on N writing its output itself, to batch 32
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -50,7 +51,7 @@
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
-# Nothing is queued: every group has run (bench/NOTES.md has each one's prediction and result). One machine kind
+# Queued: session14g (bench/NOTES.md, KDA "Fourteenth session"); every other group has run. One machine kind
 # at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -204,6 +205,13 @@ case "${1:-}" in
     step bench_layer 250 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:64,8:1,8:8,8:64 \
       --name kda_layer_session14
     step bench_after_writes 110 python3 bench/gemv.py --after-writes "$work"
+    ;;
+  session14g)  # o_proj on N writing its output itself (no transpose kernel): GPU tests, the sublayer with it to 32
+    step pytest_14g 130 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py \
+      -k "o_proj_on_gpu or tokens_on_n_on_gpu"
+    step bench_layer 250 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:32,8:1,8:8 \
+      --name kda_layer_o_proj_direct_n --gemv-launch '{"table": "o_proj_launch", "max_batch": 32,
+      "block_k": 128, "split_k": 1, "steps": 6, "x_stream": "N"}'
     ;;
   session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
     step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \

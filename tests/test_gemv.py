@@ -35,9 +35,10 @@ def _check(got, x, ws):
 @pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
     (1, 2, 3, 64, False), (3, 1, 2, 64, False), (8, 4, 4, 64, False), (20, 2, 2, 64, False), (5, 2, 3, 128, False),
     (20, 4, 2, 128, False), (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"),
-    (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N")])
+    (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N"), (1, 1, 2, 64, "N"), (5, 1, 3, 64, "N")])
 def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
-    """x resident (one slab per K block) or streamed beside the weights (x_stream, tokens on M or N), race-free."""
+    """x resident (one slab per K block) or streamed beside the weights (x_stream, tokens on M or N), race-free;
+    with one split on M or N the kernel writes the rounded output itself (on N a row per token, through SMEM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
@@ -69,6 +70,21 @@ def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
         lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(
             lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@cpu_only
+@pytest.mark.parametrize("B, x_stream", [(1, "N"), (13, "N"), (32, "N"), (40, "M")])
+def test_o_proj_launch_lowers_for_cuda(B, x_stream):
+    """o_proj at TP16 (D = 768, 7168 rows) with one split, the kernel writing the output itself: on N a row per
+    token from the SMEM accumulator (its row layout), on M the token-major accumulator."""
+    launch = dict(block_k=128, split_k=1, steps=6, x_stream=x_stream)
+    x = jax.ShapeDtypeStruct((B, 768), jnp.bfloat16)
+    ws = (jax.ShapeDtypeStruct((7168, 768), jnp.bfloat16),)
+    with abstract_gpu("sm90"):
+        kernel.check_supported(x, ws, **launch)
+        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(
+            lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (B, 7168)
 
 
 @pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "block"])

@@ -61,10 +61,12 @@ def x_rows(B, x_stream=False):
 
 def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream=False):
     """x's slabs for this CTA's K range (resident for the whole stream) + the weight pipeline's stages; with
-    x_stream each stage holds x's tile beside the weight's and nothing is resident."""
+    x_stream each stage holds x's tile beside the weight's and nothing is resident (on N with one split, plus
+    the fp32 accumulator the output is written from)."""
     stages = min(steps, D // (split_k * block_k))
     if x_stream:
-        return stages * (rows + tokens(B, True)) * block_k * 2
+        acc = rows * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
+        return stages * (rows + tokens(B, x_stream)) * block_k * 2 + acc
     return (D // split_k * tokens(B) + stages * rows * block_k) * 2
 
 
@@ -89,12 +91,13 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
                                   f"of SMEM (> {SMEM_BYTES}); raise split_k, stream x or lower steps / block_k")
 
 
-def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
+def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_tokens):
     """x_ref: x padded to T tokens, [T, D] (x_stream: x as it is, [B, D], read in [T, block_k] tiles whose rows
     past B the TMA fills with zeros). refs: the weights [N_i, D], then the partials [S, N_i, T] fp32 (x_stream
-    "M": [S, T, N_i], in x's dtype with one split), then (resident x only) scratch: this CTA's x slabs [K blocks, T,
-    block_k] (a slab a leading index, not a slice of a swizzled dim), each one TMA of x's [T, block_k]
-    columns, and their barriers."""
+    "M": [S, T, N_i]; with one split, "M" and "N" write the output itself, [1, T or B, N_i] in x's dtype), then
+    scratch: (resident x) this CTA's x slabs [K blocks, T, block_k] (a slab a leading index, not a slice of a
+    swizzled dim), each one TMA of x's [T, block_k] columns, and their barriers; ("N", one split) the fp32
+    accumulator [rows, T] that the n_tokens output rows are read from."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
@@ -131,6 +134,13 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream):
         block = pl.ds(row_blk * rows, rows)
         if x_stream == "M":  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
             out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32)).astype(out_ref.dtype)
+        elif x_stream == "N" and out_ref.dtype != F32:  # one split: the output, token-major, through SMEM
+            acc_smem = scratch[-1]
+            acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
+            plgpu.commit_smem()  # a warpgroup barrier: each token's column is read by other threads
+            for b in range(n_tokens):  # column b in the row layout (4 lanes a row) -> out row b, rounded once
+                col = plgpu.load(acc_smem.at[:, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                out_ref.at[0, b, block][...] = col.astype(out_ref.dtype)
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
             out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
 
@@ -148,11 +158,13 @@ def gemv(x_BD, ws_ND, *, block_k=256, split_k=2, steps=4, rows=ROWS, x_stream=Fa
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With x
     streamed and one split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
-    direct = x_stream == "M" and split_k == 1
+    direct = x_stream in ("M", "N") and split_k == 1
     parts = _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
                       interpret=interpret, out_dtype=x_BD.dtype if direct else F32)
+    if direct:  # [1, 64 ("M") or B ("N"), N_i] in x's dtype
+        return tuple(p[0, :B] for p in parts)
     if x_stream == "M":  # token-major
-        return tuple((p[0] if direct else p.sum(0))[:B].astype(x_BD.dtype) for p in parts)
+        return tuple(p.sum(0)[:B].astype(x_BD.dtype) for p in parts)
     return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
 
 
@@ -178,11 +190,15 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     if not x_stream:  # resident: one slab per K block of this CTA's range, [k_slabs, T, block_k]
         scratch = [plgpu.SMEM((k_slabs, T, block_k), x_BD.dtype, transforms=_TRANSFORMS),
                    plgpu.Barrier(num_barriers=k_slabs)]
+    direct_n = x_stream == "N" and out_dtype != F32
+    if direct_n:  # the accumulator, whose columns become the output's rows
+        scratch = [plgpu.SMEM((rows, T), F32)]
     kernel = plgpu.kernel(
         functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
-                          k_slabs=k_slabs, T=T, x_stream=x_stream),
-        out_type=tuple(jax.ShapeDtypeStruct((split_k, T, w.shape[0]) if x_stream == "M" else (split_k, w.shape[0], T),
-                                            out_dtype) for w in ws_ND),
+                          k_slabs=k_slabs, T=T, x_stream=x_stream, n_tokens=B),
+        out_type=tuple(jax.ShapeDtypeStruct((1, B, w.shape[0]) if direct_n else (split_k, T, w.shape[0])
+                                            if x_stream == "M" else (split_k, w.shape[0], T), out_dtype)
+                       for w in ws_ND),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k), grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
