@@ -17,15 +17,13 @@ def tuning() -> dict:
 
 def pick_launch(B, D, table="launch") -> dict:
     """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream): the first
-    entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B
-    and whose min_d (0 if absent) D reaches; NotImplementedError where none does."""
+    entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B;
+    NotImplementedError where none does."""
     entries = tuning()["sm90"].get(table, [])
-    entry = next((e for e in entries if e.get("min_batch", 1) <= B <= e["max_batch"] and D >= e.get("min_d", 0)),
-                 None)
+    entry = next((e for e in entries if e.get("min_batch", 1) <= B <= e["max_batch"]), None)
     if entry is None:
-        served = [(e.get("min_batch", 1), e["max_batch"], e.get("min_d", 0)) for e in entries]
-        raise NotImplementedError(f"batch {B}, D {D}: no GEMV {table} entry in tuning.json (it serves "
-                                  f"(min_batch, max_batch, min_d) {served})")
+        raise NotImplementedError(f"batch {B}: no GEMV {table} entry in tuning.json (it serves batches "
+                                  f"{[(e.get('min_batch', 1), e['max_batch']) for e in entries]})")
     # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
     split_k = entry["split_k"] if D % (entry["split_k"] * entry["block_k"]) == 0 else 1
     return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64),
