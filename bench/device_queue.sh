@@ -25,6 +25,7 @@
 #   bash bench/device_queue.sh session14d    # nvidia-h200: batch <= 8 on N: the GEMV alone, the sublayer
 #   bash bench/device_queue.sh session14e    # nvidia-h200: the final tuning: GPU tests, the sublayer table
 #   bash bench/device_queue.sh session14g    # nvidia-h200: o_proj on N writing its output itself, to batch 32
+#   bash bench/device_queue.sh session14h    # nvidia-h200: the final tuning's sublayer table (kda_layer.json)
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -212,6 +213,9 @@ case "${1:-}" in
     step bench_layer 250 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:32,8:1,8:8 \
       --name kda_layer_o_proj_direct_n --gemv-launch '{"table": "o_proj_launch", "max_batch": 32,
       "block_k": 128, "split_k": 1, "steps": 6, "x_stream": "N"}'
+    ;;
+  session14h)  # the session's final tuning, the canonical sublayer table (bench/results/kda_layer.{json,md})
+    step bench_layer 280 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:32,16:64,8:1,8:8,8:64
     ;;
   session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
     step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
