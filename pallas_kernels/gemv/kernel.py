@@ -12,18 +12,22 @@ which 128-row blocks halve (the batch-64 experiment, bench/NOTES.md KDA "Elevent
 
 Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks.
 
-x_stream="M" (batches past 8): x is not held resident but streamed beside the weights, one [64, block_k]
+x resident (x_stream False) was the first form; the tuning now streams x at every batch (tuning.json).
+x_stream="M": x is not held resident but streamed beside the weights, one [64, block_k]
 tile per pipeline stage (from L2: every CTA of a K range reads it; the TMA fills the tile's rows past B with
 zeros), and the tokens go on WGMMA's M and the weight rows on N, so the partials come out token-major
-[S, 64, N]: a token's outputs are
-contiguous for the KDA decode kernel that reads them (column b of [S, N, 64] was 4-byte reads 256 bytes apart:
-the decode kernel took 28.8 instead of 19.1 us at TP16 B = 64, kda_layer_b64_stream_nt.json). Resident x slabs
+[S, 64, N]: a token's outputs are contiguous for the KDA decode kernel that reads them (column b of
+[S, N, 64] was 4-byte reads 256 bytes apart: the decode kernel took 28.8 instead of 19.1 us at TP16 B = 64,
+kda_layer_b64_stream_nt.json). Resident x slabs
 grow with the batch (D / split_k x 64 tokens x 2 bytes), so at batch 64 only long splits fit (7: 350 CTAs of
 195 KB, about 2.7 waves of one CTA per SM, each wave paying its pipeline's fill); streamed, split 2 fits and
 TP16's 50 row blocks x 2 run as one wave with short partials: 13.4 vs 18.9 us (H200, gemv_b64_stream_nt.json).
 Below 64 tokens the 64-row tile reads past B, which measured 2.7-3 us slower (16.1 us at B = 16 against 13.2
 at 64, gemv_mid_batch.json). x_stream="N" streams x the same way with the tokens on N as the resident path
-has them (a [round8(B), block_k] tile, no rows past B at whole 8s) and the resident path's partials [S, N, T].
+has them (a [round8(B), block_k] tile, no rows past B at whole 8s) and the resident path's partials [S, N, T]:
+12.1-12.8 us at B = 1-48 (gemv_tokens_on_n.json, gemv_small_on_n.json), the tuned launch up to batch 32.
+With one split either orientation writes the rounded output itself, on N a row per token from the
+accumulator in SMEM (o_proj up to batch 8), so no glue kernel follows.
 """
 
 import functools
