@@ -158,13 +158,13 @@ case "${1:-}" in
   session11d)  # the decode GEMV at batch 64: GPU tests, its launches vs XLA, the B = 64 sublayer
     step pytest_b64 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
       -k "(api_on_gpu and -64]) or (decode_x_on_gpu and 64-)"
-    step bench_gemv_b64 130 python3 bench/gemv.py --b64 "$work"
+    step bench_gemv_b64 130 python3 bench/gemv.py --b64-stream "$work"
     step bench_layer_b64 150 python3 bench/kda_layer.py "$work" --cases 16:64,8:64 --name kda_layer_b64
     ;;
   session11e)  # the decode GEMV waiting per x slab: GPU tests, batch 64 vs XLA, the sublayer at B = 1 and 64
     step pytest_b64 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
       -k "(api_on_gpu and -64]) or (decode_x_on_gpu and (64- or 1-6-))"
-    step bench_gemv_b64 90 python3 bench/gemv.py --b64 "$work"
+    step bench_gemv_b64 90 python3 bench/gemv.py --b64-stream "$work"
     step bench_layer_b64 120 python3 bench/kda_layer.py "$work" --cases 16:1,16:64,8:64 --name kda_layer_b64
     ;;
   session11f)  # the kernel fed the whole qkvg where XLA projects: GPU tests, the TP16 B = 64 sublayer
@@ -175,7 +175,7 @@ case "${1:-}" in
   next12)  # the twelfth session's queue: 128-row GEMV blocks at batch 64; the fused gates with b out-major
     step pytest_next12 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
       -k "(on_gpu and not kda_decode) or (gates and on_gpu) or decode_x_on_gpu"
-    step bench_gemv_b64 120 python3 bench/gemv.py --b64 "$work"
+    step bench_gemv_b64 120 python3 bench/gemv.py --b64-stream "$work"
     step bench_gates 150 python3 bench/kda_decode.py --gates "$work"
     step bench_layer 120 python3 bench/kda_layer.py "$work"
     ;;

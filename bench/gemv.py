@@ -1,11 +1,14 @@
 """The decode GEMV (pallas_kernels.gemv) against XLA's out-major GEMV on one GPU, CUPTI device time.
 
-Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT
-(`--b64 OUT`: batch 64, the launches whose x slabs fit SMEM, and the api's glue -> OUT/gemv_b64.json;
-`--b64-stream OUT`: batch 64 with x streamed beside the weights against the best resident launches ->
-OUT/gemv_b64_stream.json; `--mid OUT`: the streamed launches alone at batch 16, 32 and 64, x unpadded (the
-TMA's zero fill past B) -> OUT/gemv_mid_batch.json; `--after-writes OUT`: the tuned GEMV right after a kernel
-that writes 0-25 MB -> OUT/gemv_after_writes.json)
+Run on the device machine from the repo root: PYTHONPATH=. python3 bench/gemv.py OUT (batch 1 and 8, the
+launch shapes of CONFIGS -> OUT/gemv.json)
+(`--b64-stream OUT`: batch 64, the tokens on M and N -> OUT/gemv_b64_stream.json; `--mid OUT`: on M alone at
+batch 16, 32 and 64 -> OUT/gemv_mid_batch.json; `--tokens-on-n OUT`: M against N at batch 12-48 ->
+OUT/gemv_tokens_on_n.json; `--small-on-n OUT`: N launches at batch 1 and 8 -> OUT/gemv_small_on_n.json;
+`--after-writes OUT`: the tuned GEMV right after a kernel that writes 0-25 MB -> OUT/gemv_after_writes.json)
+Until the fourteenth session the kernel could also hold x resident in SMEM; the results of its launches
+(gemv.json, gemv_b64.json, the first rows of gemv_b64_stream.json and gemv_small_on_n.json) were taken with
+commit 8d122c6 or earlier.
 Each call runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from
 HBM as in a decode step; a row reports the time per set. Writes OUT/gemv.json.
 """
@@ -26,12 +29,11 @@ SETS = 3
 # (name, D, rows of each weight sharing x): one TP16 / TP8 rank's KDA q/k/v/g + f_a, and o_proj
 CASES = [("qkvg+f_a tp16", 7168, (3072, 128)), ("qkvg+f_a tp8", 7168, (6144, 128)),
          ("o tp16", 768, (7168,)), ("o tp8", 1536, (7168,))]
-# block_k, split_k, steps; SMEM = x slabs (D / split_k x 8 tokens) + steps weight tiles (64 x block_k), <= 227 KB.
-# The tuned k256 s2 st4 holds 185 KB (one CTA per SM) and TP16's 50 row blocks x 2 fill 100 of 132 SMs; the
-# split-7/8 rows (~64 KB, 3 CTAs per SM, 350-400 CTAs in one wave) ask whether filling every SM wins back
-# more than the shorter pipelines lose. Splits must divide D / block_k (56 at D = 7168, 128).
-CONFIGS = [(256, 2, 4), (128, 4, 4), (256, 1, 3), (128, 2, 6), (256, 4, 3), (128, 1, 6), (128, 7, 3), (128, 7, 4),
-           (128, 8, 3)]
+# (block_k, split_k, steps, rows, x_stream): SMEM = steps x (a rows x block_k weight tile + a tokens x block_k x
+# tile) <= 227 KB. TP16's 50 row blocks x split 2 fill 100 of 132 SMs; splits must divide D / block_k (56 at
+# D = 7168, 128).
+CONFIGS = [(128, 2, 6, 64, "N"), (256, 2, 4, 64, "N"), (128, 2, 8, 64, "N"), (128, 1, 6, 64, "N"),
+           (128, 4, 4, 64, "N")]
 
 
 def timed(row, key, f, x, sets, want):
@@ -49,21 +51,10 @@ def timed(row, key, f, x, sets, want):
         row[key + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
 
 
-# Batch 64: x's slabs are 8x larger (D / split_k x 64 tokens x 2 bytes), so only long splits fit SMEM with
-# the weight stages (block_k, split_k, steps, rows). 64-row blocks read as many bytes of x from L2 as of
-# weights from HBM (19 us at best, gemv_b64.json); 128-row blocks halve that: 175 CTAs of 195 KB at k64 s7,
-# 350 of 193 KB at k128 s14 (the eleventh session's queue for the twelfth).
-B64_CONFIGS = [(128, 7, 4, 64), (128, 14, 3, 64), (64, 7, 4, 128), (64, 7, 6, 128), (128, 14, 4, 128),
-               (128, 7, 2, 128)]
-
-
-# x streamed beside the weights (block_k, split_k, steps, rows, x_stream): no resident slabs, so short splits fit
-# at batch 64. TP16's 50 row blocks: split 2 -> 100 CTAs of one per SM (192 KB); split 4 -> 200 CTAs of 96 KB,
-# two per SM, all resident; split 7 -> 350 of 64 KB, three per SM, one wave. The first row is the resident
-# launch that measured best (gemv_b64.json). The thirteenth session's first call measured all of these
-# (gemv_b64_stream_nt.json, partials [S, N, T]): split 2, 6 stages of 128 columns best; its second the four
-# kept here with the tokens on M (token-major partials).
-B64_STREAM_CONFIGS = [(128, 7, 4, 64, False), (128, 2, 6, 64, "M"), (64, 2, 12, 64, "M"), (128, 4, 4, 128, "M")]
+# Batch 64 (block_k, split_k, steps, rows, x_stream). TP16's 50 row blocks: split 2 -> 100 CTAs of one per SM
+# (192 KB); split 4 -> 200 CTAs of 96 KB, two per SM. The thirteenth session measured these with the tokens on
+# M (gemv_b64_stream.json; on N the decode kernel's reads of [S, N, 64] partials cost more than it saves).
+B64_STREAM_CONFIGS = [(128, 2, 6, 64, "M"), (64, 2, 12, 64, "M"), (128, 4, 4, 128, "M"), (128, 2, 6, 64, "N")]
 
 
 def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
@@ -80,13 +71,10 @@ def main(out_dir, batches=(1, 8), configs=CONFIGS, cases=CASES, name="gemv"):
             nbytes = sum(w.nbytes for w in sets[0]) + x.nbytes
             row = dict(case=case, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
             timed(row, "xla", reference.gemv, x, sets, want)
-            for bk, sk, st, *more in configs:
-                rows_ = more[0] if more else kernel.ROWS
-                stream = len(more) > 1 and more[1]
+            for bk, sk, st, rows_, stream in configs:
                 if (D % (bk * sk) == 0 and D // (bk * sk) >= 2  # kernel.check_supported
                         and kernel.smem_bytes(B, D, bk, sk, st, rows_, stream) <= kernel.SMEM_BYTES):
-                    key = f"pallas k{bk} s{sk} st{st}" + (f" r{rows_}" if more else "") + {
-                        False: "", True: " xs", "M": " xs", "N": " xsN"}[stream]
+                    key = f"pallas k{bk} s{sk} st{st} r{rows_}" + {"M": " xs", "N": " xsN"}[stream]
                     timed(row, key, lambda x, ws, bk=bk, sk=sk, st=st, r=rows_, xs=stream: kernel.gemv(
                         x, ws, block_k=bk, split_k=sk, steps=st, rows=r, x_stream=xs), x, sets, want)
             results["rows"].append(row)
@@ -141,15 +129,11 @@ if __name__ == "__main__":
              name="gemv_tokens_on_n")
     elif sys.argv[1:2] == ["--after-writes"]:
         main_after_writes(sys.argv[2] if len(sys.argv) > 2 else ".")
-    elif sys.argv[1:2] == ["--small-on-n"]:  # batch <= 8: x resident (tuned) or streamed with the tokens on N
-        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(1, 8),
-             configs=[(256, 2, 4), (128, 2, 6, 64, "N"), (256, 2, 4, 64, "N"), (128, 2, 8, 64, "N"),
-                      (128, 1, 6, 64, "N")], cases=CASES, name="gemv_small_on_n")
+    elif sys.argv[1:2] == ["--small-on-n"]:  # batch <= 8 with the tokens on N
+        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(1, 8), configs=CONFIGS[:4], cases=CASES,
+             name="gemv_small_on_n")
     elif sys.argv[1:2] == ["--b64-stream"]:
         main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_STREAM_CONFIGS, cases=CASES[:2],
              name="gemv_b64_stream")
-    elif sys.argv[1:2] == ["--b64"]:
-        main(sys.argv[2] if len(sys.argv) > 2 else ".", batches=(64,), configs=B64_CONFIGS, cases=CASES[:2],
-             name="gemv_b64")
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else ".")

@@ -9,11 +9,8 @@ import pytest
 from pallas_kernels.gemv import api, kernel, reference
 from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 
-# Batch 64 with x's slabs resident (they fit SMEM beside 4 weight stages only at split 7): measured slower than
-# XLA on the H200; tuning.json streams x past batch 8 instead (STREAMED). The resident form stays correct there.
-WIDE = dict(block_k=128, split_k=7, steps=4)
-STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")
-STREAMED_N = dict(STREAMED, x_stream="N")  # tokens on N: no 64-row tile past B
+STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")  # tokens on M: a 64-row x tile
+STREAMED_N = dict(STREAMED, x_stream="N")  # tokens on N: the batch padded to 8s, no 64-row tile past B
 
 
 def _inputs(r, B, D, rows):
@@ -33,12 +30,12 @@ def _check(got, x, ws):
 
 @cpu_only
 @pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
-    (1, 2, 3, 64, False), (3, 1, 2, 64, False), (8, 4, 4, 64, False), (20, 2, 2, 64, False), (5, 2, 3, 128, False),
-    (20, 4, 2, 128, False), (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"),
-    (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N"), (1, 1, 2, 64, "N"), (5, 1, 3, 64, "N")])
+    (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"), (8, 4, 4, 64, "N"),
+    (20, 4, 2, 128, "N"), (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N"), (1, 1, 2, 64, "N"),
+    (5, 1, 3, 64, "N")])
 def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
-    """x resident (one slab per K block) or streamed beside the weights (x_stream, tokens on M or N), race-free;
-    with one split on M or N the kernel writes the rounded output itself (on N a row per token, through SMEM)."""
+    """x streamed beside the weights, the tokens on WGMMA's M or N, race-free; with one split the kernel writes
+    the rounded output itself (on N a row per token, through SMEM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
@@ -55,12 +52,12 @@ def test_reference_matches_numpy():
 
 
 @cpu_only
-@pytest.mark.parametrize("B, launch", [(1, None), (64, WIDE), (64, dict(block_k=64, split_k=7, steps=4, rows=128)),
-                                       (64, STREAMED), (32, STREAMED_N), (12, STREAMED), (12, STREAMED_N),
+@pytest.mark.parametrize("B, launch", [(1, None), (64, None), (64, dict(STREAMED, split_k=4, steps=4, rows=128)),
+                                       (64, STREAMED_N), (32, STREAMED_N), (12, STREAMED), (12, STREAMED_N),
                                        (37, STREAMED_N), (1, STREAMED_N), (5, STREAMED_N)])
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
-    """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1)
-    or batch 64's (64- and 128-row blocks), or x streamed at batches that are not whole 8s (Mosaic's TMA
+    """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1,
+    64) or others (128-row blocks; tokens on N at 64), and at batches that are not whole 8s (Mosaic's TMA
     refuses an x of 12 rows: the wrapper pads it to 16)."""
     launch = launch or api.pick_launch(B, 7168)
     x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
@@ -87,23 +84,26 @@ def test_o_proj_launch_lowers_for_cuda(B, x_stream):
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (B, 7168)
 
 
-@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "block"])
+@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "block", "x_stream"])
 def test_kernel_refuses_what_it_cannot_run(bad):
-    B = {"batch": 65, "smem": 64}.get(bad, 2)
-    D, rows, split = (7168 if bad == "smem" else 1024), (100 if bad == "rows" else 128), 3 if bad == "split" else 2
+    B, D = {"batch": 65, "smem": 64}.get(bad, 2), 7168 if bad == "smem" else 1024
     x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
-    with pytest.raises(NotImplementedError):  # smem: x's slabs for 64 tokens over D / 2 are 448 KiB
-        kernel.check_supported(x, (jnp.ones((rows, D), jnp.bfloat16),), 128, split, rows=96 if bad == "block" else 64)
+    launch = dict(block_k=128, split_k=3 if bad == "split" else 2, steps=2, rows=96 if bad == "block" else 64,
+                  x_stream=False if bad == "x_stream" else "M")  # False: the resident-x form, removed
+    if bad == "smem":  # 8 stages of a 128 x 256 weight tile and a 64 x 256 x tile: 786 KB
+        launch.update(block_k=256, steps=8, rows=128)
+    with pytest.raises(NotImplementedError):
+        kernel.check_supported(x, (jnp.ones((100 if bad == "rows" else 128, D), jnp.bfloat16),), **launch)
 
 
 def test_launches_cover_the_batches_they_claim():
-    """tuning.json's launches fit every batch they cover, the api refuses (so runs XLA) past the last one, and
-    batch 64's launch fits every batch the kernel takes."""
+    """tuning.json's launches fit every batch they cover (every batch the kernel takes) and the api refuses (so
+    runs XLA) past the last one."""
     ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16),)
     served = api.tuning()["sm90"]["launch"][-1]["max_batch"]
-    for B in range(1, kernel.MAX_TOKENS + 1):
-        x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
-        kernel.check_supported(x, ws, **(api.pick_launch(B, 7168) if B <= served else WIDE))
+    assert served == kernel.MAX_TOKENS
+    for B in range(1, served + 1):
+        kernel.check_supported(jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16), ws, **api.pick_launch(B, 7168))
     with pytest.raises(NotImplementedError, match=f"batch {served + 1}"):
         api.pick_launch(served + 1, 7168)
 
@@ -150,13 +150,12 @@ def test_o_proj_on_gpu_matches_numpy(B, D):
 
 
 @gpu_only
-@pytest.mark.parametrize("launch", ["r64", "r128", "streamed"])
+@pytest.mark.parametrize("launch", ["M", "M r128", "N"])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128)])
 def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, launch):
-    """64 tokens at TP16 / TP8 widths: x's slabs resident (8x larger, each pipeline step waiting for its own) in
-    64- and 128-row blocks, or x streamed beside the weights."""
+    """64 tokens at TP16 / TP8 widths: the tokens on M in 64- and 128-row blocks, or on N."""
     x, ws = _inputs(rng(), 64, 7168, rows)
-    launch = dict(r64=WIDE, r128=dict(block_k=64, split_k=7, steps=4, rows=128), streamed=STREAMED)[launch]
+    launch = {"M": STREAMED, "M r128": dict(STREAMED, split_k=4, steps=4, rows=128), "N": STREAMED_N}[launch]
     _check(kernel.gemv(x, ws, **launch), x, ws)
 
 

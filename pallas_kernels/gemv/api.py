@@ -27,7 +27,7 @@ def pick_launch(B, D, table="launch") -> dict:
     # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
     split_k = entry["split_k"] if D % (entry["split_k"] * entry["block_k"]) == 0 else 1
     return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64),
-                x_stream=entry.get("x_stream", False))
+                x_stream=entry.get("x_stream", "N"))
 
 
 def _kernel(x_BD, ws_ND, table="launch"):
