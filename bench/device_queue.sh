@@ -19,7 +19,7 @@
 #   bash bench/device_queue.sh session11d    # nvidia-h200: the decode GEMV at batch 64, the B = 64 sublayer
 #   bash bench/device_queue.sh session11e    # nvidia-h200: the decode GEMV waiting per x slab, B = 1 and 64
 #   bash bench/device_queue.sh session14a    # nvidia-h200: the streamed GEMV with tokens on N (tests, alone at
-#                                            #   12-48), the rows decode prefetching a later tile's state to L2
+#                                            #   12-48)
 #   bash bench/device_queue.sh session14b    # nvidia-h200: the sublayer at 16-48 with the tokens-on-N GEMV
 #   bash bench/device_queue.sh session14c    # nvidia-h200: kda_decode_x tests and the sublayer, tuned on N to 32
 #   bash bench/device_queue.sh session14d    # nvidia-h200: batch <= 8 on N: the GEMV alone, the sublayer
@@ -217,11 +217,9 @@ case "${1:-}" in
   session14h)  # the session's final tuning, the canonical sublayer table (bench/results/kda_layer.{json,md})
     step bench_layer 280 python3 bench/kda_layer.py "$work" --cases 16:1,16:8,16:16,16:32,16:64,8:1,8:8,8:64
     ;;
-  session14a)  # the streamed GEMV with the tokens on N; the rows decode with an L2 prefetch of a later tile
-    step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_kda_decode.py \
-      -k "tokens_on_n_on_gpu or prefetch_ahead_on_gpu"
+  session14a)  # the streamed GEMV with the tokens on N (the L2-prefetch decode it also ran is gone: 4bbf847)
+    step pytest_14a 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "tokens_on_n_on_gpu"
     step bench_gemv_on_n 220 python3 bench/gemv.py --tokens-on-n "$work"
-    step bench_prefetch 150 python3 bench/kda_decode.py --prefetch-ahead "$work"
     ;;
   session14b)  # the whole sublayer at batch 12-48 with q/k/v/g + f_a (then also o_proj) through the tokens-on-N GEMV
     step pytest_14b 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py \

@@ -52,7 +52,7 @@ def tokens(B, x_stream="N"):
 def x_rows(B):
     """The rows of x the kernel reads: x as it is where Mosaic's TMA takes it (fewer than 8 rows, or whole 8s),
     else padded to whole 8s (it refuses 12 rows); the tile's TMA fills any rows past them with zeros."""
-    return B if B < TOKENS or B % TOKENS == 0 else -(-B // TOKENS) * TOKENS
+    return B if B < TOKENS or B % TOKENS == 0 else tokens(B)
 
 
 def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream="N"):

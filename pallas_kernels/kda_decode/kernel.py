@@ -111,7 +111,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     commit b0626a5) ran correctly but jax 0.11.2's runtime did not launch the kernel early (kda_pdl.json).
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
-    [S, T, R] (token-major, the GEMV's x_stream launch): this kernel sums and rounds them (once, as the
+    [S, T, R] (token-major, the GEMV's x_stream "M" launch): this kernel sums and rounds them (once, as the
     model's projections round), so no glue kernel runs."""
     n_in = (12 if fuse_gates else 10) + idle_mask
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
