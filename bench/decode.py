@@ -37,6 +37,7 @@ SPECULATIVE = ("off", "dspark", "ngram", "synthetic")
 def _progress(items, desc):
     try:
         from tqdm import tqdm
+
         return tqdm(items, desc=desc, file=sys.stderr)
     except ImportError:  # pragma: no cover
         return items
@@ -55,16 +56,20 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
 
     if args.checkpoint:
         from k3jax import checkpoint
+
         mesh = sh.make_mesh(args.tp) if args.tp > 1 else None
         cfg, params = checkpoint.load(args.checkpoint, mesh=mesh)
     else:
         cfg = load_config(args.preset)
         if args.layers:  # the first N layers (keeps the MLA-every-4th pattern of the release)
-            cfg = cfg.replace(num_hidden_layers=args.layers,
-                              full_attn_layers=tuple(x for x in cfg.full_attn_layers if x <= args.layers))
+            cfg = cfg.replace(
+                num_hidden_layers=args.layers,
+                full_attn_layers=tuple(x for x in cfg.full_attn_layers if x <= args.layers),
+            )
         mesh = sh.make_mesh(args.tp) if args.tp > 1 else None
         if jax.default_backend() == "gpu":  # real widths: threefry draws of ~50 GB take minutes, rbg seconds
             from bench import tp_h200
+
             jax.config.update("jax_default_prng_impl", "rbg")
             params = tp_h200.init_on(cfg, jax.devices()[0], args.seed)
         else:
@@ -77,24 +82,46 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
     steps = max(1, min(args.steps_per_call, args.output_len - 1))
     if args.speculative != "off":
         drafter, draft_params = _drafter(args, cfg)
-        meta.update(drafter=type(drafter).__name__, num_draft=args.num_draft,
-                    acceptance_length=args.acceptance_length if args.speculative == "synthetic" else None)
+        meta.update(
+            drafter=type(drafter).__name__,
+            num_draft=args.num_draft,
+            acceptance_length=args.acceptance_length if args.speculative == "synthetic" else None,
+        )
     for B in _progress(_batches(args), "decode"):
         prompts = [list(map(int, rng.integers(0, cfg.vocab_size, args.input_len))) for _ in range(B)]
         if args.speculative != "off":
             rows.append(speculative_row(args, cfg, params, mesh, prompts, drafter, draft_params))
             r = rows[-1]
-            log(f"batch {B}: ttft {r['ttft_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.1f} tok/s, "
-                f"acceptance length {r['mean_acceptance_length']}, step {r['step_us']:.0f} us")
+            log(
+                f"batch {B}: ttft {r['ttft_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.1f} tok/s, "
+                f"acceptance length {r['mean_acceptance_length']}, step {r['step_us']:.0f} us"
+            )
             continue
-        eng = Engine(cfg, params, max_len=args.input_len + args.output_len, max_batch=B, backend=args.backend,
-                     mesh=mesh, steps_per_call=steps, prefill_chunk=args.prefill_chunk)
+        eng = Engine(
+            cfg,
+            params,
+            max_len=args.input_len + args.output_len,
+            max_batch=B,
+            backend=args.backend,
+            mesh=mesh,
+            steps_per_call=steps,
+            prefill_chunk=args.prefill_chunk,
+        )
         eng.generate(prompts, max_new_tokens=args.output_len, stop_ids=[])  # warm-up: compiles prefill and decode
         res = eng.generate(prompts, max_new_tokens=args.output_len, stop_ids=[])
         n_steps = math.ceil((args.output_len - 1) / steps) * steps  # the scan runs whole chunks
-        rows.append({"batch": B, "ttft_s": res.ttft_s, "decode_s": res.decode_s, "decode_tokens": res.decode_tokens,
-                     "decode_steps": n_steps, "step_us": 1e6 * res.decode_s / n_steps if n_steps else None,
-                     "tokens_per_s": res.decode_tokens_per_s, "timing": "wall (on-device decode loop)"})
+        rows.append(
+            {
+                "batch": B,
+                "ttft_s": res.ttft_s,
+                "decode_s": res.decode_s,
+                "decode_tokens": res.decode_tokens,
+                "decode_steps": n_steps,
+                "step_us": 1e6 * res.decode_s / n_steps if n_steps else None,
+                "tokens_per_s": res.decode_tokens_per_s,
+                "timing": "wall (on-device decode loop)",
+            }
+        )
         log(f"batch {B}: ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tokens_per_s:.1f} tok/s")
     return meta, rows
 
@@ -110,11 +137,14 @@ def _drafter(args, cfg):
     from k3jax import drafter_params
 
     c, dp = drafter_params.load(args.draft_checkpoint)
-    if (c.vocab_size, c.target_hidden_size) != (cfg.vocab_size, cfg.hidden_size) or \
-            max(c.target_layer_ids) >= cfg.num_hidden_layers:
-        raise ValueError(f"{args.draft_checkpoint}: drafter for vocab {c.vocab_size}, hidden {c.target_hidden_size}, "
-                         f"taps {c.target_layer_ids} does not fit the target (vocab {cfg.vocab_size}, hidden "
-                         f"{cfg.hidden_size}, {cfg.num_hidden_layers} layers)")
+    if (c.vocab_size, c.target_hidden_size) != (cfg.vocab_size, cfg.hidden_size) or max(
+        c.target_layer_ids
+    ) >= cfg.num_hidden_layers:
+        raise ValueError(
+            f"{args.draft_checkpoint}: drafter for vocab {c.vocab_size}, hidden {c.target_hidden_size}, "
+            f"taps {c.target_layer_ids} does not fit the target (vocab {cfg.vocab_size}, hidden "
+            f"{cfg.hidden_size}, {cfg.num_hidden_layers} layers)"
+        )
     return drafters.DSparkDrafter(c), dp
 
 
@@ -127,15 +157,22 @@ def speculative_row(args, cfg, params, mesh, prompts, drafter, draft_params) -> 
 
     B, K, N = len(prompts), args.num_draft, args.output_len
     spec = spec_lib.SpecConfig(
-        cfg, drafter, K, N, acceptance_length=args.acceptance_length if args.speculative == "synthetic" else None,
-        backend="latency_specialized" if args.backend == "latency_specialized" else "xla", cache_dtype="fp8",
-        mesh=mesh)  # bf16 compute, fp8 MLA cache: as the Engine rows
+        cfg,
+        drafter,
+        K,
+        N,
+        acceptance_length=args.acceptance_length if args.speculative == "synthetic" else None,
+        backend="latency_specialized" if args.backend == "latency_specialized" else "xla",
+        cache_dtype="fp8",
+        mesh=mesh,
+    )  # bf16 compute, fp8 MLA cache: as the Engine rows
     prompt, n_prompt = jnp.asarray(prompts, jnp.int32), jnp.full((B,), args.input_len, jnp.int32)
 
     def once():
         t0 = time.perf_counter()
-        st = spec_lib.prefill_jit(spec, params, draft_params, prompt, n_prompt, jax.random.key(args.seed),
-                                  args.input_len + N + K + 1)
+        st = spec_lib.prefill_jit(
+            spec, params, draft_params, prompt, n_prompt, jax.random.key(args.seed), args.input_len + N + K + 1
+        )
         jax.block_until_ready(st)
         t1 = time.perf_counter()
         st = jax.block_until_ready(spec_lib.loop_jit(spec, params, draft_params, st))
@@ -146,12 +183,18 @@ def speculative_row(args, cfg, params, mesh, prompts, drafter, draft_params) -> 
     stats = spec_lib.stats(st, K)
     # tokens past output_len (the last step may overshoot) are not counted; the first one came from prefill
     decode_tokens = int(np.sum(np.minimum(np.asarray(st.n_out_B), N) - 1))
-    return {"batch": B, "ttft_s": ttft, "decode_s": decode_s, "decode_tokens": decode_tokens,
-            "decode_steps": stats["steps"], "step_us": 1e6 * decode_s / stats["steps"] if stats["steps"] else None,
-            "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
-            "mean_acceptance_length": stats["mean_acceptance_length"],
-            "position_acceptance_rates": stats["position_acceptance_rates"],
-            "timing": "wall (on-device speculative loop; step = draft + verify + accept + commit)"}
+    return {
+        "batch": B,
+        "ttft_s": ttft,
+        "decode_s": decode_s,
+        "decode_tokens": decode_tokens,
+        "decode_steps": stats["steps"],
+        "step_us": 1e6 * decode_s / stats["steps"] if stats["steps"] else None,
+        "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        "mean_acceptance_length": stats["mean_acceptance_length"],
+        "position_acceptance_rates": stats["position_acceptance_rates"],
+        "timing": "wall (on-device speculative loop; step = draft + verify + accept + commit)",
+    }
 
 
 def _batches(args) -> list[int]:
@@ -166,6 +209,7 @@ def rank_slice_rows(args, log=print) -> tuple[dict, list[dict], list[dict], dict
 
     if args.rank_slice == "run":
         from bench import rank_slice
+
         rs_args = rank_slice.parse_args(args.rank_slice_args.split() if args.rank_slice_args else [])
         rs_args.backends, rs_args.batches = args.backend if args.backend != "auto" else "xla", args.batches
         result = rank_slice.run(rs_args, log)
@@ -179,18 +223,33 @@ def rank_slice_rows(args, log=print) -> tuple[dict, list[dict], list[dict], dict
         if r.get("step_us") is None:
             continue
         est = r.get("full_estimate_us") or r["step_us"]
-        rows.append({"batch": r["batch"], "backend": r["backend"], "layers_measured": r["layers"],
-                     "ttft_s": None, "step_us": est, "step_us_measured": r["step_us"],
-                     "wall_us_per_step": r.get("wall_us_per_step"), "kernels_per_step": r["summary"]["kernels"],
-                     "floor_us": r["floor_us"], "frac_floor": r["frac_floor"],
-                     "tokens_per_s": r["batch"] * 1e6 / est,
-                     "timing": "CUPTI device time, one TP16 rank, collectives excluded"
-                               + ("" if r["layers"] == full else f" (scaled from {r['layers']} layers)")})
+        rows.append(
+            {
+                "batch": r["batch"],
+                "backend": r["backend"],
+                "layers_measured": r["layers"],
+                "ttft_s": None,
+                "step_us": est,
+                "step_us_measured": r["step_us"],
+                "wall_us_per_step": r.get("wall_us_per_step"),
+                "kernels_per_step": r["summary"]["kernels"],
+                "floor_us": r["floor_us"],
+                "frac_floor": r["frac_floor"],
+                "tokens_per_s": r["batch"] * 1e6 / est,
+                "timing": "CUPTI device time, one TP16 rank, collectives excluded"
+                + ("" if r["layers"] == full else f" (scaled from {r['layers']} layers)"),
+            }
+        )
         for op in ("psum", "one_shot_st"):
             if op in table:
                 proj.append(projection.project(r, table, full, op))
-    meta = {"config": result["config"], "layers": full, "rank_slice_machine": result["machine"],
-            "copy_bw": result.get("copy_bw"), "context": result["context"]}
+    meta = {
+        "config": result["config"],
+        "layers": full,
+        "rank_slice_machine": result["machine"],
+        "copy_bw": result.get("copy_bw"),
+        "context": result["context"],
+    }
     return meta, rows, proj, result
 
 
@@ -202,46 +261,69 @@ def machine() -> dict:
     import platform
 
     import jax
+
     d = jax.devices()[0]
-    return {"device": d.device_kind, "platform": d.platform, "devices": jax.device_count(), "host": platform.node(),
-            "jax": jax.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "device": d.device_kind,
+        "platform": d.platform,
+        "devices": jax.device_count(),
+        "host": platform.node(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def markdown(rep: dict) -> str:
     m = rep["machine"]
-    lines = [f"# Decode benchmark ({rep['mode']}): {rep['config']}, TP{rep['tp']}, backend {rep['decode_backend']}", "",
-             f"Machine: {m['device']} x {m['devices']} ({m['platform']}), jax {m['jax']}, {m['date']}. "
-             f"Input {rep['input_len']} tokens, output {rep['output_len']}, speculative {rep['speculative']}"
-             + (f" ({rep['drafter']}, {rep['num_draft']} drafts)" if rep.get("drafter") else "") + ".", ""]
+    lines = [
+        f"# Decode benchmark ({rep['mode']}): {rep['config']}, TP{rep['tp']}, backend {rep['decode_backend']}",
+        "",
+        f"Machine: {m['device']} x {m['devices']} ({m['platform']}), jax {m['jax']}, {m['date']}. "
+        f"Input {rep['input_len']} tokens, output {rep['output_len']}, speculative {rep['speculative']}"
+        + (f" ({rep['drafter']}, {rep['num_draft']} drafts)" if rep.get("drafter") else "")
+        + ".",
+        "",
+    ]
     if rep["mode"] == "engine" and rep.get("layer_kinds"):
         lines += [f"Model: {rep['layers']} layers ({', '.join(rep['layer_kinds'])}), random weights.", ""]
     if rep["mode"] == "rank_slice":
         rm = rep["rank_slice_machine"]
-        lines += [f"Rank-slice run on {rm['device']} ({rm['date']}): one TP16 rank's share of every layer, "
-                  f"collectives stubbed; MLA cache {rep['context']} positions. tokens/s = batch / step device time "
-                  f"(no collectives, no TTFT).", ""]
+        lines += [
+            f"Rank-slice run on {rm['device']} ({rm['date']}): one TP16 rank's share of every layer, "
+            f"collectives stubbed; MLA cache {rep['context']} positions. tokens/s = batch / step device time "
+            f"(no collectives, no TTFT).",
+            "",
+        ]
     spec = rep.get("drafter") is not None
-    lines += ["| backend | batch | TTFT ms | step us | tokens/s |" + (" accept len | per-position rates |" if spec
-                                                                       else "") + " timing |",
-              "|---|---|---|---|---|" + ("---|---|" if spec else "") + "---|"]
+    lines += [
+        "| backend | batch | TTFT ms | step us | tokens/s |"
+        + (" accept len | per-position rates |" if spec else "")
+        + " timing |",
+        "|---|---|---|---|---|" + ("---|---|" if spec else "") + "---|",
+    ]
     for r in rep["rows"]:
         ttft = f"{1e3 * r['ttft_s']:.1f}" if r.get("ttft_s") is not None else "-"
         step = f"{r['step_us']:.0f}" if r.get("step_us") is not None else "-"
         acc = ""
         if spec:
             al, rates = r["mean_acceptance_length"], r["position_acceptance_rates"]
-            acc = (f" {al:.2f} |" if al is not None else " - |") + \
-                  (f" {' '.join(f'{x:.2f}' for x in rates)} |" if rates else " - |")
-        lines.append(f"| {r.get('backend', rep['decode_backend'])} | {r['batch']} | {ttft} | {step} | "
-                     f"{r['tokens_per_s']:.1f} |{acc} {r['timing']} |")
+            acc = (f" {al:.2f} |" if al is not None else " - |") + (
+                f" {' '.join(f'{x:.2f}' for x in rates)} |" if rates else " - |"
+            )
+        lines.append(
+            f"| {r.get('backend', rep['decode_backend'])} | {r['batch']} | {ttft} | {step} | "
+            f"{r['tokens_per_s']:.1f} |{acc} {r['timing']} |"
+        )
     if rep.get("projection"):
         from bench import projection
+
         lines += ["", projection.markdown(rep["projection"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(rep: dict, path: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -250,15 +332,18 @@ def plot(rep: dict, path: str):
     for r in rep["rows"]:
         spec = f" speculative {rep['speculative']}" if rep.get("drafter") else ""
         series.setdefault(f"{rep['mode']} {r.get('backend', rep['decode_backend'])}{spec}", []).append(
-            (r["batch"], r["tokens_per_s"]))
+            (r["batch"], r["tokens_per_s"])
+        )
     for p in rep.get("projection") or []:
         series.setdefault(f"PROJECTION GB300 TP16 {p['backend']} + {p['collective_op']}", []).append(
-            (p["batch"], p["tokens_per_s"]))
+            (p["batch"], p["tokens_per_s"])
+        )
     for name, pts in series.items():
         pts.sort()
         ax.plot([b for b, _ in pts], [t for _, t in pts], "o--" if "PROJECTION" in name else "o-", label=name)
     if rep["mode"] == "rank_slice":
         from bench import projection
+
         for name, b, t in projection.ANCHORS:
             ax.scatter([b], [t], marker="*", s=80)
             ax.annotate(f"{name} {t:g}", (b, t), fontsize=6, xytext=(4, 2), textcoords="offset points")
@@ -278,9 +363,17 @@ def plot(rep: dict, path: str):
 
 def run(args, log=print) -> dict:
     t0 = time.perf_counter()
-    rep = {"mode": "rank_slice" if args.rank_slice else "engine", "machine": machine(), "tp": args.tp,
-           "decode_backend": args.backend, "speculative": args.speculative, "input_len": args.input_len,
-           "output_len": args.output_len, "preset": args.preset, "checkpoint": args.checkpoint}
+    rep = {
+        "mode": "rank_slice" if args.rank_slice else "engine",
+        "machine": machine(),
+        "tp": args.tp,
+        "decode_backend": args.backend,
+        "speculative": args.speculative,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "preset": args.preset,
+        "checkpoint": args.checkpoint,
+    }
     if args.rank_slice:
         meta, rows, proj, _ = rank_slice_rows(args, log)
         rep.update(meta, tp=16, rows=rows, projection=proj, input_len=None, output_len=None)
@@ -312,8 +405,12 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--backend", default="auto", help="decode_backend: auto | xla | latency_specialized")
     p.add_argument("--speculative", default="off", choices=SPECULATIVE)
-    p.add_argument("--acceptance-length", type=float, default=6.0,
-                   help="--speculative synthetic: tokens per step counting the bonus")
+    p.add_argument(
+        "--acceptance-length",
+        type=float,
+        default=6.0,
+        help="--speculative synthetic: tokens per step counting the bonus",
+    )
     p.add_argument("--num-draft", type=int, default=7, help="draft tokens per speculative step")
     p.add_argument("--draft-checkpoint", default=None, help="HF DSpark drafter directory (--speculative dspark)")
     p.add_argument("--tp", type=int, default=1)

@@ -42,12 +42,18 @@ SHAPES = [(1, 6), (1, 12), (1, 96), (8, 6), (8, 12), (8, 96), (64, 6), (64, 12),
 def make_inputs(seed, B, H, K=128, dtype=jnp.bfloat16):
     r = np.random.default_rng(seed)
     act = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32).astype(dtype)  # noqa: E731
-    return (act(B, 3, H, K), act(B, H, K), act(B, H), act(B, H, K),
-            jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32), act(B, 3, 3, H, K),
-            jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
-            jnp.asarray(r.uniform(-1, 1.5, H), jnp.float32),
-            jnp.asarray(r.standard_normal((H, K)), jnp.float32),
-            jnp.asarray(1 + 0.2 * r.standard_normal(K), jnp.float32))
+    return (
+        act(B, 3, H, K),
+        act(B, H, K),
+        act(B, H),
+        act(B, H, K),
+        jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32),
+        act(B, 3, 3, H, K),
+        jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
+        jnp.asarray(r.uniform(-1, 1.5, H), jnp.float32),
+        jnp.asarray(r.standard_normal((H, K)), jnp.float32),
+        jnp.asarray(1 + 0.2 * r.standard_normal(K), jnp.float32),
+    )
 
 
 def step_bytes(args, outs):
@@ -65,8 +71,7 @@ def load_fla():
         source = "carried wheel source (bench/build/fla_src)"
         root = pathlib.Path("bench/build/fla_src")
         sys.path.insert(0, str(root))
-        for name in ("fla", "fla.ops", "fla.ops.kda", "fla.modules", "fla.modules.conv",
-                     "fla.modules.conv.triton"):
+        for name in ("fla", "fla.ops", "fla.ops.kda", "fla.modules", "fla.modules.conv", "fla.modules.conv.triton"):
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(root / name.replace(".", "/"))]
             pkg.__version__ = "0.5.2"  # fla.utils reads it from the package
@@ -74,8 +79,10 @@ def load_fla():
     from fla.modules.conv.triton.kernels import causal_conv1d_update
     from fla.modules.fused_norm_gate import layer_norm_gated_fwd
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    return types.SimpleNamespace(recurrent=fused_recurrent_kda_fwd, conv_update=causal_conv1d_update,
-                                 gated_norm=layer_norm_gated_fwd), source
+
+    return types.SimpleNamespace(
+        recurrent=fused_recurrent_kda_fwd, conv_update=causal_conv1d_update, gated_norm=layer_norm_gated_fwd
+    ), source
 
 
 def torch_device_us(run):
@@ -83,6 +90,7 @@ def torch_device_us(run):
     excluded."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -90,8 +98,14 @@ def torch_device_us(run):
         for _ in range(ITERS):
             run()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-               and e.key != "ProfilerStep*" and "Memcpy" not in e.key) / ITERS
+    return (
+        sum(
+            e.device_time_total
+            for e in prof.key_averages()
+            if e.device_time_total > 0 and e.key != "ProfilerStep*" and "Memcpy" not in e.key
+        )
+        / ITERS
+    )
 
 
 def fla_case(fla, args):
@@ -102,6 +116,7 @@ def fla_case(fla, args):
       short-conv update for q, k and v (three launches, windows in place), the recurrence, the gated RMSNorm
       with the sigmoid gate."""
     import torch
+
     qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w = args
     B, _, H, K = qkv.shape
     qn, kn, v, decay, beta_s, _ = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
@@ -116,12 +131,26 @@ def fla_case(fla, args):
     A_t, dtb_t = t(A_log), t(dt_bias.reshape(-1))
 
     def recurrence(q, k, v, h):
-        return fla.recurrent(q, k, v, g_t, b_t, A_log=A_t, dt_bias=dtb_t, initial_state=h,
-                             output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+        return fla.recurrent(
+            q,
+            k,
+            v,
+            g_t,
+            b_t,
+            A_log=A_t,
+            dt_bias=dtb_t,
+            initial_state=h,
+            output_final_state=True,
+            inplace_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            lower_bound=-5.0,
+        )
 
-    want_state = reference._advance(state, kn, decay, beta_s,
-                                    v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2))
+    want_state = reference._advance(
+        state, kn, decay, beta_s, v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
+    )
     _, ht = recurrence(q_t, k_t, v_t, h0)
     torch.cuda.synchronize()
     res = dict(fla_state_err=float(jnp.max(jnp.abs(jnp.asarray(ht.cpu().numpy()) - want_state))))
@@ -130,8 +159,9 @@ def fla_case(fla, args):
     # the same work: pre-conv inputs, fla's window layout [B, D, W] (slot 0 is shifted out: random here)
     D = H * K
     x_t = [t(qkv[:, i].reshape(B, 1, D)) for i in range(3)]
-    cache0 = jnp.concatenate([jnp.ones((B, 3, D, 1), conv.dtype) * 7,
-                              jnp.moveaxis(conv.reshape(B, 3, 3, D), 2, -1)], axis=-1)  # [B, 3, D, W]
+    cache0 = jnp.concatenate(
+        [jnp.ones((B, 3, D, 1), conv.dtype) * 7, jnp.moveaxis(conv.reshape(B, 3, 3, D), 2, -1)], axis=-1
+    )  # [B, 3, D, W]
     caches = [t(cache0[:, i]) for i in range(3)]
     w_t = [t(conv_w[i].reshape(D, 4)) for i in range(3)]  # fp32 taps, as ours
     gate_t, onw_t = t(gate.reshape(B * H, K)), t(o_norm_w)
@@ -141,14 +171,16 @@ def fla_case(fla, args):
         qkv_post = [fla.conv_update(x_t[i], caches[i], weight=w_t[i], activation="silu")[0] for i in range(3)]
         q, k, v = (a.view(B, 1, H, K) for a in qkv_post)
         o, _ = recurrence(q, k, v, h1)
-        return fla.gated_norm(o.view(B * H, K), gate_t, onw_t, None, activation="sigmoid", eps=1e-5,
-                              is_rms_norm=True)[0]
+        return fla.gated_norm(o.view(B * H, K), gate_t, onw_t, None, activation="sigmoid", eps=1e-5, is_rms_norm=True)[
+            0
+        ]
 
     y_t = full()
     torch.cuda.synchronize()
     y_want = jax.jit(reference.kda_decode)(*args)[0]
-    res["fla_full_y_err"] = float(jnp.max(jnp.abs(jnp.asarray(y_t.float().cpu().numpy()).reshape(B, H, K)
-                                                  - y_want.astype(jnp.float32))))
+    res["fla_full_y_err"] = float(
+        jnp.max(jnp.abs(jnp.asarray(y_t.float().cpu().numpy()).reshape(B, H, K) - y_want.astype(jnp.float32)))
+    )
     res["fla_full_us"] = torch_device_us(full)
     return res
 
@@ -156,11 +188,25 @@ def fla_case(fla, args):
 # Same kernel, other launch shapes: (v_chunk, tma, v_split). The api row is whatever tuning.json picks.
 # tma "chunked": one TMA load and store per v_chunk slice instead of one per tile; v_split: CTAs per tile
 # (a cluster), with o gathered for the gated norm through GMEM or CTA 0's SMEM (gather, optional 4th entry).
-VARIANTS = [(32, False, 1), (128, False, 1), (32, True, 1), (64, True, 1), (128, True, 1), (32, "chunked", 1),
-            (32, "chunked", 4)]
+VARIANTS = [
+    (32, False, 1),
+    (128, False, 1),
+    (32, True, 1),
+    (64, True, 1),
+    (128, True, 1),
+    (32, "chunked", 1),
+    (32, "chunked", 4),
+]
 # The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
-SPLIT_VARIANTS = [(32, "chunked", 4), (32, False, 4), (32, True, 4), (64, True, 2),
-                  (32, "chunked", 4, "dsmem"), (32, False, 4, "dsmem"), (32, True, 4, "dsmem")]
+SPLIT_VARIANTS = [
+    (32, "chunked", 4),
+    (32, False, 4),
+    (32, True, 4),
+    (64, True, 2),
+    (32, "chunked", 4, "dsmem"),
+    (32, False, 4, "dsmem"),
+    (32, True, 4, "dsmem"),
+]
 # At ~2 waves of tiles (768) smaller CTAs may keep more bytes in flight per SM (a 32 KiB TMA slice: up to 7 CTAs
 # per SM by SMEM instead of 3; fla runs 4 CTAs of 32 columns per head at every batch): the bandwidth
 # question, asked after the latency rows.
@@ -171,20 +217,38 @@ def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
     if tma == "rows":  # v_chunk is the rows per slice here (k_chunk)
         return f"rows k{v_chunk}"
     staging = {False: "ldg", True: "tma", "chunked": "tma-chunked"}[tma]
-    return (f"{staging} v{v_chunk}" + (f" split{v_split} {gather}" if v_split > 1 else "")
-            + (f" wg{warpgroups}" if warpgroups > 1 else ""))
+    return (
+        f"{staging} v{v_chunk}"
+        + (f" split{v_split} {gather}" if v_split > 1 else "")
+        + (f" wg{warpgroups}" if warpgroups > 1 else "")
+    )
 
 
 def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
     chunks = dict(k_chunk=v_chunk) if tma == "rows" else dict(v_chunk=v_chunk)
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma=tma, v_split=v_split, gather=gather,
-                                     warpgroups=warpgroups, tile_layout=kernel.plgpu.Layout.WGMMA, **chunks))
+    return jax.jit(
+        functools.partial(
+            kernel.decode,
+            eps=1e-5,
+            tma=tma,
+            v_split=v_split,
+            gather=gather,
+            warpgroups=warpgroups,
+            tile_layout=kernel.plgpu.Layout.WGMMA,
+            **chunks,
+        )
+    )
 
 
 # The tile's columns split over the warpgroups of one CTA (no cluster: o meets in WG 0's SMEM behind a CTA
 # barrier), against the tuned launch, at every tile count where one CTA's serial chain or the tail matters.
-WG_VARIANTS = [(32, "chunked", 1, "gmem", 2), (32, "chunked", 1, "gmem", 4), (32, False, 1, "gmem", 2),
-               (32, False, 1, "gmem", 4), (32, "chunked", 4, "dsmem")]
+WG_VARIANTS = [
+    (32, "chunked", 1, "gmem", 2),
+    (32, "chunked", 1, "gmem", 4),
+    (32, False, 1, "gmem", 2),
+    (32, False, 1, "gmem", 4),
+    (32, "chunked", 4, "dsmem"),
+]
 WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
 
 
@@ -192,16 +256,26 @@ def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"
     """variants (and extra: {name: jitted fn}) against the api path and XLA at shapes, CUPTI. Writes
     OUT/<name>.json."""
     ref = jax.jit(reference.kda_decode)
-    fns = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref,
-           **{variant_name(*v): variant_fn(*v) for v in variants}, **(extra or {})}
+    fns = {
+        "api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
+        "xla": ref,
+        **{variant_name(*v): variant_fn(*v) for v in variants},
+        **(extra or {}),
+    }
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call, median of {ITERS} runs",
+        tuning=api_tuning(),
+        rows=[],
+    )
     for B, H in shapes:
         args = make_inputs(7, B, H)
         want = ref(*args)
-        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want,
-                                                                                                max_err))
+        row = dict(
+            B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err)
+        )
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
         pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
@@ -215,8 +289,9 @@ ROWS_SHAPES = [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (6
 
 def rows_fn(**kw):
     """kernel.decode with the rows staging (32-row slices) and kw."""
-    return jax.jit(functools.partial(kernel.decode, eps=1e-5, tma="rows", k_chunk=32,
-                                     tile_layout=kernel.plgpu.Layout.WGMMA, **kw))
+    return jax.jit(
+        functools.partial(kernel.decode, eps=1e-5, tma="rows", k_chunk=32, tile_layout=kernel.plgpu.Layout.WGMMA, **kw)
+    )
 
 
 # How many 32-row slices stay in registers between the rows path's two passes (kernel keep_slices): fewer
@@ -226,7 +301,8 @@ KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
 # Pass 2's rows stored straight from registers (row_stores="global") instead of SMEM + TMA: if the SMEM traffic
 # keep removed is what costs, this removes more (two of a tile's five SMEM passes).
 STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
-    f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)}
+    f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)
+}
 KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
 
 
@@ -250,10 +326,15 @@ def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
     import dataclasses
 
     from pallas_kernels.kda_decode import bodies, sm90
+
     ref = jax.jit(reference.kda_decode)
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call, median of {ITERS} runs",
+        rows=[],
+    )
     lane = kernel._LANE
     for B, H in [(1, 6), (8, 12), (64, 6), (64, 12)]:
         args = make_inputs(7, B, H)
@@ -277,15 +358,25 @@ def main_idle(out_dir):
     """The api launch without active_B (no mask input, no branches) and with it (one idle sequence where B > 1):
     what keeping idle slots in the kernel costs, CUPTI. Writes OUT/kda_idle.json."""
     from pallas_kernels.kda_decode import bodies, sm90
+
     api_fn, ref = jax.jit(bodies.entry_points(sm90.TUNING).kda_decode), jax.jit(reference.kda_decode)
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call, median of {ITERS} runs",
+        tuning=api_tuning(),
+        rows=[],
+    )
     for B, H in [(1, 6), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
         args = make_inputs(7, B, H)
         active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
-        row = dict(B=B, H=H, **time_variants({"no mask": api_fn}, args, ref(*args), max_err),
-                   **time_variants({"mask": api_fn}, (*args, active), ref(*args, active), max_err))
+        row = dict(
+            B=B,
+            H=H,
+            **time_variants({"no mask": api_fn}, args, ref(*args), max_err),
+            **time_variants({"mask": api_fn}, (*args, active), ref(*args, active), max_err),
+        )
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
         pathlib.Path(out_dir, "kda_idle.json").write_text(json.dumps(results, indent=1))
@@ -306,8 +397,10 @@ def main_wg_canary():
 
 
 def max_err(got, want):
-    return {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-            for n, a, b in zip(("y", "state", "conv"), got, want, strict=True)}
+    return {
+        n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        for n, a, b in zip(("y", "state", "conv"), got, want, strict=True)
+    }
 
 
 def main(out_dir, fla_from=None):
@@ -318,8 +411,15 @@ def main(out_dir, fla_from=None):
     ref = jax.jit(reference.kda_decode)
     fused = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))
     variants = {variant_name(*v): variant_fn(*v) for v in VARIANTS}
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   hbm_peak_Bps=HBM_PEAK, iterations=ITERS, tuning=api_tuning(), cases=[], correctness=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        hbm_peak_Bps=HBM_PEAK,
+        iterations=ITERS,
+        tuning=api_tuning(),
+        cases=[],
+        correctness=[],
+    )
 
     # correctness of the api path at real shapes, both dtypes (every variant is checked per timed case below)
     for B, H in [(1, 6), (8, 12), (64, 6), (2, 96)]:
@@ -328,8 +428,9 @@ def main(out_dir, fla_from=None):
             want, got = ref(*args), fused(*args)
             errs = max_err(got, want)
             rel_state = errs["state"] / float(jnp.max(jnp.abs(want[1])))
-            results["correctness"].append(dict(B=B, H=H, dtype=jnp.dtype(dtype).name, max_abs_err=errs,
-                                               state_rel_err=rel_state))
+            results["correctness"].append(
+                dict(B=B, H=H, dtype=jnp.dtype(dtype).name, max_abs_err=errs, state_rel_err=rel_state)
+            )
             print("check", B, H, jnp.dtype(dtype).name, errs, rel_state, flush=True)
 
     # XLA copy of a large buffer: the practical bandwidth ceiling on this machine
@@ -388,9 +489,10 @@ def gates_inputs(B, H):
     outputs on them."""
     args = list(make_inputs(11, B, H))
     r = np.random.default_rng(B * 100 + H)
-    gate_in = [jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
-               for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128 ** -0.5), ((B, 7168), 1.0),
-                                    ((H, 7168), 7168 ** -0.5))]
+    gate_in = [
+        jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
+        for shape, scale in (((B, 128), 1.0), ((128, H, 128), 128**-0.5), ((B, 7168), 1.0), ((H, 7168), 7168**-0.5))
+    ]
     full = [args[0], *gate_in, *args[3:]]
     return full, jax.jit(reference.kda_decode_gates)(*full)
 
@@ -407,6 +509,7 @@ def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
     D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch").
     warpgroups: also with every launch entry forced to that many warpgroups per CTA (None: as tuned)."""
     from pallas_kernels.kda_decode import bodies, sm90
+
     rows = []
     for B, H in shapes:
         full, want = gates_inputs(B, H)
@@ -431,8 +534,12 @@ def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
 def write_gates(out_dir, name, rows):
     """gates_cases' rows with the machine, jax version and method, -> OUT/<name>.json."""
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", rows=rows)
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call, median of {ITERS} runs",
+        rows=rows,
+    )
     pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
@@ -442,39 +549,54 @@ def api_tuning():
 
 def write_table(results, path):
     names = list(results["cases"][0]["variants_us"])
-    lines = [f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 "
-             f"({results['device']}, jax {results['jax']})", "",
-             f"CUPTI device time, median of {results['iterations']}; floor = bytes / "
-             f"{results['hbm_peak_Bps'] / 1e12:.1f} TB/s. "
-             f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
-             f"fla: {results['fla']}. fla us: its fused recurrence alone (gate, beta, L2 in-kernel: no conv, no "
-             "gated norm); fla same-work us: what fla's KDA layer runs at decode for the work our one kernel does "
-             "(3 short-conv updates + the recurrence + the gated RMSNorm, 5 launches). state copy us: XLA's "
-             "s + 1 over the state alone, the cost of moving its bytes at this size.", "",
-             f"Pallas = the api path (tuning.json sm90: {results['tuning']['sm90']}). Variant columns = the same "
-             "kernel, other launch shapes: ldg = state HBM <-> registers by ld/st.global in vN column chunks, "
-             "tma = whole tile staged through swizzled SMEM by TMA, processed in vN chunks.", "",
-             "| B | H | MB moved | floor us | Pallas us | % of peak | " + " | ".join(names)
-             + " | state copy us | XLA us (kernels) | vs XLA | fla us | vs fla | fla same-work us | vs fla same-work |",
-             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|"]
+    lines = [
+        f"# KDA decode step, one layer, bf16 activations, fp32 state, K=V=128 "
+        f"({results['device']}, jax {results['jax']})",
+        "",
+        f"CUPTI device time, median of {results['iterations']}; floor = bytes / "
+        f"{results['hbm_peak_Bps'] / 1e12:.1f} TB/s. "
+        f"XLA x+1 copy reaches {results['xla_copy_1GiB_read_write_Bps'] / 1e12:.2f} TB/s. "
+        f"fla: {results['fla']}. fla us: its fused recurrence alone (gate, beta, L2 in-kernel: no conv, no "
+        "gated norm); fla same-work us: what fla's KDA layer runs at decode for the work our one kernel does "
+        "(3 short-conv updates + the recurrence + the gated RMSNorm, 5 launches). state copy us: XLA's "
+        "s + 1 over the state alone, the cost of moving its bytes at this size.",
+        "",
+        f"Pallas = the api path (tuning.json sm90: {results['tuning']['sm90']}). Variant columns = the same "
+        "kernel, other launch shapes: ldg = state HBM <-> registers by ld/st.global in vN column chunks, "
+        "tma = whole tile staged through swizzled SMEM by TMA, processed in vN chunks.",
+        "",
+        "| B | H | MB moved | floor us | Pallas us | % of peak | "
+        + " | ".join(names)
+        + " | state copy us | XLA us (kernels) | vs XLA | fla us | vs fla | fla same-work us | vs fla same-work |",
+        "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|",
+    ]
     for c in results["cases"]:
         fla, full = (_fla_cols(c.get(k), c["pallas_us"]) for k in ("fla_us", "fla_full_us"))
         copy = c.get("state_copy_us")
         copy = f"{copy:.2f}" if isinstance(copy, float) else "-"
         var = " | ".join(f"{v:.2f}" if isinstance(v, float) else "x" for v in c["variants_us"].values())
-        lines.append(f"| {c['B']} | {c['H']} | {c['bytes'] / 1e6:.2f} | {c['floor_us']:.2f} | "
-                     f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {var} | "
-                     f"{copy} | {c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
-                     f"{fla} | {full} |")
+        lines.append(
+            f"| {c['B']} | {c['H']} | {c['bytes'] / 1e6:.2f} | {c['floor_us']:.2f} | "
+            f"{c['pallas_us']:.2f} | {100 * c['pallas_frac_of_peak']:.0f}% | {var} | "
+            f"{copy} | {c['xla_us']:.2f} ({c['xla_kernels']}) | {c['speedup_vs_xla']:.2f}x | "
+            f"{fla} | {full} |"
+        )
     if results.get("gates"):
-        lines += ["", "f_b and b projections (R = 128, D = 7168, bf16): XLA GEMVs then the kernel, or fused into "
-                  "it (tuning fuse_gates); XLA = the reference (projections + step).", "",
-                  "| B | H | XLA us | GEMVs + kernel us (kernels) | fused us (kernels) |", "|---|---|---|---|---|"]
-        fmt = lambda row, k: (f"{row[k + '_us']:.2f} ({row[k + '_kernels']})"  # noqa: E731
-                              if isinstance(row.get(k + "_us"), float) else "x")
+        lines += [
+            "",
+            "f_b and b projections (R = 128, D = 7168, bf16): XLA GEMVs then the kernel, or fused into "
+            "it (tuning fuse_gates); XLA = the reference (projections + step).",
+            "",
+            "| B | H | XLA us | GEMVs + kernel us (kernels) | fused us (kernels) |",
+            "|---|---|---|---|---|",
+        ]
+        fmt = lambda row, k: (
+            f"{row[k + '_us']:.2f} ({row[k + '_kernels']})"  # noqa: E731
+            if isinstance(row.get(k + "_us"), float)
+            else "x"
+        )
         for g in results["gates"]:
-            lines.append(f"| {g['B']} | {g['H']} | {g['xla_us']:.2f} | {fmt(g, 'gemv+kernel')} | "
-                         f"{fmt(g, 'fused')} |")
+            lines.append(f"| {g['B']} | {g['H']} | {g['xla_us']:.2f} | {fmt(g, 'gemv+kernel')} | {fmt(g, 'fused')} |")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -543,18 +665,29 @@ def main_split(out_dir):
     base = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
     ok = split_gathers()
     latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS if _gather(v) in ok})
-    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS
-                              if _gather(v) in ok})
+    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS if _gather(v) in ok})
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call, median of {ITERS} runs", tuning=api_tuning(), rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call, median of {ITERS} runs",
+        tuning=api_tuning(),
+        rows=[],
+    )
     # 64 x 6: 384 tiles, where fla (4 CTAs per head) led most (15.8 vs 21.2 us); 64 x 12: 768 tiles, ~2 waves
-    for B, H, fns in [(1, 6, latency), (1, 12, latency), (8, 12, latency), (2, 96, latency), (64, 6, bandwidth),
-                      (64, 12, bandwidth)]:
+    for B, H, fns in [
+        (1, 6, latency),
+        (1, 12, latency),
+        (8, 12, latency),
+        (2, 96, latency),
+        (64, 6, bandwidth),
+        (64, 12, bandwidth),
+    ]:
         args = make_inputs(7, B, H)
         want = ref(*args)
-        row = dict(B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6,
-                   **time_variants(fns, args, want, max_err))
+        row = dict(
+            B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err)
+        )
         results["rows"].append(row)
         print(row, flush=True)
         pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
@@ -576,8 +709,12 @@ def main_cold(out_dir, shapes=SHAPES):
     a small step's state (0.9 MB at 1 x 6) in L2. Writes OUT/kda_decode_cold.json."""
     fns = {"api": lambda *a: api.kda_decode(*a, backend="latency_specialized"), "xla": reference.kda_decode}
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
-                   jax=jax.__version__, cold_bytes=COLD_BYTES, rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
+        jax=jax.__version__,
+        cold_bytes=COLD_BYTES,
+        rows=[],
+    )
     for B, H in shapes:
         one = make_inputs(0, B, H)
         n = max(1, min(256, -(-COLD_BYTES // sum(a.nbytes for a in one))))
@@ -593,10 +730,16 @@ def main_cold(out_dir, shapes=SHAPES):
 
 
 MODES = {  # flag -> what it runs with the flag's argument (see the module docstring)
-    "--cold": main_cold, "--split": main_split, "--split-canary": main_split_canary, "--wg": main_variants,
-    "--idle": main_idle, "--red-scratch": main_red_scratch, "--fla": main_fla,
+    "--cold": main_cold,
+    "--split": main_split,
+    "--split-canary": main_split_canary,
+    "--wg": main_variants,
+    "--idle": main_idle,
+    "--red-scratch": main_red_scratch,
+    "--fla": main_fla,
     "--gates-wg": lambda out: write_gates(out, "kda_gates_wg", gates_cases(warpgroups=(1, 2))),
-    "--wg-canary": lambda: main_wg_canary(), "--regs": lambda: main_regs(),
+    "--wg-canary": lambda: main_wg_canary(),
+    "--regs": lambda: main_regs(),
     "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
     "--rows-canary": lambda: main_rows_canary(),
     "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),

@@ -68,9 +68,13 @@ def gemv_entry(entries):
 
 def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
-                   jax=jax.__version__, what="kda.kda_decode: projections -> state step -> o_proj partial",
-                   measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", rows=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
+        jax=jax.__version__,
+        what="kda.kda_decode: projections -> state step -> o_proj partial",
+        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+        rows=[],
+    )
     for tp in sorted({tp for tp, _ in cases}, reverse=True):
         cfg = truncate(preset("k3"), 1)  # layer 0: a KDA layer
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
@@ -82,6 +86,7 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
             outs = {}
             for backend in ("xla", "latency_specialized", "gemv_launch" if gemv_launch else "select_after"):
                 if backend == "select_after":
+
                     def f(p, x, s, w, a, c=lcfg):
                         out, s2, w2 = kda.kda_decode(p, x, c, s, w, "latency_specialized")
                         keep = a[:, None, None, None] != 0
@@ -91,6 +96,7 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
 
                     def f(p, x, s, w, a, c=lcfg, op=op):
                         return kda.kda_decode(p, x, c, s, w, op, active_B=a)
+
                 f = jax.jit(f)
                 args = (p, x, state, window, active)
                 try:
@@ -107,11 +113,13 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
                 if name in outs and "xla" in outs:
                     live = active != 0  # an idle slot's output is not specified
                     a, b = (o[0][live].astype(jnp.float32) for o in (outs[name], outs["xla"]))
-                    row[f"{name}_o_proj_rel_rms"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
+                    row[f"{name}_o_proj_rel_rms"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b**2)))
                     row[f"{name}_speedup"] = row["xla_us"] / row[f"{name}_us"]
             if "select_after" in outs and "latency_specialized" in outs:  # the same kernel: the same state bits
-                row["select_after_same_state"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(
-                    outs["select_after"][1:], outs["latency_specialized"][1:], strict=True))
+                row["select_after_same_state"] = all(
+                    bool(jnp.array_equal(u, v))
+                    for u, v in zip(outs["select_after"][1:], outs["latency_specialized"][1:], strict=True)
+                )
             results["rows"].append(row)
             print(row, flush=True)
             pathlib.Path(out_dir, f"{out_name}.json").write_text(json.dumps(results, indent=1))
@@ -120,22 +128,29 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
 
 def write_table(results, path):
     """results (main's dict) as a markdown table: per (tp, batch) XLA and latency_specialized, kernels and speedup."""
-    lines = [f"# One KDA sublayer of a decode step ({results['device']}, jax {results['jax']})", "",
-             f"{results['what']}; {results['measure']}. One idle slot at B > 1. Per-kernel times in the json.", "",
-             "| TP | local heads | B | XLA us (kernels) | latency_specialized us (kernels) | speedup |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# One KDA sublayer of a decode step ({results['device']}, jax {results['jax']})",
+        "",
+        f"{results['what']}; {results['measure']}. One idle slot at B > 1. Per-kernel times in the json.",
+        "",
+        "| TP | local heads | B | XLA us (kernels) | latency_specialized us (kernels) | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
         ls = r["latency_specialized_us"]
         if not isinstance(ls, float):
             lines.append(f"| {r['tp']} | {r['heads']} | {r['B']} | {r['xla_us']:.2f} ({r['xla_kernels']}) | {ls} | - |")
             continue
-        lines.append(f"| {r['tp']} | {r['heads']} | {r['B']} | {r['xla_us']:.2f} ({r['xla_kernels']}) | "
-                     f"{ls:.2f} ({r['latency_specialized_kernels']}) | {r['xla_us'] / ls:.2f}x |")
+        lines.append(
+            f"| {r['tp']} | {r['heads']} | {r['B']} | {r['xla_us']:.2f} ({r['xla_kernels']}) | "
+            f"{ls:.2f} ({r['latency_specialized_kernels']}) | {r['xla_us'] / ls:.2f}x |"
+        )
     pathlib.Path(path).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
     import argparse
+
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", nargs="?", default=".")
     ap.add_argument("--cases", type=lambda s: [tuple(map(int, c.split(":"))) for c in s.split(",")], default=CASES)

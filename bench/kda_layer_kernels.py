@@ -59,8 +59,14 @@ def main(out_dir):
         for backend in ("xla", "latency_specialized"):
             f = jax.jit(lambda p, x, s, w, backend=backend, c=lcfg: kda.kda_decode(p, x, c, s, w, backend))
             ks = per_kernel_us(f, p, x, state, window)
-            row = dict(tp=tp, B=B, backend=backend, total_us=sum(t for _, t in ks), kernels=ks,
-                       shapes={k: list(v.shape) for k, v in p.items()})
+            row = dict(
+                tp=tp,
+                B=B,
+                backend=backend,
+                total_us=sum(t for _, t in ks),
+                kernels=ks,
+                shapes={k: list(v.shape) for k, v in p.items()},
+            )
             print(row, flush=True)
             out["layer"].append(row)
             pathlib.Path(out_dir, "kda_layer_kernels.json").write_text(json.dumps(out, indent=1))
@@ -90,6 +96,7 @@ def in_major(p):
 def layer_variants():
     """name -> (params transform, {module attribute: replacement}) for kda.kda_decode's projections."""
     from k3jax.layers import common
+
     in_major_linear = lambda x, w, spec: common.linear(x, w, _IN_MAJOR_SPECS.get(spec, spec))  # noqa: E731
     return {
         "f32_then_round": (lambda p: p, {}),  # the model's rule, the table's out-major weights: what runs today
@@ -101,8 +108,13 @@ def layer_variants():
 def main_linear_variants(out_dir, tag, time=True):
     """The sublayer under each of layer_variants (latency_specialized), each one's kernels and device time and
     its error against a float32 run of the same weights (precision highest). time=False (CPU): errors only."""
-    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, measure="CUPTI device time, median",
-               xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
+    out = dict(
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        measure="CUPTI device time, median",
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        rows=[],
+    )
     cfg = truncate(preset("k3"), 1)
     for tp, B in [(16, 1), (16, 8), (8, 1)]:
         lcfg = local_cfg(cfg, tp)
@@ -111,7 +123,8 @@ def main_linear_variants(out_dir, tag, time=True):
         with jax.default_matmul_precision("highest"):
             p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
             exact = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "xla"))(
-                p32, x.astype(jnp.float32), state, window.astype(jnp.float32))[0]
+                p32, x.astype(jnp.float32), state, window.astype(jnp.float32)
+            )[0]
         row = dict(tp=tp, B=B)
         for name, (transform, patches) in layer_variants().items():
             saved = {k: getattr(*k) for k in patches}
@@ -121,7 +134,7 @@ def main_linear_variants(out_dir, tag, time=True):
                 pv = jax.jit(transform)(p)
                 f = jax.jit(lambda p, x, s, w, c=lcfg: kda.kda_decode(p, x, c, s, w, "latency_specialized"))
                 y = f(pv, x, state, window)[0].astype(jnp.float32)
-                row[name] = dict(rel_rms_vs_fp32=float(jnp.sqrt(jnp.mean((y - exact) ** 2) / jnp.mean(exact ** 2))))
+                row[name] = dict(rel_rms_vs_fp32=float(jnp.sqrt(jnp.mean((y - exact) ** 2) / jnp.mean(exact**2))))
                 if time:
                     ks = per_kernel_us(f, pv, x, state, window)
                     row[name].update(us=sum(t for _, t in ks), kernels=ks)

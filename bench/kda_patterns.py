@@ -72,10 +72,15 @@ def tile_copy(state_BHKV, *, parts=1, rows=32, regs=False, wait_all=False, inter
             plgpu.copy_smem_to_gmem(smem.at[c], at(o_ref, c))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(state_BHKV.shape, F32),
-                        scratch_types=[plgpu.SMEM((n, rows, V), F32), plgpu.Barrier(num_barriers=n)],
-                        grid=(B, H, parts), grid_names=("b", "h", "p"), compiler_params=_LANE,
-                        interpret=interpret)(state_BHKV)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+        scratch_types=[plgpu.SMEM((n, rows, V), F32), plgpu.Barrier(num_barriers=n)],
+        grid=(B, H, parts),
+        grid_names=("b", "h", "p"),
+        compiler_params=_LANE,
+        interpret=interpret,
+    )(state_BHKV)
 
 
 def stream_copy(state_BHKV, *, ctas, slots, rows=32, interpret=None):
@@ -96,11 +101,18 @@ def stream_copy(state_BHKV, *, ctas, slots, rows=32, interpret=None):
                 out_smem.at[j][...] = in_smem.at[j][...] + 1.0
 
         spec = plgpu.BlockSpec((rows, V), lambda i: (i, 0))
-        plgpu.emit_pipeline(step, grid=(per // rows,), in_specs=[spec], out_specs=[spec],
-                            max_concurrent_steps=slots)(s_ref.at[pl.ds(c * per, per)], o_ref.at[pl.ds(c * per, per)])
+        plgpu.emit_pipeline(step, grid=(per // rows,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=slots)(
+            s_ref.at[pl.ds(c * per, per)], o_ref.at[pl.ds(c * per, per)]
+        )
 
-    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(flat.shape, F32), grid=(ctas,), grid_names=("c",),
-                       compiler_params=_LANE, interpret=interpret)(flat)
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(flat.shape, F32),
+        grid=(ctas,),
+        grid_names=("c",),
+        compiler_params=_LANE,
+        interpret=interpret,
+    )(flat)
     return out.reshape(state_BHKV.shape)
 
 
@@ -127,8 +139,9 @@ def reference_mask_last(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias,
     qn, kn, v, decay, beta_, new_conv = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
     step = (active_B != 0).astype(F32)
     delta = v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
-    new_state = reference._advance(state, kn, decay * step[:, None, None] + (1.0 - step[:, None, None]),
-                                   beta_ * step[:, None], delta)
+    new_state = reference._advance(
+        state, kn, decay * step[:, None, None] + (1.0 - step[:, None, None]), beta_ * step[:, None], delta
+    )
     new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv)
     o = jnp.sum(new_state * qn[..., None], axis=-2)
     return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
@@ -136,29 +149,43 @@ def reference_mask_last(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias,
 
 def max_err(got, want):
     got, want = (got,) if not isinstance(got, tuple) else got, (want,) if not isinstance(want, tuple) else want
-    return {f"out{i}": float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-            for i, (a, b) in enumerate(zip(got, want, strict=True))}
+    return {
+        f"out{i}": float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+        for i, (a, b) in enumerate(zip(got, want, strict=True))
+    }
 
 
 def main_reference(out_dir, results=None):
     """The XLA decode step without a mask, with the reference's mask, and the two experimental forms."""
     sys.path.insert(0, "bench")
     from kda_decode import make_inputs
+
     if results is None:
         dev = jax.devices()[0]
-        results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                       measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
-                       reference=[])
+        results = dict(
+            device=f"{dev.device_kind} (cc {dev.compute_capability})",
+            jax=jax.__version__,
+            measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+            reference=[],
+        )
     out = pathlib.Path(out_dir, "kda_patterns.json" if "copies" in results else "kda_reference_mask.json")
     for B, H in [(64, 6), (8, 6)]:
         args = make_inputs(7, B, H)
         active = jnp.ones((B,), jnp.int32).at[B - 1].set(0)
         want = jax.jit(reference.kda_decode)(*args, active)
-        fns = {"mask": jax.jit(reference.kda_decode), "barrier": jax.jit(reference_barrier),
-               "mask last": jax.jit(reference_mask_last)}
-        row = dict(B=B, H=H, **time_variants({"no mask": jax.jit(reference.kda_decode)}, args,
-                                             jax.jit(reference.kda_decode)(*args), max_err),
-                   **time_variants(fns, (*args, active), want, max_err))
+        fns = {
+            "mask": jax.jit(reference.kda_decode),
+            "barrier": jax.jit(reference_barrier),
+            "mask last": jax.jit(reference_mask_last),
+        }
+        row = dict(
+            B=B,
+            H=H,
+            **time_variants(
+                {"no mask": jax.jit(reference.kda_decode)}, args, jax.jit(reference.kda_decode)(*args), max_err
+            ),
+            **time_variants(fns, (*args, active), want, max_err),
+        )
         results["reference"].append(row)
         print({k: v for k, v in row.items() if "err" not in k}, flush=True)
         out.write_text(json.dumps(results, indent=1))
@@ -168,18 +195,30 @@ def main_dependency(out_dir):
     """The tile copies with and without the decode kernel's read-all-then-write dependency (wait_all), at the
     sizes where the kernel is 2-3 us over the copy -> OUT/kda_dependency.json."""
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", copies=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+        copies=[],
+    )
     out = pathlib.Path(out_dir, "kda_dependency.json")
-    copies = {"xla s+1": lambda s: s + 1.0, "tile": tile_copy,
-              "tile wait-all": functools.partial(tile_copy, wait_all=True),
-              "tile regs": functools.partial(tile_copy, regs=True),
-              "tile regs wait-all": functools.partial(tile_copy, regs=True, wait_all=True)}
+    copies = {
+        "xla s+1": lambda s: s + 1.0,
+        "tile": tile_copy,
+        "tile wait-all": functools.partial(tile_copy, wait_all=True),
+        "tile regs": functools.partial(tile_copy, regs=True),
+        "tile regs wait-all": functools.partial(tile_copy, regs=True, wait_all=True),
+    }
     for B, H in [(64, 6), (64, 12), (8, 96)]:
         state = jnp.asarray(np.random.default_rng(B * H).standard_normal((B, H, 128, 128)), F32)
         fns = {name: jax.jit(f) for name, f in copies.items()}
-        row = dict(B=B, H=H, tiles=B * H, floor_us=2 * state.nbytes / HBM_PEAK * 1e6,
-                   **time_variants(fns, (state,), state + 1.0, max_err))
+        row = dict(
+            B=B,
+            H=H,
+            tiles=B * H,
+            floor_us=2 * state.nbytes / HBM_PEAK * 1e6,
+            **time_variants(fns, (state,), state + 1.0, max_err),
+        )
         results["copies"].append(row)
         print({k: v for k, v in row.items() if "err" not in k}, flush=True)
         out.write_text(json.dumps(results, indent=1))
@@ -187,20 +226,33 @@ def main_dependency(out_dir):
 
 def main(out_dir):
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs", copies=[],
-                   reference=[])
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+        copies=[],
+        reference=[],
+    )
     out = pathlib.Path(out_dir, "kda_patterns.json")
-    copies = {"xla s+1": lambda s: s + 1.0, "tile": tile_copy, "tile regs": functools.partial(tile_copy, regs=True),
-              "tile rows16": functools.partial(tile_copy, rows=16),
-              "tile/2": functools.partial(tile_copy, parts=2), "tile/4": functools.partial(tile_copy, parts=4),
-              **{f"stream {g}x{s}": functools.partial(stream_copy, ctas=g, slots=s)
-                 for g in (128, 256) for s in (2, 4)}}
+    copies = {
+        "xla s+1": lambda s: s + 1.0,
+        "tile": tile_copy,
+        "tile regs": functools.partial(tile_copy, regs=True),
+        "tile rows16": functools.partial(tile_copy, rows=16),
+        "tile/2": functools.partial(tile_copy, parts=2),
+        "tile/4": functools.partial(tile_copy, parts=4),
+        **{f"stream {g}x{s}": functools.partial(stream_copy, ctas=g, slots=s) for g in (128, 256) for s in (2, 4)},
+    }
     for B, H in [(64, 6), (64, 12), (8, 12)]:
         state = jnp.asarray(np.random.default_rng(B * H).standard_normal((B, H, 128, 128)), F32)
         fns = {name: jax.jit(f) for name, f in copies.items()}  # one that fails is recorded as failed
-        row = dict(B=B, H=H, tiles=B * H, floor_us=2 * state.nbytes / HBM_PEAK * 1e6,
-                   **time_variants(fns, (state,), state + 1.0, max_err))
+        row = dict(
+            B=B,
+            H=H,
+            tiles=B * H,
+            floor_us=2 * state.nbytes / HBM_PEAK * 1e6,
+            **time_variants(fns, (state,), state + 1.0, max_err),
+        )
         results["copies"].append(row)
         print({k: v for k, v in row.items() if "err" not in k}, flush=True)
         out.write_text(json.dumps(results, indent=1))

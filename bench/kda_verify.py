@@ -33,15 +33,24 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=30, help="CUPTI-timed runs per case (median)")
     p.add_argument("--cases", default=None, help="B:H:T,... to time instead of the full matrix")
     p.add_argument("--no-check", action="store_true", help="skip the correctness pass at real shapes")
-    p.add_argument("--split", action="store_true",
-                   help="time only verify on a cluster of 4 CTAs per tile (both stagings, both gathers) against "
-                        "the api and XLA verify at the few-tile shapes -> kda_verify_split.json")
-    p.add_argument("--rows", action="store_true",
-                   help="time only verify's rows path (the tile in registers, a column per thread, all T steps) "
-                        "against the api and XLA verify -> kda_verify_rows.json (or --name)")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="time only verify on a cluster of 4 CTAs per tile (both stagings, both gathers) against "
+        "the api and XLA verify at the few-tile shapes -> kda_verify_split.json",
+    )
+    p.add_argument(
+        "--rows",
+        action="store_true",
+        help="time only verify's rows path (the tile in registers, a column per thread, all T steps) "
+        "against the api and XLA verify -> kda_verify_rows.json (or --name)",
+    )
     p.add_argument("--name", default="kda_verify_rows", help="--rows: the result file's name")
-    p.add_argument("--no-variants", action="store_true",
-                   help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)")
+    p.add_argument(
+        "--no-variants",
+        action="store_true",
+        help="time only the api and XLA paths (the tma/ldg variants add four compiles per case)",
+    )
     return p.parse_args(argv)
 
 
@@ -49,12 +58,18 @@ def make_inputs(seed, B, H, T, K=128, dtype=jnp.bfloat16):
     """(verify args, accepted_B = T everywhere)."""
     r = np.random.default_rng(seed)
     act = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32).astype(dtype)  # noqa: E731
-    args = (act(B, T, 3, H, K), act(B, T, H, K), act(B, T, H), act(B, T, H, K),
-            jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32), act(B, 3, 3, H, K),
-            jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
-            jnp.asarray(r.uniform(-1, 1.5, H), jnp.float32),
-            jnp.asarray(r.standard_normal((H, K)), jnp.float32),
-            jnp.asarray(1 + 0.2 * r.standard_normal(K), jnp.float32))
+    args = (
+        act(B, T, 3, H, K),
+        act(B, T, H, K),
+        act(B, T, H),
+        act(B, T, H, K),
+        jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32),
+        act(B, 3, 3, H, K),
+        jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
+        jnp.asarray(r.uniform(-1, 1.5, H), jnp.float32),
+        jnp.asarray(r.standard_normal((H, K)), jnp.float32),
+        jnp.asarray(1 + 0.2 * r.standard_normal(K), jnp.float32),
+    )
     return args, jnp.full((B,), T, jnp.int32)
 
 
@@ -73,16 +88,22 @@ def commit_bytes(args, data, accepted, out):
 
 def pair(verify, commit):
     """verify then commit of the same block in one jitted call: one speculative step of one layer."""
+
     def f(args, accepted):
         y, data = verify(*args)
         state, conv = commit(args[4], args[5], data, accepted)
         return y, state, conv
+
     return jax.jit(f)
 
 
 def max_err(got, want):
-    return float(max(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)))
+    return float(
+        max(
+            jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        )
+    )
 
 
 def main_split(opts):
@@ -92,14 +113,29 @@ def main_split(opts):
     fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v}
     for tma in (False, True):
         for gather in os.environ.get("K3JAX_SPLIT_GATHERS", "gmem dsmem").split():  # those the canary passed
-            fns[f"{'tma' if tma else 'ldg'} split4 {gather}"] = jax.jit(functools.partial(
-                verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, v_chunk=32, tma=tma, v_split=4,
-                gather=gather))
+            fns[f"{'tma' if tma else 'ldg'} split4 {gather}"] = jax.jit(
+                functools.partial(
+                    verify_kernel.verify,
+                    eps=1e-5,
+                    tile_layout=plgpu.Layout.WGMMA,
+                    v_chunk=32,
+                    tma=tma,
+                    v_split=4,
+                    gather=gather,
+                )
+            )
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time of verify, median of {opts.iters}", rows=[])
-    shapes = [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")] if opts.cases else \
-        [(1, 6, 4), (1, 6, 8), (1, 12, 4), (8, 12, 4)]
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time of verify, median of {opts.iters}",
+        rows=[],
+    )
+    shapes = (
+        [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")]
+        if opts.cases
+        else [(1, 6, 4), (1, 6, 8), (1, 12, 4), (8, 12, 4)]
+    )
     for B, H, T in shapes:
         args, _ = make_inputs(7, B, H, T)
         want = ref_v(*args)
@@ -115,20 +151,37 @@ def main_rows(opts):
     1-7% slower (kda_verify_rows.json), the key rows over 2 warpgroups 1.3-1.6x slower from 384 tiles on
     (kda_verify_rows_wg2.json); both were dropped."""
     ref_v = jax.jit(reference.kda_verify)
-    fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v,
-           "rows k32": jax.jit(functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA,
-                                                 tma="rows"))}
+    fns = {
+        "api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")),
+        "xla": ref_v,
+        "rows k32": jax.jit(
+            functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows")
+        ),
+    }
     dev = jax.devices()[0]
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   measure=f"CUPTI device time of verify, median of {opts.iters}", rows=[])
-    shapes = [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")] if opts.cases else \
-        [(64, 12, 8), (64, 6, 4), (8, 12, 8), (8, 12, 4), (1, 6, 4), (1, 6, 8), (8, 96, 4)]
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        measure=f"CUPTI device time of verify, median of {opts.iters}",
+        rows=[],
+    )
+    shapes = (
+        [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")]
+        if opts.cases
+        else [(64, 12, 8), (64, 6, 4), (8, 12, 8), (8, 12, 4), (1, 6, 4), (1, 6, 8), (8, 96, 4)]
+    )
     for B, H, T in shapes:
         args, _ = make_inputs(7, B, H, T)
         want = ref_v(*args)
         vb = verify_bytes(args, *want)
-        row = dict(B=B, H=H, T=T, verify_bytes=vb, floor_us=vb / HBM_PEAK * 1e6,
-                   **time_variants(fns, args, want, max_err, iters=opts.iters))
+        row = dict(
+            B=B,
+            H=H,
+            T=T,
+            verify_bytes=vb,
+            floor_us=vb / HBM_PEAK * 1e6,
+            **time_variants(fns, args, want, max_err, iters=opts.iters),
+        )
         results["rows"].append(row)
         print(row, flush=True)
         pathlib.Path(opts.out, f"{opts.name}.json").write_text(json.dumps(results, indent=1))
@@ -144,12 +197,21 @@ def main(opts):
     ker_c = jax.jit(functools.partial(api.kda_commit, backend="latency_specialized"))
     ref_pair, ker_pair = pair(ref_v, ref_c), pair(ker_v, ker_c)
     layout = plgpu.Layout.WGMMA if dev.compute_capability.startswith("9") else plgpu.Layout.TCGEN05
-    variants = {("tma" if tma else "ldg"): (
-        jax.jit(functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)),
-        jax.jit(functools.partial(verify_kernel.commit, tile_layout=layout, v_chunk=32, tma=tma)))
-        for tma in ([] if opts.no_variants else VARIANTS)}
-    results = dict(device=f"{dev.device_kind} (cc {dev.compute_capability})", jax=jax.__version__,
-                   hbm_peak_Bps=HBM_PEAK, iterations=opts.iters, cases=[], correctness=[])
+    variants = {
+        ("tma" if tma else "ldg"): (
+            jax.jit(functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)),
+            jax.jit(functools.partial(verify_kernel.commit, tile_layout=layout, v_chunk=32, tma=tma)),
+        )
+        for tma in ([] if opts.no_variants else VARIANTS)
+    }
+    results = dict(
+        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        jax=jax.__version__,
+        hbm_peak_Bps=HBM_PEAK,
+        iterations=opts.iters,
+        cases=[],
+        correctness=[],
+    )
 
     # correctness of the api path at real shapes (the GPU pytest matrix checks more)
     for B, H, T in [] if opts.no_check else CHECKS:
@@ -157,8 +219,11 @@ def main(opts):
             args, acc = make_inputs(B * 100 + H * 10 + T, B, H, T, dtype=dtype)
             y0, d0 = ref_v(*args)
             y, d = ker_v(*args)
-            errs = dict(y=max_err(y, y0), commit_data=max_err(d, d0),
-                        commit=max_err(ker_c(args[4], args[5], d0, acc), ref_c(args[4], args[5], d0, acc)))
+            errs = dict(
+                y=max_err(y, y0),
+                commit_data=max_err(d, d0),
+                commit=max_err(ker_c(args[4], args[5], d0, acc), ref_c(args[4], args[5], d0, acc)),
+            )
             results["correctness"].append(dict(B=B, H=H, T=T, dtype=jnp.dtype(dtype).name, max_abs_err=errs))
             print("check", B, H, T, jnp.dtype(dtype).name, errs, flush=True)
 
@@ -181,9 +246,10 @@ def main(opts):
         case["variants_us"] = {}
         for name, (v, c) in variants.items():
             try:
-                case["variants_us"][name] = dict(verify=device_us(v, *args, iters=opts.iters),
-                                                 commit=device_us(c, args[4], args[5], kdata, acc,
-                                                                  iters=opts.iters))
+                case["variants_us"][name] = dict(
+                    verify=device_us(v, *args, iters=opts.iters),
+                    commit=device_us(c, args[4], args[5], kdata, acc, iters=opts.iters),
+                )
             except Exception as e:
                 case["variants_us"][name] = f"failed: {type(e).__name__}: {e}"[:300]
         case["pallas_frac_of_peak"] = (vb + cb) / (case["pallas_us"] * 1e-6) / HBM_PEAK
@@ -197,18 +263,23 @@ def main(opts):
 
 
 def write_table(results, path):
-    lines = [f"# KDA speculative verify + commit, one layer, bf16 activations, fp32 state, K=V=128 "
-             f"({results['device']}, jax {results['jax']})", "",
-             f"CUPTI device time, median of {results['iterations']}; commit accepts all T tokens; floor = "
-             f"bytes / {results['hbm_peak_Bps'] / 1e12:.1f} TB/s. Pallas = api path (tuning.json launch); "
-             "pair = verify then commit in one jitted call. ldg/tma: the same kernels with the state tile "
-             "HBM <-> registers by ld/st.global or staged whole through SMEM by TMA (v_chunk 32).", "",
-             "| B | H | T | MB moved | floor us | Pallas pair us (kernels) | % of peak | verify us (% peak) | "
-             "commit us (% peak) | ldg v / c us | tma v / c us | XLA pair us (kernels) | XLA v / c us | vs XLA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# KDA speculative verify + commit, one layer, bf16 activations, fp32 state, K=V=128 "
+        f"({results['device']}, jax {results['jax']})",
+        "",
+        f"CUPTI device time, median of {results['iterations']}; commit accepts all T tokens; floor = "
+        f"bytes / {results['hbm_peak_Bps'] / 1e12:.1f} TB/s. Pallas = api path (tuning.json launch); "
+        "pair = verify then commit in one jitted call. ldg/tma: the same kernels with the state tile "
+        "HBM <-> registers by ld/st.global or staged whole through SMEM by TMA (v_chunk 32).",
+        "",
+        "| B | H | T | MB moved | floor us | Pallas pair us (kernels) | % of peak | verify us (% peak) | "
+        "commit us (% peak) | ldg v / c us | tma v / c us | XLA pair us (kernels) | XLA v / c us | vs XLA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in results["cases"]:
-        var = [f"{v['verify']:.2f} / {v['commit']:.2f}" if isinstance(v, dict) else "x"
-               for v in c["variants_us"].values()]
+        var = [
+            f"{v['verify']:.2f} / {v['commit']:.2f}" if isinstance(v, dict) else "x" for v in c["variants_us"].values()
+        ]
         lines.append(
             f"| {c['B']} | {c['H']} | {c['T']} | {(c['verify_bytes'] + c['commit_bytes']) / 1e6:.2f} | "
             f"{c['floor_us']:.2f} | {c['pallas_us']:.2f} ({c['pallas_kernels']}) | "
@@ -216,7 +287,8 @@ def write_table(results, path):
             f"{c['pallas_verify_us']:.2f} ({100 * c['verify_frac_of_peak']:.0f}%) | "
             f"{c['pallas_commit_us']:.2f} ({100 * c['commit_frac_of_peak']:.0f}%) | {' | '.join(var)} | "
             f"{c['xla_us']:.2f} ({c['xla_kernels']}) | {c['xla_verify_us']:.2f} / {c['xla_commit_us']:.2f} | "
-            f"{c['speedup_vs_xla']:.2f}x |")
+            f"{c['speedup_vs_xla']:.2f}x |"
+        )
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

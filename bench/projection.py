@@ -69,11 +69,19 @@ def project(run: dict, table: dict, full_layers: int, op: str = "psum") -> dict:
     mem = step * HBM_H200 / HBM_GB300
     coll = collective_us(calls, table, op)
     total = mem + coll
-    return {"batch": run["batch"], "backend": run["backend"], "layers_measured": run["layers"], "collective_op": op,
-            "h200_step_us": step,
-            "memory_term_us": mem, "collectives_per_step": len(calls), "collective_term_us": coll,
-            "step_us": total, "tokens_per_s": run["batch"] * 1e6 / total,
-            "tokens_per_s_no_collectives": run["batch"] * 1e6 / mem}
+    return {
+        "batch": run["batch"],
+        "backend": run["backend"],
+        "layers_measured": run["layers"],
+        "collective_op": op,
+        "h200_step_us": step,
+        "memory_term_us": mem,
+        "collectives_per_step": len(calls),
+        "collective_term_us": coll,
+        "step_us": total,
+        "tokens_per_s": run["batch"] * 1e6 / total,
+        "tokens_per_s_no_collectives": run["batch"] * 1e6 / mem,
+    }
 
 
 def scale_calls(calls: list, layers: int, full: int) -> list:
@@ -85,18 +93,29 @@ def scale_calls(calls: list, layers: int, full: int) -> list:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["## PROJECTION: GB300 TP16 decode tokens/s (not a measurement)", "",
-             "step = H200 rank-slice step x 4.8/8.0 (HBM ratio) + collectives per step x measured per-call "
-             "latency (2 x H200, CUPTI, bench/results/collectives.json). Per-call latency measured at TP2 (TP16 will "
-             "not be cheaper), gathers charged like an all-reduce of their input, no overlap assumed.", "",
-             "| backend | collectives via | batch | H200 step us | memory term us | collectives/step | "
-             "collective term us | projected step us | projected tok/s | tok/s if collectives were free |",
-             "|" + "---|" * 10]
+    lines = [
+        "## PROJECTION: GB300 TP16 decode tokens/s (not a measurement)",
+        "",
+        "step = H200 rank-slice step x 4.8/8.0 (HBM ratio) + collectives per step x measured per-call "
+        "latency (2 x H200, CUPTI, bench/results/collectives.json). Per-call latency measured at TP2 (TP16 will "
+        "not be cheaper), gathers charged like an all-reduce of their input, no overlap assumed.",
+        "",
+        "| backend | collectives via | batch | H200 step us | memory term us | collectives/step | "
+        "collective term us | projected step us | projected tok/s | tok/s if collectives were free |",
+        "|" + "---|" * 10,
+    ]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['collective_op']} | {r['batch']} | {r['h200_step_us']:.0f} | "
-                     f"{r['memory_term_us']:.0f} | {r['collectives_per_step']} | {r['collective_term_us']:.0f} | "
-                     f"{r['step_us']:.0f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_no_collectives']:.0f} |")
-    lines += ["", "Published anchors (ROOFLINE.md; measured by their authors on 16 x GB300 / 16 x TPU v7):", "",
-              "| system | batch | tok/s |", "|---|---|---|"]
+        lines.append(
+            f"| {r['backend']} | {r['collective_op']} | {r['batch']} | {r['h200_step_us']:.0f} | "
+            f"{r['memory_term_us']:.0f} | {r['collectives_per_step']} | {r['collective_term_us']:.0f} | "
+            f"{r['step_us']:.0f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_no_collectives']:.0f} |"
+        )
+    lines += [
+        "",
+        "Published anchors (ROOFLINE.md; measured by their authors on 16 x GB300 / 16 x TPU v7):",
+        "",
+        "| system | batch | tok/s |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {b} | {t} |" for name, b, t in ANCHORS]
     return "\n".join(lines) + "\n"

@@ -96,8 +96,7 @@ def truncate(cfg: K3Config, layers: int | None) -> K3Config:
     """The first `layers` layers (the release's MLA-every-4th pattern keeps the kinds in proportion)."""
     if not layers or layers >= cfg.num_hidden_layers:
         return cfg
-    return cfg.replace(num_hidden_layers=layers, full_attn_layers=tuple(x for x in cfg.full_attn_layers
-                                                                        if x <= layers))
+    return cfg.replace(num_hidden_layers=layers, full_attn_layers=tuple(x for x in cfg.full_attn_layers if x <= layers))
 
 
 def local_shape(spec: params_lib.TensorSpec, tp: int) -> tuple[int, ...]:
@@ -170,17 +169,20 @@ class _Done:
 
 
 def abstract_local_params(cfg: K3Config, tp: int) -> dict:
-    return params_lib.unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
-                                 for s in local_table(cfg, tp)})
+    return params_lib.unflatten(
+        {s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in local_table(cfg, tp)}
+    )
 
 
 def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat16):
     """A rank's decode state, `context` positions, with lengths near the end (the whole latent is read every
     step whatever the length; the writes stay in range)."""
+
     def make():
         c = cache_lib.init_cache(local_cfg(cfg, tp), batch, context, dtype, "fp8")
         c["lengths"] = jnp.full((batch,), max(context - 64, 0), jnp.int32)
         return c
+
     return jax.jit(make)()
 
 
@@ -188,10 +190,12 @@ def make_step(cfg: K3Config, backend: str, comm: Comm, dtype=jnp.bfloat16):
     """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache). Every
     sequence is active, but as the engine's step sees it: n_new is data (here from the tokens), not a constant
     XLA could fold away with the idle-slot handling it costs."""
+
     def step(params, tokens_B, cache):
         n_new_B = (tokens_B >= 0).astype(jnp.int32)
         logits, cache, _ = model.extend(params, tokens_B[:, None], n_new_B, cache, cfg, dtype, backend, comm=comm)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
     return jax.jit(step, donate_argnums=(2,))
 
 
@@ -225,6 +229,7 @@ def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
 
 def _cupti():
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
     return mosaic_gpu_lib._mosaic_gpu_ext
 
 
@@ -243,7 +248,7 @@ def time_steps(step, params, tokens, cache, iters: int):
     n = len(timings) // iters
     if n * iters != len(timings):
         raise RuntimeError(f"{len(timings)} kernels over {iters} steps")
-    per_step = [[(name, 1e3 * ms) for name, ms in timings[i * n:(i + 1) * n]] for i in range(iters)]
+    per_step = [[(name, 1e3 * ms) for name, ms in timings[i * n : (i + 1) * n]] for i in range(iters)]
     return per_step, tokens, cache
 
 
@@ -261,6 +266,7 @@ def wall_per_step_us(step, params, tokens, cache, iters: int):
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Achievable HBM bandwidth here: CUPTI time of x + 1 over `nbytes` of bf16 (read + write)."""
     from jax.experimental.mosaic.gpu import profiler
+
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: x + 1)
     _, ms = profiler.measure(f, iterations=5)(x)
@@ -286,7 +292,7 @@ def hlo_scopes(hlo_text: str) -> dict[str, tuple[int | None, str]]:
             continue
         name, op = m.groups()
         s = _SCOPE.search(op)
-        label = op[s.end() + 1:] if s else op.split("/", 1)[-1]
+        label = op[s.end() + 1 :] if s else op.split("/", 1)[-1]
         label = re.sub(r"\[.*?\]|\d+", "", label.replace("jit(step)/", "")) or op
         out[_norm(name)] = (int(s.group(1)) if s else None, label)
     return out
@@ -303,8 +309,15 @@ def attribute(kernels, scopes, cfg: K3Config):
     rows = []
     for name, us in kernels:
         hit = scopes.get(_norm(name))
-        rows.append({"name": name, "us": us, "layer": hit[0] if hit else None, "op": hit[1] if hit else name,
-                     "named": hit is not None})
+        rows.append(
+            {
+                "name": name,
+                "us": us,
+                "layer": hit[0] if hit else None,
+                "op": hit[1] if hit else name,
+                "named": hit is not None,
+            }
+        )
     return relayer(rows, cfg)
 
 
@@ -347,8 +360,12 @@ def summarize(rows, cfg: K3Config) -> dict:
     kinds = {}
     for k, (us, n) in by_kind.items():
         nl = layers_of.get(k, 1)
-        kinds[k] = {"layers": nl if k in layers_of else 0, "us_total": us, "us_per_layer": us / nl,
-                    "kernels_per_layer": n / nl}
+        kinds[k] = {
+            "layers": nl if k in layers_of else 0,
+            "us_total": us,
+            "us_per_layer": us / nl,
+            "kernels_per_layer": n / nl,
+        }
     ops = defaultdict(lambda: [0.0, 0, ""])
     for r in rows:
         key = (r["kind"], r["op"])
@@ -361,11 +378,24 @@ def summarize(rows, cfg: K3Config) -> dict:
         c = classes[kernel_class(r["name"])]
         c[0] += r["us"]
         c[1] += 1
-    return {"us": total, "kernels": len(rows), "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
-            "by_kind": kinds,
-            "top_ops": [{"kind": k, "op": op, "us": v[0], "kernels": v[1], "example_kernel": v[2],
-                         "share": v[0] / total if total else 0.0} for (k, op), v in top],
-            "by_class": {c: {"us": v[0], "kernels": v[1]} for c, v in classes.items()}}
+    return {
+        "us": total,
+        "kernels": len(rows),
+        "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
+        "by_kind": kinds,
+        "top_ops": [
+            {
+                "kind": k,
+                "op": op,
+                "us": v[0],
+                "kernels": v[1],
+                "example_kernel": v[2],
+                "share": v[0] / total if total else 0.0,
+            }
+            for (k, op), v in top
+        ],
+        "by_class": {c: {"us": v[0], "kernels": v[1]} for c, v in classes.items()},
+    }
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -382,9 +412,15 @@ def collective_calls(cfg: K3Config, tp: int, backend: str, batch: int, context: 
 
 def machine() -> dict:
     d = jax.devices()[0]
-    return {"device": d.device_kind, "platform": d.platform, "devices": jax.device_count(),
-            "host": platform.node(), "jax": jax.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "device": d.device_kind,
+        "platform": d.platform,
+        "devices": jax.device_count(),
+        "host": platform.node(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def _plan(args) -> list[tuple[int, str, int]]:
@@ -408,13 +444,24 @@ def run(args, log=print) -> dict:
     keys = _plan(args)
     cfg = truncate(base_cfg, max(k[0] for k in keys))  # the weights cover the deepest program
     on_gpu = jax.default_backend() == "gpu"
-    result = {"machine": machine(), "config": base_cfg.name, "preset": args.preset, "tp": tp,
-              "full_layers": base_cfg.num_hidden_layers, "context": ctx, "cache_dtype": "fp8", "dtype": "bfloat16",
-              "moe_impl": args.moe_impl,
-              "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
-              "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp), "runs": []}
-    log(f"rank slice: {args.preset} x {cfg.num_hidden_layers} layers, tp={tp}, context {ctx}, "
-        f"{result['local_weight_bytes'] / 1e9:.1f} GB local weights; plan {keys}")
+    result = {
+        "machine": machine(),
+        "config": base_cfg.name,
+        "preset": args.preset,
+        "tp": tp,
+        "full_layers": base_cfg.num_hidden_layers,
+        "context": ctx,
+        "cache_dtype": "fp8",
+        "dtype": "bfloat16",
+        "moe_impl": args.moe_impl,
+        "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
+        "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp),
+        "runs": [],
+    }
+    log(
+        f"rank slice: {args.preset} x {cfg.num_hidden_layers} layers, tp={tp}, context {ctx}, "
+        f"{result['local_weight_bytes'] / 1e9:.1f} GB local weights; plan {keys}"
+    )
     result["copy_bw"] = copy_bandwidth() if on_gpu else None
 
     # compile every program in threads (XLA compiles outside the GIL) while the weights are generated on the
@@ -483,8 +530,14 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
     for _ in range(2):  # warm-up
         tokens, cache = exe(p, tokens, cache)
     jax.block_until_ready(cache)
-    entry = {"layers": n, "layer_kinds": dict(Counter(c.layer_kinds)), "backend": backend, "batch": B,
-             "collectives": dict(comm.counts), "collective_calls": [list(x) for x in comm.log]}
+    entry = {
+        "layers": n,
+        "layer_kinds": dict(Counter(c.layer_kinds)),
+        "backend": backend,
+        "batch": B,
+        "collectives": dict(comm.counts),
+        "collective_calls": [list(x) for x in comm.log],
+    }
     fb = floor_bytes(c, tp, B, ctx)
     entry["floor_bytes"] = fb
     entry["floor_us"] = 1e6 * fb["total"] / HBM_BW
@@ -507,10 +560,12 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
         entry["frac_floor"] = entry["floor_us"] / entry["step_us"]
         if result["copy_bw"]:
             entry["frac_copy_bw_floor"] = 1e6 * fb["total"] / result["copy_bw"] / entry["step_us"]
-        log(f"L{n} {backend:>20} b{B:<3} step {entry['step_us']:9.1f} us  wall {entry['wall_us_per_step']:9.1f}"
+        log(
+            f"L{n} {backend:>20} b{B:<3} step {entry['step_us']:9.1f} us  wall {entry['wall_us_per_step']:9.1f}"
             f" us  {entry['summary']['kernels']} kernels  floor {entry['floor_us']:.0f} us "
             f"({100 * entry['frac_floor']:.1f}%)  named {entry['summary']['named_fraction']:.2f}"
-            f"  (t={time.perf_counter() - t_start:.0f} s)")
+            f"  (t={time.perf_counter() - t_start:.0f} s)"
+        )
     else:  # CPU: structure only (no CUPTI); wall time of one step for orientation
         entry["wall_us_per_step"], tokens, cache = wall_per_step_us(exe, p, tokens, cache, 1)
         entry["step_us"] = None
@@ -522,60 +577,97 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
 def _bar(total, desc):
     try:
         from tqdm import tqdm
+
         return tqdm(total=total, desc=desc, file=sys.stderr, mininterval=2)
     except ImportError:  # pragma: no cover
+
         class _B:
             def update(self, n):
                 pass
 
             def close(self):
                 pass
+
         return _B()
 
 
 def markdown(result: dict) -> str:
     m, F = result["machine"], result["full_layers"]
     runs = [r for r in result["runs"] if r.get("step_us") is not None]
-    lines = [f"# TP{result['tp']} rank slice on one {m['device']}: decode step device time (CUPTI)", "",
-             f"{result['preset']} config, one rank's share at tp={result['tp']}, MLA latent cache "
-             f"{result['context']} positions fp8 (read whole every step), bf16 activations, random weights generated "
-             f"on the device ({result['local_weight_bytes'] / 1e9:.1f} GB local). Collectives are local no-ops "
-             f"here (counted; their cost is in the projection). jax {m['jax']}, {m['date']}.", ""]
+    lines = [
+        f"# TP{result['tp']} rank slice on one {m['device']}: decode step device time (CUPTI)",
+        "",
+        f"{result['preset']} config, one rank's share at tp={result['tp']}, MLA latent cache "
+        f"{result['context']} positions fp8 (read whole every step), bf16 activations, random weights generated "
+        f"on the device ({result['local_weight_bytes'] / 1e9:.1f} GB local). Collectives are local no-ops "
+        f"here (counted; their cost is in the projection). jax {m['jax']}, {m['date']}.",
+        "",
+    ]
     if result.get("copy_bw"):
-        lines += [f"Measured copy bandwidth (x+1 over 2 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
-                  f"{HBM_BW / 1e12:.1f} TB/s.", ""]
+        lines += [
+            f"Measured copy bandwidth (x+1 over 2 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
+            f"{HBM_BW / 1e12:.1f} TB/s.",
+            "",
+        ]
     if any(r["layers"] != F for r in runs):
-        lines += [f"Rows with fewer than {F} layers are truncated models (the first N layers: the kinds in "
-                  f"proportion); 'est. {F}-layer' scales each kind's measured time per layer by its count in the "
-                  f"full model (embed/head once).", ""]
-    lines += [f"| layers | backend | batch | step us | wall us/step | kernels | floor us | % of floor | "
-              f"% of copy-bw floor | est. {F}-layer us | tok/s, no collectives |", "|---|" * 11 + ""]
+        lines += [
+            f"Rows with fewer than {F} layers are truncated models (the first N layers: the kinds in "
+            f"proportion); 'est. {F}-layer' scales each kind's measured time per layer by its count in the "
+            f"full model (embed/head once).",
+            "",
+        ]
+    lines += [
+        f"| layers | backend | batch | step us | wall us/step | kernels | floor us | % of floor | "
+        f"% of copy-bw floor | est. {F}-layer us | tok/s, no collectives |",
+        "|---|" * 11 + "",
+    ]
     lines[-1] = "|" + "---|" * 11
     for r in runs:
         est = r.get("full_estimate_us") or r["step_us"]
-        lines.append(f"| {r['layers']} | {r['backend']} | {r['batch']} | {r['step_us']:.0f} | "
-                     f"{r['wall_us_per_step']:.0f} | {r['summary']['kernels']} | {r['floor_us']:.0f} | "
-                     f"{100 * r['frac_floor']:.1f} | {100 * r.get('frac_copy_bw_floor', float('nan')):.1f} | "
-                     f"{est:.0f} | {r['batch'] / est * 1e6:.0f} |")
-    lines += ["", "Per layer kind: device time per layer / kernels per layer (kernels attributed through the HLO "
-              "named scopes; 'named' = share of kernels matched directly):", "",
-              "| layers | backend | batch | " + " | ".join(_KINDS) + " | named |", "|" + "---|" * (len(_KINDS) + 4)]
+        lines.append(
+            f"| {r['layers']} | {r['backend']} | {r['batch']} | {r['step_us']:.0f} | "
+            f"{r['wall_us_per_step']:.0f} | {r['summary']['kernels']} | {r['floor_us']:.0f} | "
+            f"{100 * r['frac_floor']:.1f} | {100 * r.get('frac_copy_bw_floor', float('nan')):.1f} | "
+            f"{est:.0f} | {r['batch'] / est * 1e6:.0f} |"
+        )
+    lines += [
+        "",
+        "Per layer kind: device time per layer / kernels per layer (kernels attributed through the HLO "
+        "named scopes; 'named' = share of kernels matched directly):",
+        "",
+        "| layers | backend | batch | " + " | ".join(_KINDS) + " | named |",
+        "|" + "---|" * (len(_KINDS) + 4),
+    ]
     for r in runs:
         bk = r["summary"]["by_kind"]
-        cells = [f"{bk[k]['us_per_layer']:.1f} us / {bk[k]['kernels_per_layer']:.1f}" if k in bk else "-"
-                 for k in _KINDS]
-        lines.append(f"| {r['layers']} | {r['backend']} | {r['batch']} | " + " | ".join(cells)
-                     + f" | {r['summary']['named_fraction']:.2f} |")
+        cells = [
+            f"{bk[k]['us_per_layer']:.1f} us / {bk[k]['kernels_per_layer']:.1f}" if k in bk else "-" for k in _KINDS
+        ]
+        lines.append(
+            f"| {r['layers']} | {r['backend']} | {r['batch']} | "
+            + " | ".join(cells)
+            + f" | {r['summary']['named_fraction']:.2f} |"
+        )
     for r in runs:
         if r["batch"] not in (1, 64) or r["layers"] != max(x["layers"] for x in runs):
             continue
-        lines += ["", f"Top ops, {r['layers']} layers, {r['backend']}, batch {r['batch']}:", "",
-                  "| layer kind | op | us | kernels | share | e.g. kernel |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Top ops, {r['layers']} layers, {r['backend']}, batch {r['batch']}:",
+            "",
+            "| layer kind | op | us | kernels | share | e.g. kernel |",
+            "|---|---|---|---|---|---|",
+        ]
         for o in r["summary"]["top_ops"][:10]:
-            lines.append(f"| {o['kind']} | {o['op'][:60]} | {o['us']:.0f} | {o['kernels']} | "
-                         f"{100 * o['share']:.1f}% | {o['example_kernel'][:50]} |")
-        lines += ["", "By kernel class: " + ", ".join(f"{c} {v['us']:.0f} us in {v['kernels']}"
-                                                     for c, v in r["summary"]["by_class"].items())]
+            lines.append(
+                f"| {o['kind']} | {o['op'][:60]} | {o['us']:.0f} | {o['kernels']} | "
+                f"{100 * o['share']:.1f}% | {o['example_kernel'][:50]} |"
+            )
+        lines += [
+            "",
+            "By kernel class: "
+            + ", ".join(f"{c} {v['us']:.0f} us in {v['kernels']}" for c, v in r["summary"]["by_class"].items()),
+        ]
     if result["runs"]:
         r0 = result["runs"][0]
         lines += ["", f"Collectives per step at {r0['layers']} layers (stubbed, counted): {r0['collectives']}"]
@@ -618,8 +710,12 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--full-batches", default="", help="also run these batches at the full depth (with --layers)")
     p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
-    p.add_argument("--moe-impl", default=os.environ.get(moe.MOE_IMPL_ENV, moe.MOE_IMPLS[0]), choices=moe.MOE_IMPLS,
-                   help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV; default: that variable)")
+    p.add_argument(
+        "--moe-impl",
+        default=os.environ.get(moe.MOE_IMPL_ENV, moe.MOE_IMPLS[0]),
+        choices=moe.MOE_IMPLS,
+        help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV; default: that variable)",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-threads", type=int, default=8)
@@ -638,8 +734,7 @@ def resummarize(path: str) -> dict:
         if not r.get("kernels"):
             continue
         c = truncate(preset(result["preset"]), r["layers"])
-        rows = relayer([{"name": n, "us": us, "layer": L, "op": op, "named": True} for n, us, L, op in r["kernels"]],
-                       c)
+        rows = relayer([{"name": n, "us": us, "layer": L, "op": op, "named": True} for n, us, L, op in r["kernels"]], c)
         r["summary"] = summarize(rows, c)
         r["kernels"] = [[x["name"], x["us"], x["layer"], x["op"]] for x in rows]
         r["full_estimate_us"] = full_model_estimate(result, r)["step_us"]

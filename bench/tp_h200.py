@@ -53,19 +53,19 @@ def init_on(cfg, device, seed=0):
     flat = {}
     out = jax.sharding.SingleDeviceSharding(device)
     for specs in groups.values():
-        draw = jax.jit(lambda k, specs=specs: {s.path: params_lib.init_tensor(s, k) for s in specs},
-                       out_shardings=out)
+        draw = jax.jit(lambda k, specs=specs: {s.path: params_lib.init_tensor(s, k) for s in specs}, out_shardings=out)
         flat.update(draw(key))
     return params_lib.unflatten(flat)
 
 
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return dict(max_abs_rel=float(np.max(np.abs(a - b)) / np.max(np.abs(b))),
-                rms_rel=float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))),
-                argmax_agree=float(np.mean(a.argmax(-1) == b.argmax(-1))),
-                rms_rel_per_step=[float(np.sqrt(np.mean((x - y) ** 2) / np.mean(y ** 2)))
-                                  for x, y in zip(a, b, strict=True)])
+    return dict(
+        max_abs_rel=float(np.max(np.abs(a - b)) / np.max(np.abs(b))),
+        rms_rel=float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2))),
+        argmax_agree=float(np.mean(a.argmax(-1) == b.argmax(-1))),
+        rms_rel_per_step=[float(np.sqrt(np.mean((x - y) ** 2) / np.mean(y**2))) for x, y in zip(a, b, strict=True)],
+    )
 
 
 def engine(cfg, params, tp, dtype, backend="auto"):
@@ -85,20 +85,28 @@ def time_step(eng, step, batch, tp):
     cache = eng.new_cache(batch)
     cache = {**cache, "lengths": jnp.full((batch,), CONTEXT, jnp.int32)}
     tok = jnp.asarray(np.arange(batch)[:, None] + 11, jnp.int32)
-    _, runs = profiler.measure(step, aggregate=False, iterations=ITERS)(eng.params, tok, jnp.ones(batch, jnp.int32),
-                                                                         cache)
+    _, runs = profiler.measure(step, aggregate=False, iterations=ITERS)(
+        eng.params, tok, jnp.ones(batch, jnp.int32), cache
+    )
     totals, colls, kernels = [], [], {}
     for run in runs:
         totals.append(sum(t for _, t in run) * 1e3 / tp)
         colls.append(sum(t for n, t in run if COLLECTIVE.search(n)) * 1e3 / tp)
         for n, t in run:
             kernels.setdefault(n[:80], []).append(t * 1e3)
-    top = sorted(((float(np.sum(v)) / (ITERS * tp), k, len(v) / (ITERS * tp)) for k, v in kernels.items()),
-                 reverse=True)[:12]
-    return dict(batch=batch, tp=tp, context=CONTEXT, step_us=float(np.median(totals)),
-                collective_us=float(np.median(colls)), kernels_per_step=len(runs[0]) / tp,
-                collective_kernels_per_step=sum(bool(COLLECTIVE.search(n)) for n, _ in runs[0]) / tp,
-                top_kernels=[dict(name=k, us_per_step=u, count=c) for u, k, c in top])
+    top = sorted(
+        ((float(np.sum(v)) / (ITERS * tp), k, len(v) / (ITERS * tp)) for k, v in kernels.items()), reverse=True
+    )[:12]
+    return dict(
+        batch=batch,
+        tp=tp,
+        context=CONTEXT,
+        step_us=float(np.median(totals)),
+        collective_us=float(np.median(colls)),
+        kernels_per_step=len(runs[0]) / tp,
+        collective_kernels_per_step=sum(bool(COLLECTIVE.search(n)) for n, _ in runs[0]) / tp,
+        top_kernels=[dict(name=k, us_per_step=u, count=c) for u, k, c in top],
+    )
 
 
 def main():
@@ -106,8 +114,11 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=300, help="skip the float32 check past this wall time")
     ap.add_argument("--extra", action="store_true", help="only: every kernel name of a TP2 step, float32 at B=2")
-    ap.add_argument("--check", action="store_true",
-                    help="only: float32 TP2 == TP1 and latency_specialized == XLA (logits and greedy tokens)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="only: float32 TP2 == TP1 and latency_specialized == XLA (logits and greedy tokens)",
+    )
     args = ap.parse_args()
     jax.config.update("jax_default_prng_impl", "rbg")
     if args.extra:
@@ -115,10 +126,16 @@ def main():
     if args.check:
         return check(args.out)
     cfg = config()
-    res = dict(machine=str(jax.devices()), config=dict(layers=cfg.layer_kinds, hidden=cfg.hidden_size,
-                                                       experts=cfg.num_experts, expert_quant=cfg.expert_quant),
-               bytes_tp1=sh.bytes_per_device(cfg, 1), bytes_tp2=sh.bytes_per_device(cfg, 2),
-               timing=[], numerics={})
+    res = dict(
+        machine=str(jax.devices()),
+        config=dict(
+            layers=cfg.layer_kinds, hidden=cfg.hidden_size, experts=cfg.num_experts, expert_quant=cfg.expert_quant
+        ),
+        bytes_tp1=sh.bytes_per_device(cfg, 1),
+        bytes_tp2=sh.bytes_per_device(cfg, 2),
+        timing=[],
+        numerics={},
+    )
 
     def save():
         res["wall_s"] = time.time() - T0
@@ -166,8 +183,9 @@ def extra(out_dir):
     res = {}
     e2 = engine(cfg, p2, 2, jnp.bfloat16)
     cache = {**e2.new_cache(1), "lengths": jnp.full((1,), CONTEXT, jnp.int32)}
-    _, run = profiler.measure(jax.jit(e2._extend), aggregate=False)(p2, jnp.ones((1, 1), jnp.int32),
-                                                                    jnp.ones(1, jnp.int32), cache)
+    _, run = profiler.measure(jax.jit(e2._extend), aggregate=False)(
+        p2, jnp.ones((1, 1), jnp.int32), jnp.ones(1, jnp.int32), cache
+    )
     res["tp2_b1_kernels"] = [(n[:100], t * 1e3) for n, t in run]
     with open(os.path.join(out_dir, "tp2_h200_extra.json"), "w") as f:
         json.dump(res, f, indent=0)
@@ -196,8 +214,9 @@ def greedy_logits(eng, first_B, steps):
     """Greedy single-token extends from an empty cache -> (tokens [steps + 1, B], logits [steps, B, V])."""
     step, cache, toks, out = jax.jit(eng._extend), eng.new_cache(len(first_B)), [first_B], []
     for _ in range(steps):
-        lg, cache = step(eng.params, jnp.asarray(toks[-1][:, None], jnp.int32), jnp.ones(len(first_B), jnp.int32),
-                         cache)
+        lg, cache = step(
+            eng.params, jnp.asarray(toks[-1][:, None], jnp.int32), jnp.ones(len(first_B), jnp.int32), cache
+        )
         out.append(np.asarray(lg.astype(jnp.float32)).reshape(len(first_B), -1))
         toks.append(out[-1].argmax(-1))
     return np.stack(toks), np.stack(out)
@@ -256,23 +275,35 @@ def check(out_dir, batch=8, steps=8, prompt_len=12, new_tokens=16):
 
 
 def write_md(res, path):
-    lines = ["# Truncated K3 (real widths, 4 layers) on 2 H200: TP2 vs TP1", "",
-             f"Layers: {', '.join(res['config']['layers'])}; hidden {res['config']['hidden']}, "
-             f"{res['config']['experts']} experts ({res['config']['expert_quant']}). Weight bytes per GPU: "
-             f"TP1 {res['bytes_tp1'] / 1e9:.1f} GB, TP2 {res['bytes_tp2'] / 1e9:.1f} GB. Random weights.", "",
-             "## Numerics (TP2 logits vs TP1, batch 8, 6 decode steps)", "",
-             "| dtype | max-abs rel | rms rel | argmax agreement |", "|---|---|---|---|"]
+    lines = [
+        "# Truncated K3 (real widths, 4 layers) on 2 H200: TP2 vs TP1",
+        "",
+        f"Layers: {', '.join(res['config']['layers'])}; hidden {res['config']['hidden']}, "
+        f"{res['config']['experts']} experts ({res['config']['expert_quant']}). Weight bytes per GPU: "
+        f"TP1 {res['bytes_tp1'] / 1e9:.1f} GB, TP2 {res['bytes_tp2'] / 1e9:.1f} GB. Random weights.",
+        "",
+        "## Numerics (TP2 logits vs TP1, batch 8, 6 decode steps)",
+        "",
+        "| dtype | max-abs rel | rms rel | argmax agreement |",
+        "|---|---|---|---|",
+    ]
     for dt, r in res["numerics"].items():
         if isinstance(r, dict):
             lines.append(f"| {dt} | {r['max_abs_rel']:.2e} | {r['rms_rel']:.2e} | {r['argmax_agree']:.3f} |")
         else:
             lines.append(f"| {dt} | {r} | | |")
-    lines += ["", f"## Decode step device time (CUPTI, per GPU, context {CONTEXT}, XLA backend)", "",
-              "| batch | tp | step us | collectives us | kernels/step | collective kernels/step |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## Decode step device time (CUPTI, per GPU, context {CONTEXT}, XLA backend)",
+        "",
+        "| batch | tp | step us | collectives us | kernels/step | collective kernels/step |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res["timing"]:
-        lines.append(f"| {r['batch']} | {r['tp']} | {r['step_us']:.0f} | {r['collective_us']:.0f} | "
-                     f"{r['kernels_per_step']:.0f} | {r['collective_kernels_per_step']:.0f} |")
+        lines.append(
+            f"| {r['batch']} | {r['tp']} | {r['step_us']:.0f} | {r['collective_us']:.0f} | "
+            f"{r['kernels_per_step']:.0f} | {r['collective_kernels_per_step']:.0f} |"
+        )
     for r in res["timing"]:
         lines += ["", f"Top kernels, batch {r['batch']} tp {r['tp']} (us per step per GPU):", ""]
         lines += [f"- {k['us_per_step']:.1f} x{k['count']:.0f} `{k['name']}`" for k in r["top_kernels"][:8]]

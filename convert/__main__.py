@@ -58,8 +58,11 @@ def main(argv=None) -> int:
         print(f"k3jax-convert: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # finished parts are kept in OUT_DIR.tmp-*; nothing at OUT_DIR loads
-        print(f"k3jax-convert: interrupted; {a.out_dir} was not written. Run the same command with --resume "
-              "to continue from the finished parts", file=sys.stderr)
+        print(
+            f"k3jax-convert: interrupted; {a.out_dir} was not written. Run the same command with --resume "
+            "to continue from the finished parts",
+            file=sys.stderr,
+        )
         return 130
     dt = time.perf_counter() - t0
     src = meta["source"]

@@ -52,12 +52,15 @@ def _warn_stale_stages(out_dir: str, stage: str) -> None:
     """Interrupted conversions into out_dir with other options (another --tp, --dtype, source...) keep their
     staging directories for their own --resume; at release size each can hold ~1.4 TB, so name them."""
     parent, prefix = os.path.dirname(out_dir), os.path.basename(out_dir) + ".tmp-"
-    others = sorted(os.path.join(parent, d) for d in os.listdir(parent)
-                    if d.startswith(prefix) and os.path.join(parent, d) != stage)
+    others = sorted(
+        os.path.join(parent, d) for d in os.listdir(parent) if d.startswith(prefix) and os.path.join(parent, d) != stage
+    )
     if others:
-        print(f"warning: interrupted conversions into {out_dir} with other options keep their finished parts in "
-              f"{', '.join(others)}; resume them with their own options, or delete them to free the disk",
-              file=sys.stderr)
+        print(
+            f"warning: interrupted conversions into {out_dir} with other options keep their finished parts in "
+            f"{', '.join(others)}; resume them with their own options, or delete them to free the disk",
+            file=sys.stderr,
+        )
 
 
 def convert(
@@ -87,17 +90,17 @@ def convert(
     skipped = check(src, table)
     source_files = {f: fingerprint(os.path.join(hf_dir, f), opts.checksum == "full") for f in src.files}
     job_id = hashlib.sha256(
-        json.dumps(
-            [cfg.to_hf(), experts, opts.dtype, opts.tp, opts.block_bytes, source_files], sort_keys=True
-        ).encode()
+        json.dumps([cfg.to_hf(), experts, opts.dtype, opts.tp, opts.block_bytes, source_files], sort_keys=True).encode()
     ).hexdigest()[:12]
     stage = f"{out_dir}.tmp-{job_id}"
     _warn_stale_stages(out_dir, stage)
     params_dir, parts_dir = os.path.join(stage, "params"), os.path.join(stage, "parts")
     if os.path.exists(stage) and not opts.resume:
         if not opts.overwrite:  # hours of finished parts: never thrown away without being asked
-            raise ConvertError(f"{stage} holds an interrupted conversion of this source with these options: "
-                               "pass --resume to continue it, or --overwrite to start over")
+            raise ConvertError(
+                f"{stage} holds an interrupted conversion of this source with these options: "
+                "pass --resume to continue it, or --overwrite to start over"
+            )
         shutil.rmtree(stage)
     os.makedirs(params_dir, exist_ok=True)
     os.makedirs(parts_dir, exist_ok=True)
@@ -160,9 +163,7 @@ def convert(
                 shutil.copy2(os.path.join(hf_dir, name), os.path.join(stage, name))
                 meta["tokenizer"].append(name)
             else:
-                print(
-                    f"warning: {name} not in {hf_dir}; the checkpoint has no tokenizer file", file=sys.stderr
-                )
+                print(f"warning: {name} not in {hf_dir}; the checkpoint has no tokenizer file", file=sys.stderr)
         if opts.verify:
             vbar = _Progress(sum(j.src_bytes for j in jobs), "verify", opts.progress)
             _pool(lambda j: j.verify(params_dir, vbar), jobs, opts.workers)
@@ -287,8 +288,10 @@ class _Job:
         if bad.any():
             entries = [self.src.entries[self.src.name(h)] for h in self.spec.hf_names]
             where = ", ".join(sorted({f"{e.name} in {os.path.basename(e.file)}" for e in entries})[:2])
-            raise ConvertError(f"{where}: {int(bad.sum())} inf/NaN value(s) (as {self.spec.key}); the shard is "
-                               "corrupt: download it again")
+            raise ConvertError(
+                f"{where}: {int(bad.sum())} inf/NaN value(s) (as {self.spec.key}); the shard is "
+                "corrupt: download it again"
+            )
 
     def verify(self, params_dir: str, bar):
         t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=False)
@@ -296,9 +299,7 @@ class _Job:
             got = t[idx].read().result()
             if got.shape != want.shape or not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
                 names = ", ".join(self.src.name(h) for h in self.spec.hf_names[:2])
-                raise ConvertError(
-                    f"--verify: output {self.spec.key} {idx} differs from its source ({names})"
-                )
+                raise ConvertError(f"--verify: output {self.spec.key} {idx} differs from its source ({names})")
             bar.update(n)
 
 
@@ -312,9 +313,7 @@ class _Progress:
         if on:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, smoothing=0.1
-            )
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, smoothing=0.1)
 
     def update(self, n: int):
         with self.lock:

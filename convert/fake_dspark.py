@@ -22,19 +22,33 @@ from k3jax import drafter_params as DP
 from k3jax.config import K3Config, load_config
 
 
-def tiny_dspark_config(target: K3Config, num_layers: int = 2, heads: int = 4, num_taps: int = 5,
-                       **overrides) -> DP.DSparkConfig:
+def tiny_dspark_config(
+    target: K3Config, num_layers: int = 2, heads: int = 4, num_taps: int = 5, **overrides
+) -> DP.DSparkConfig:
     L = target.num_hidden_layers
     taps = tuple(sorted({int(round(x)) for x in np.linspace(1, L - 1, num_taps)}))
-    kw = dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-              intermediate_size=2 * target.hidden_size, num_hidden_layers=num_layers,
-              num_attention_heads=heads,
-              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=target.qk_rope_head_dim,
-              v_head_dim=16, rope_original_max_position_embeddings=256,
-              max_position_embeddings=target.max_position_embeddings, target_layer_ids=taps,
-              target_hidden_size=target.hidden_size, target_num_hidden_layers=L,
-              mask_token_id=target.vocab_size - 3, markov_rank=16, bos_token_id=target.bos_token_id,
-              eos_token_id=target.eos_token_id, pad_token_id=target.pad_token_id)
+    kw = dict(
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=2 * target.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=target.qk_rope_head_dim,
+        v_head_dim=16,
+        rope_original_max_position_embeddings=256,
+        max_position_embeddings=target.max_position_embeddings,
+        target_layer_ids=taps,
+        target_hidden_size=target.hidden_size,
+        target_num_hidden_layers=L,
+        mask_token_id=target.vocab_size - 3,
+        markov_rank=16,
+        bos_token_id=target.bos_token_id,
+        eos_token_id=target.eos_token_id,
+        pad_token_id=target.pad_token_id,
+    )
     return DP.DSparkConfig(**(kw | overrides))
 
 
@@ -46,8 +60,9 @@ def write_fake_dspark(out_dir: str, c: DP.DSparkConfig, seed: int = 0, target_em
     hf = DP.params_to_hf(flat, c)
     if target_embed is not None:
         hf["embed_tokens.weight"] = np.asarray(target_embed)
-    w = Writer(os.path.join(out_dir, "model.safetensors"),
-               {k: (ST_NAME[str(v.dtype)], tuple(v.shape)) for k, v in hf.items()})
+    w = Writer(
+        os.path.join(out_dir, "model.safetensors"), {k: (ST_NAME[str(v.dtype)], tuple(v.shape)) for k, v in hf.items()}
+    )
     for k, v in hf.items():
         w.write(k, v)
     w.close()

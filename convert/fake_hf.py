@@ -260,9 +260,7 @@ def main(argv=None):
         help="override a K3Config field (JSON value), e.g. --set num_hidden_layers=12",
     )
     ap.add_argument("--vision", action="store_true", help="also write vision_tower/mm_projector tensors")
-    ap.add_argument(
-        "--tokenizer", action="store_true", help="also write tiktoken.model + tokenizer_config.json"
-    )
+    ap.add_argument("--tokenizer", action="store_true", help="also write tiktoken.model + tokenizer_config.json")
     ap.add_argument(
         "--small-dtype",
         choices=("float32", "bfloat16"),
@@ -271,9 +269,7 @@ def main(argv=None):
     )
     ap.add_argument("--a-log-4d", action="store_true", help="store A_log as (1, 1, 128, 1)")
     ap.add_argument("--single-file", action="store_true", help="one model.safetensors, no index")
-    ap.add_argument(
-        "--bf16-experts", action="store_true", help="unquantised experts (no quantization_config)"
-    )
+    ap.add_argument("--bf16-experts", action="store_true", help="unquantised experts (no quantization_config)")
     a = ap.parse_args(argv)
     over = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
     if a.bf16_experts:
@@ -292,8 +288,7 @@ def main(argv=None):
         progress=True,
     )
     print(
-        f"wrote {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s) "
-        f"to {a.out_dir}"
+        f"wrote {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s) to {a.out_dir}"
     )
 
 

@@ -91,13 +91,10 @@ def read_header(path: str) -> dict[str, Entry]:
         want = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
         if hi - lo != want or lo < 0:
             raise ShardError(
-                f"{fname}: tensor {name!r} byte range [{lo}, {hi}) does not match "
-                f"{dtype}{list(shape)} ({want} bytes)"
+                f"{fname}: tensor {name!r} byte range [{lo}, {hi}) does not match {dtype}{list(shape)} ({want} bytes)"
             )
         if base + hi > size:
-            raise ShardError(
-                f"{fname}: truncated: tensor {name!r} ends at byte {base + hi}, file has {size} bytes"
-            )
+            raise ShardError(f"{fname}: truncated: tensor {name!r} ends at byte {base + hi}, file has {size} bytes")
         out[name] = Entry(name, path, dtype, shape, base + lo, base + hi)
     return out
 
@@ -149,9 +146,7 @@ class Writer:
         want = self.order[self.i]
         dt, shape = self.specs[want]
         if name != want or tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(DTYPES[dt]):
-            raise ValueError(
-                f"writer expected {want} {dt}{list(shape)}, got {name} {arr.dtype}{list(arr.shape)}"
-            )
+            raise ValueError(f"writer expected {want} {dt}{list(shape)}, got {name} {arr.dtype}{list(arr.shape)}")
         self.f.write(np.ascontiguousarray(arr).tobytes())
         self.i += 1
 

@@ -116,9 +116,7 @@ def check(src: Source, table: list[P.TensorSpec]) -> dict[str, int]:
                         f"U8{list(want)} (E8M0 scales, one per 32 weights)"
                     )
     if missing:
-        where = ", ".join(repr(m) for m in missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
+        where = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConvertError(f"missing tensors (not in any shard of {src.hf_dir}): {where}")
     skipped: dict[str, int] = {}
     unexpected = []
@@ -136,9 +134,7 @@ def check(src: Source, table: list[P.TensorSpec]) -> dict[str, int]:
         hint = ""
         if any(".weight" in u and "experts." in u and "_packed" not in u for u in unexpected):
             hint = " (bf16 experts in a checkpoint whose config declares MXFP4, or the reverse?)"
-        raise ConvertError(
-            f"unexpected tensors not in the K3 tensor table: {', '.join(unexpected[:5])}{more}{hint}"
-        )
+        raise ConvertError(f"unexpected tensors not in the K3 tensor table: {', '.join(unexpected[:5])}{more}{hint}")
     src.skipped = skipped
     return skipped
 
@@ -157,9 +153,7 @@ def _check_one(spec: P.TensorSpec, e: Entry, name: str):
             + (" - unknown quantization format?" if packed or e.dtype in ("I32", "I8") else "")
         )
     if not shape_ok(spec, e.shape):
-        raise ConvertError(
-            f"tensor {name!r} in {_f(e)}: shape {list(e.shape)}, expected {list(spec.hf_shape)}"
-        )
+        raise ConvertError(f"tensor {name!r} in {_f(e)}: shape {list(e.shape)}, expected {list(spec.hf_shape)}")
 
 
 def shape_ok(spec: P.TensorSpec, shape: tuple[int, ...]) -> bool:

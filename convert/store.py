@@ -77,8 +77,7 @@ def write_metadata(params_dir: str, table: list[P.TensorSpec]):
         parts = tuple(str(p) for p in spec.path)
         tree[str(parts)] = {
             "key_metadata": [
-                {"key": p, "key_type": 1 if isinstance(q, int) else 2}
-                for p, q in zip(parts, spec.path, strict=True)
+                {"key": p, "key_type": 1 if isinstance(q, int) else 2} for p, q in zip(parts, spec.path, strict=True)
             ],
             "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
         }
@@ -95,8 +94,7 @@ def write_metadata(params_dir: str, table: list[P.TensorSpec]):
     with open(os.path.join(params_dir, "_CHECKPOINT_METADATA"), "w") as f:
         json.dump(
             {
-                "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
-                "PyTreeCheckpointHandler",
+                "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
                 "metrics": {},
                 "performance_metrics": {},
                 "init_timestamp_nsecs": now,

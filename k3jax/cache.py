@@ -29,14 +29,19 @@ def init_cache(cfg: K3Config, batch: int, max_len: int, dtype=jnp.bfloat16, cach
         if cfg.is_mla(L):
             C = cfg.mla_cache_width
             if cache_dtype == "fp8":
-                layers.append({"rows": jnp.zeros((batch, max_len, C), FP8),
-                               "scales": jnp.ones((batch, max_len, 2), jnp.float32)})
+                layers.append(
+                    {"rows": jnp.zeros((batch, max_len, C), FP8), "scales": jnp.ones((batch, max_len, 2), jnp.float32)}
+                )
             else:
                 layers.append({"rows": jnp.zeros((batch, max_len, C), dtype)})
         else:
             H, K = cfg.kda_num_heads, cfg.kda_head_dim
-            layers.append({"state": jnp.zeros((batch, H, K, K), jnp.float32),
-                           "conv": jnp.zeros((batch, 3, cfg.kda_conv_size - 1, H, K), dtype)})
+            layers.append(
+                {
+                    "state": jnp.zeros((batch, H, K, K), jnp.float32),
+                    "conv": jnp.zeros((batch, 3, cfg.kda_conv_size - 1, H, K), dtype),
+                }
+            )
     return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
@@ -47,8 +52,12 @@ def cache_bytes(cfg: K3Config, batch: int, max_len: int, cache_dtype: str = "fp8
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     kda_state = len(cfg.kda_layers) * batch * H * K * K * 4
     kda_conv = len(cfg.kda_layers) * batch * 3 * (cfg.kda_conv_size - 1) * H * K * act_bytes
-    return {"mla_cache": mla, "kda_state": kda_state, "kda_conv": kda_conv,
-            "total": mla + kda_state + kda_conv + batch * 4}
+    return {
+        "mla_cache": mla,
+        "kda_state": kda_state,
+        "kda_conv": kda_conv,
+        "total": mla + kda_state + kda_conv + batch * 4,
+    }
 
 
 def _quantize(x, R):
@@ -95,4 +104,3 @@ def reset_slots(cache: dict, slots_mask_B) -> dict:
 
     layers = [{k: (z(v) if k in ("state", "conv") else v) for k, v in e.items()} for e in cache["layers"]]
     return {"lengths": jnp.where(slots_mask_B, 0, cache["lengths"]), "layers": layers}
-

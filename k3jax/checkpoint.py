@@ -33,20 +33,24 @@ def read_meta(ckpt_dir: str) -> dict:
     if not os.path.exists(path):
         if os.path.isdir(os.path.join(ckpt_dir, "parts")):  # convert.core's staging directory OUT_DIR.tmp-<hash>
             out = os.path.abspath(ckpt_dir).rsplit(".tmp-", 1)[0]
-            raise CheckpointError(f"{ckpt_dir} is an unfinished conversion (interrupted k3jax-convert): rerun "
-                                  f"k3jax-convert HF_DIR {out} --resume, then load {out}")
+            raise CheckpointError(
+                f"{ckpt_dir} is an unfinished conversion (interrupted k3jax-convert): rerun "
+                f"k3jax-convert HF_DIR {out} --resume, then load {out}"
+            )
         is_hf = os.path.exists(os.path.join(ckpt_dir, "config.json"))
         hint = " (it looks like an HF checkpoint)" if is_hf else ""
-        raise CheckpointError(f"{ckpt_dir} is not a converted k3jax checkpoint{hint}: "
-                              f"run k3jax-convert HF_DIR {ckpt_dir} first")
+        raise CheckpointError(
+            f"{ckpt_dir} is not a converted k3jax checkpoint{hint}: run k3jax-convert HF_DIR {ckpt_dir} first"
+        )
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; "
-                              "run k3jax-convert first")
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; run k3jax-convert first")
     if meta.get("table_version") != P.TABLE_VERSION:
-        raise CheckpointError(f"{ckpt_dir}: tensor-table version {meta.get('table_version')} but this code "
-                              f"reads version {P.TABLE_VERSION}; re-run k3jax-convert on the HF checkpoint")
+        raise CheckpointError(
+            f"{ckpt_dir}: tensor-table version {meta.get('table_version')} but this code "
+            f"reads version {P.TABLE_VERSION}; re-run k3jax-convert on the HF checkpoint"
+        )
     return meta
 
 
@@ -64,8 +68,11 @@ def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
     except ConfigError as e:
         raise CheckpointError(f"{ckpt_dir}: stored config is not runnable: {e}") from None
     if expect is not None and expect != cfg:
-        diff = [f.name for f in cfg.__dataclass_fields__.values()
-                if f.compare and getattr(cfg, f.name) != getattr(expect, f.name)]
+        diff = [
+            f.name
+            for f in cfg.__dataclass_fields__.values()
+            if f.compare and getattr(cfg, f.name) != getattr(expect, f.name)
+        ]
         raise CheckpointError(f"{ckpt_dir}: config differs from the expected one in {diff}")
     experts = meta["experts"]
     table = P.tensor_table(cfg, experts)
@@ -73,12 +80,16 @@ def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
     want = {s.key: s for s in table}
     if set(stored) != set(want):
         extra, missing = sorted(set(stored) - set(want)), sorted(set(want) - set(stored))
-        raise CheckpointError(f"{ckpt_dir}: tensors do not match the tensor table (missing {missing[:3]}, "
-                              f"unexpected {extra[:3]}); re-run k3jax-convert")
+        raise CheckpointError(
+            f"{ckpt_dir}: tensors do not match the tensor table (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}); re-run k3jax-convert"
+        )
     for key, s in want.items():
         if tuple(stored[key]["shape"]) != s.shape:
-            raise CheckpointError(f"{ckpt_dir}: {key} has shape {stored[key]['shape']}, the table says "
-                                  f"{list(s.shape)}; re-run k3jax-convert")
+            raise CheckpointError(
+                f"{ckpt_dir}: {key} has shape {stored[key]['shape']}, the table says "
+                f"{list(s.shape)}; re-run k3jax-convert"
+            )
     if mesh is not None:
         from k3jax.sharding import param_shardings
 
@@ -103,8 +114,10 @@ def load(ckpt_dir: str, mesh=None, dtype=None, expect: K3Config | None = None):
     except Exception as e:  # orbax/tensorstore raise bare Exceptions with a page of spec dump; keep the gist
         if "TensorStore" not in str(e):  # not a read of the files (device OOM, mesh): not the checkpoint's fault
             raise
-        raise CheckpointError(f"{ckpt_dir}: weights are missing or corrupt ({_gist(e)}); "
-                              "re-run k3jax-convert (with --overwrite) to rewrite it") from e
+        raise CheckpointError(
+            f"{ckpt_dir}: weights are missing or corrupt ({_gist(e)}); "
+            "re-run k3jax-convert (with --overwrite) to rewrite it"
+        ) from e
     return cfg, params
 
 

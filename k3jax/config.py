@@ -205,8 +205,10 @@ class K3Config:
         # would silently misread
         if kda_listed is not _MISSING and not {"num_hidden_layers", "full_attn_layers"} & set(overrides):
             if sorted(int(x) for x in kda_listed) != [L + 1 for L in cfg.kda_layers]:
-                raise ConfigError("text_config.linear_attn_config.kda_layers: must list exactly the 1-based "
-                                  "layers not in full_attn_layers")
+                raise ConfigError(
+                    "text_config.linear_attn_config.kda_layers: must list exactly the 1-based "
+                    "layers not in full_attn_layers"
+                )
         return cfg
 
     def to_hf(self, wrapped: bool = True) -> dict[str, Any]:
@@ -227,8 +229,14 @@ class K3Config:
                 "config_groups": {
                     "group_0": {
                         "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
-                        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                                    "group_size": MXFP4_GROUP, "scale_dtype": "uint8"},
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "float",
+                            "symmetric": True,
+                            "strategy": "group",
+                            "group_size": MXFP4_GROUP,
+                            "scale_dtype": "uint8",
+                        },
                         "input_activations": None,
                     }
                 },
@@ -296,10 +304,13 @@ def _expert_quant(q: dict | None) -> str | None:
                 raise ConfigError(
                     f"text_config.quantization_config.config_groups.{name}.weights: "
                     f"num_bits={w.get('num_bits')!r} group_size={w.get('group_size')!r}; "
-                    f"MXFP4 is 4-bit in groups of {MXFP4_GROUP}")
+                    f"MXFP4 is 4-bit in groups of {MXFP4_GROUP}"
+                )
             if group.get("input_activations"):
-                raise ConfigError(f"text_config.quantization_config.config_groups.{name}.input_activations: "
-                                  "activation quantisation is not supported (K3 is W4A16)")
+                raise ConfigError(
+                    f"text_config.quantization_config.config_groups.{name}.input_activations: "
+                    "activation quantisation is not supported (K3 is W4A16)"
+                )
         return "mxfp4"
     raise ConfigError(
         f"text_config.quantization_config: quant_method={method!r} format={fmt!r} is not supported "
@@ -314,34 +325,61 @@ def validate(c: K3Config) -> None:
         if not ok:
             raise ConfigError(f"{fld}: {msg} (got {getattr(c, fld, '?')!r})")
 
-    for fld in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kda_num_heads",
-                "kda_head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                "num_experts", "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
-                "attn_res_block_size", "kda_conv_size"):
+    for fld in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "kda_num_heads",
+        "kda_head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "num_experts",
+        "num_experts_per_token",
+        "moe_intermediate_size",
+        "routed_expert_hidden_size",
+        "attn_res_block_size",
+        "kda_conv_size",
+    ):
         need(isinstance(getattr(c, fld), int) and getattr(c, fld) > 0, fld, "must be a positive integer")
     need(c.hidden_act == "situ", "hidden_act", "only 'situ' (K3's SiTU-GLU) is supported")
     need(c.moe_router_activation_func == "sigmoid", "moe_router_activation_func", "only 'sigmoid' is supported")
     need(c.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "the decay-gate lower bound must be < 0")
     need(c.kda_gate_lower_bound >= -5, "kda_gate_lower_bound", "must be >= -5 (bounded gate, K3_SPEC §4.3)")
     need(c.mla_use_nope, "mla_use_nope", "K3 MLA is NoPE; rotary MLA is not implemented")
-    need(c.mla_use_output_gate, "mla_use_output_gate", "K3 MLA has a sigmoid output gate; ungated MLA is not "
-         "implemented")
+    need(
+        c.mla_use_output_gate, "mla_use_output_gate", "K3 MLA has a sigmoid output gate; ungated MLA is not implemented"
+    )
     need(c.activation_situ_beta > 0, "activation_situ_beta", "SiTU divides by beta: must be > 0")
-    need(c.activation_situ_linear_beta is None or c.activation_situ_linear_beta > 0,
-         "activation_situ_linear_beta", "the up soft-cap divides by it: must be > 0 (or null for no cap)")
+    need(
+        c.activation_situ_linear_beta is None or c.activation_situ_linear_beta > 0,
+        "activation_situ_linear_beta",
+        "the up soft-cap divides by it: must be > 0 (or null for no cap)",
+    )
     need(c.kda_use_full_rank_gate, "kda_use_full_rank_gate", "K3 uses a full-rank g_proj gate")
     need(c.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
-    need(c.num_key_value_heads == c.num_attention_heads, "num_key_value_heads",
-         "must equal num_attention_heads (MLA has per-head K/V from the latent)")
+    need(
+        c.num_key_value_heads == c.num_attention_heads,
+        "num_key_value_heads",
+        "must equal num_attention_heads (MLA has per-head K/V from the latent)",
+    )
     need(c.num_experts_per_token <= c.num_experts, "num_experts_per_token", "must be <= num_experts")
-    need(c.num_expert_group == 1 and c.topk_group == 1, "num_expert_group",
-         "grouped top-k with more than one group is not supported (K3 uses one group)")
+    need(
+        c.num_expert_group == 1 and c.topk_group == 1,
+        "num_expert_group",
+        "grouped top-k with more than one group is not supported (K3 uses one group)",
+    )
     need(c.num_nextn_predict_layers == 0, "num_nextn_predict_layers", "K3 has no MTP head")
     need(not c.tie_word_embeddings, "tie_word_embeddings", "K3 has an untied lm_head")
     need(c.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0")
     need(c.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1")
-    need(all(1 <= x <= c.num_hidden_layers for x in c.full_attn_layers), "full_attn_layers",
-         f"1-based layer numbers must lie in 1..{c.num_hidden_layers}")
+    need(
+        all(1 <= x <= c.num_hidden_layers for x in c.full_attn_layers),
+        "full_attn_layers",
+        f"1-based layer numbers must lie in 1..{c.num_hidden_layers}",
+    )
     need(c.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
     if c.expert_quant is not None:
         need(c.expert_quant == "mxfp4", "expert_quant", "only 'mxfp4' or None (bf16) experts")
@@ -359,12 +397,31 @@ def _tiny() -> K3Config:
     """Every structural feature at toy widths: dense layer 0, KDA and MLA layers, AttnRes boundaries inside
     the model (block size 3 over 7 layers), latent MoE with a shared expert, latent width != hidden width."""
     return K3Config(
-        name="tiny", vocab_size=512, hidden_size=64, num_hidden_layers=7, intermediate_size=96,
-        attn_res_block_size=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kda_num_heads=4, kda_head_dim=16,
-        full_attn_layers=(4, 7), num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        moe_intermediate_size=32, routed_expert_hidden_size=96, max_position_embeddings=4096,
-        bos_token_id=256, eos_token_id=258, pad_token_id=511,
+        name="tiny",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=7,
+        intermediate_size=96,
+        attn_res_block_size=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_num_heads=4,
+        kda_head_dim=16,
+        full_attn_layers=(4, 7),
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=96,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=511,
     )
 
 
@@ -372,10 +429,24 @@ def _demo() -> K3Config:
     """The embedded demo model: still tiny, but every width divides by 16 (MXFP4 groups included), so it runs
     at every TP size up to 16."""
     return _tiny().replace(
-        name="demo", hidden_size=128, num_hidden_layers=8, intermediate_size=256, attn_res_block_size=4,
-        num_attention_heads=16, num_key_value_heads=16, kda_num_heads=16, kda_head_dim=16, q_lora_rank=64,
-        kv_lora_rank=64, full_attn_layers=(4, 8), num_experts=16, num_experts_per_token=4, num_shared_experts=2,
-        moe_intermediate_size=512, routed_expert_hidden_size=96, max_position_embeddings=8192,
+        name="demo",
+        hidden_size=128,
+        num_hidden_layers=8,
+        intermediate_size=256,
+        attn_res_block_size=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kda_num_heads=16,
+        kda_head_dim=16,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        full_attn_layers=(4, 8),
+        num_experts=16,
+        num_experts_per_token=4,
+        num_shared_experts=2,
+        moe_intermediate_size=512,
+        routed_expert_hidden_size=96,
+        max_position_embeddings=8192,
     )
 
 

@@ -28,8 +28,12 @@ def _env_int(name: str) -> int | None:
     return int(v) if v not in (None, "") else None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               local_device_ids: Sequence[int] | None = None) -> bool:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+) -> bool:
     """Join the multi-process job if there is one. Returns True when jax.distributed was initialised."""
     if jax.distributed.is_initialized():
         return True
@@ -43,14 +47,23 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False  # single process: nothing to join
     launched = any(v in os.environ for v in _LAUNCHER_VARS[:3])  # a launcher that jax can read the rest from
     if coordinator is None and not launched:  # else jax's own error: "coordinator_address should be defined."
-        raise ValueError("multi-process start needs --coordinator HOST:PORT (process 0's address; or "
-                         "JAX_COORDINATOR_ADDRESS) with --num-processes and --process-id")
+        raise ValueError(
+            "multi-process start needs --coordinator HOST:PORT (process 0's address; or "
+            "JAX_COORDINATOR_ADDRESS) with --num-processes and --process-id"
+        )
     if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
-        raise ValueError(f"--process-id must be in 0..{num_processes - 1} (--num-processes {num_processes}), "
-                         f"got {process_id}")
+        raise ValueError(
+            f"--process-id must be in 0..{num_processes - 1} (--num-processes {num_processes}), got {process_id}"
+        )
     if coordinator is not None and None in (num_processes, process_id) and not launched:
-        raise ValueError("multi-process start needs --num-processes and --process-id (or JAX_NUM_PROCESSES and "
-                         f"JAX_PROCESS_ID) with --coordinator {coordinator}")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, local_device_ids=local_device_ids)
+        raise ValueError(
+            "multi-process start needs --num-processes and --process-id (or JAX_NUM_PROCESSES and "
+            f"JAX_PROCESS_ID) with --coordinator {coordinator}"
+        )
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+    )
     return True

@@ -38,13 +38,24 @@ class Drafter(Protocol):
     def init_state(self, batch: int, max_len: int, dtype) -> Any:
         """Empty per-sequence state for `batch` slots of up to `max_len` target positions."""
 
-    def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps: dict,
-                comm: Comm = LOCAL) -> Any:
+    def observe(
+        self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps: dict, comm: Comm = LOCAL
+    ) -> Any:
         """tokens_BT[b, :n_B[b]] are now committed at target positions start_B[b] + t; taps[L] [B,T,D] is
         the target's P after layer L at those rows (rows past n_B are junk and must be ignored)."""
 
-    def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft: int, key,
-                temperature: float, comm: Comm = LOCAL) -> Proposal:
+    def propose(
+        self,
+        draft_params,
+        target_params,
+        state,
+        anchor_B,
+        pos_B,
+        num_draft: int,
+        key,
+        temperature: float,
+        comm: Comm = LOCAL,
+    ) -> Proposal:
         """Draft num_draft tokens following anchor_B, which sits at target position pos_B."""
 
 
@@ -55,6 +66,7 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (anchor included),
     longest n first, and propose the tokens that followed it. No match: repeat the anchor."""
+
     max_ngram: int = 3
     min_ngram: int = 1
     taps: tuple[int, ...] = ()
@@ -69,8 +81,7 @@ class NgramDrafter:
         b = jnp.arange(hist_BS.shape[0])[:, None]
         return hist_BS.at[b, pos].set(tokens_BT.astype(jnp.int32), mode="drop")
 
-    def propose(self, draft_params, target_params, hist_BS, anchor_B, pos_B, num_draft, key, temperature,
-                comm=LOCAL):
+    def propose(self, draft_params, target_params, hist_BS, anchor_B, pos_B, num_draft, key, temperature, comm=LOCAL):
         B, S = hist_BS.shape
         b = jnp.arange(B)
         hist = hist_BS.at[b, pos_B].set(anchor_B.astype(jnp.int32), mode="drop")
@@ -143,8 +154,9 @@ def dspark_context(dp, taps: dict, c: DSparkConfig, dtype):
     return rms_norm(linear(cat, dp["context_proj"], "btc,cd->btd"), dp["context_norm"], c.rms_norm_eps)
 
 
-def dspark_block(dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft: int, c: DSparkConfig, dtype,
-                 comm: Comm = LOCAL):
+def dspark_block(
+    dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft: int, c: DSparkConfig, dtype, comm: Comm = LOCAL
+):
     """Draft layers over [anchor, mask, ...] -> (post-final_norm hidden [B,K,D], base logits U [B,K,V]).
     The target's vocab-split embedding and lm_head go through comm; U comes back gathered (whole vocab)."""
     B, eps = anchor_B.shape[0], c.rms_norm_eps
@@ -163,6 +175,7 @@ def dspark_block(dp, target_params, rows, ctx_len_B, anchor_B, pos_B, num_draft:
 class DSparkDrafter:
     """DSpark: context KV from tapped target states, one non-causal block pass, sequential Markov head.
     Under tp its own weights stay replicated for now (2.39 B parameters at release, ~4.8 GB bf16 per rank)."""
+
     config: DSparkConfig
 
     @property
@@ -171,8 +184,10 @@ class DSparkDrafter:
 
     def init_state(self, batch, max_len, dtype):
         C = self.config.kv_lora_rank + self.config.qk_rope_head_dim
-        return {"rows": [jnp.zeros((batch, max_len, C), dtype) for _ in range(self.config.num_hidden_layers)],
-                "lengths": jnp.zeros((batch,), jnp.int32)}
+        return {
+            "rows": [jnp.zeros((batch, max_len, C), dtype) for _ in range(self.config.num_hidden_layers)],
+            "lengths": jnp.zeros((batch,), jnp.int32),
+        }
 
     def observe(self, dp, target_params, state, tokens_BT, n_B, start_B, taps, comm=LOCAL):
         """Context KV injection (§9.3 step 2): the context only passes through each layer's kv_a + norm."""
@@ -204,9 +219,10 @@ class DSparkDrafter:
                 qs.append(jax.nn.softmax(logits / temperature, axis=-1))
             if c.enable_confidence_head:
                 feat = jnp.concatenate([h[:, i], e], -1) if c.confidence_head_with_markov else h[:, i]
-                confs.append(jax.nn.sigmoid(jnp.sum(feat.astype(F32) * dp["conf_w"].astype(F32), -1)
-                                            + dp["conf_b"].astype(F32)))
+                confs.append(
+                    jax.nn.sigmoid(jnp.sum(feat.astype(F32) * dp["conf_w"].astype(F32), -1) + dp["conf_b"].astype(F32))
+                )
             prev = tok.astype(anchor_B.dtype)
             drafts.append(prev)
-        stack = (lambda xs: jnp.stack(xs, axis=1) if xs else None)  # noqa: E731
+        stack = lambda xs: jnp.stack(xs, axis=1) if xs else None  # noqa: E731
         return Proposal(jnp.stack(drafts, axis=1).astype(jnp.int32), stack(qs), stack(confs))

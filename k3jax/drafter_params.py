@@ -65,7 +65,7 @@ class DSparkConfig:
     @property
     def softmax_scale(self) -> float:
         """192^-1/2 * mscale^2 with the YaRN attention mscale (0.130861 for the release, §9.3)."""
-        return self.qk_head_dim ** -0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        return self.qk_head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
 
     @classmethod
     def from_hf(cls, src: str | dict) -> DSparkConfig:
@@ -76,10 +76,14 @@ class DSparkConfig:
         d = dict(src)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         kw: dict[str, Any] = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
-        for ours, theirs in (("rope_factor", "factor"), ("rope_beta_fast", "beta_fast"),
-                             ("rope_beta_slow", "beta_slow"), ("rope_mscale", "mscale"),
-                             ("rope_mscale_all_dim", "mscale_all_dim"),
-                             ("rope_original_max_position_embeddings", "original_max_position_embeddings")):
+        for ours, theirs in (
+            ("rope_factor", "factor"),
+            ("rope_beta_fast", "beta_fast"),
+            ("rope_beta_slow", "beta_slow"),
+            ("rope_mscale", "mscale"),
+            ("rope_mscale_all_dim", "mscale_all_dim"),
+            ("rope_original_max_position_embeddings", "original_max_position_embeddings"),
+        ):
             if theirs in rope:
                 kw[ours] = rope[theirs]
         if "rope_theta" in rope:
@@ -90,19 +94,30 @@ class DSparkConfig:
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if not f.name.startswith("rope_")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("rope_")}
         d["target_layer_ids"] = list(self.target_layer_ids)
-        d.update(architectures=["K3DSparkModel"], model_type="k3_dspark",
-                 num_key_value_heads=self.num_attention_heads,
-                 num_target_layers=len(self.target_layer_ids), mla_use_nope=False, mla_use_output_gate=False,
-                 draft_vocab_size=self.vocab_size, markov_head_type="vanilla", tie_word_embeddings=False,
-                 torch_dtype="bfloat16")
+        d.update(
+            architectures=["K3DSparkModel"],
+            model_type="k3_dspark",
+            num_key_value_heads=self.num_attention_heads,
+            num_target_layers=len(self.target_layer_ids),
+            mla_use_nope=False,
+            mla_use_output_gate=False,
+            draft_vocab_size=self.vocab_size,
+            markov_head_type="vanilla",
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+        )
         d["rope_parameters"] = {
-            "rope_type": "yarn", "rope_theta": self.rope_theta, "factor": self.rope_factor,
+            "rope_type": "yarn",
+            "rope_theta": self.rope_theta,
+            "factor": self.rope_factor,
             "original_max_position_embeddings": self.rope_original_max_position_embeddings,
-            "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow, "mscale": self.rope_mscale,
-            "mscale_all_dim": self.rope_mscale_all_dim}
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "mscale": self.rope_mscale,
+            "mscale_all_dim": self.rope_mscale_all_dim,
+        }
         return d
 
 
@@ -134,9 +149,20 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
     t: list[TensorSpec] = []
 
     def add(path, hf, shape, axes, transform="copy", hf_shape=None, init="linear", fan_in=1):
-        t.append(TensorSpec(tuple(path), hf, tuple(shape), "bfloat16", tuple(axes), transform,
-                            tuple(hf_shape if hf_shape is not None else shape), ("bfloat16", "float32"),
-                            init=init, fan_in=fan_in))
+        t.append(
+            TensorSpec(
+                tuple(path),
+                hf,
+                tuple(shape),
+                "bfloat16",
+                tuple(axes),
+                transform,
+                tuple(hf_shape if hf_shape is not None else shape),
+                ("bfloat16", "float32"),
+                init=init,
+                fan_in=fan_in,
+            )
+        )
 
     def lin(path, hf, fan_in, out_shape, axes):  # HF [out, in] -> ours [in, *out]
         add(path, hf, (fan_in,) + out_shape, axes, "T", (math.prod(out_shape), fan_in), fan_in=fan_in)
@@ -154,10 +180,16 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
         lin(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", D, (R + Pd,), ("embed", None))
         add(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", (R,), (None,), init="norm")
         for name, tr, n in (("w_uk", "kvb_k", N), ("w_uv", "kvb_v", Vd)):
-            add(a + (name,), ha + "kv_b_proj.weight", (H, n, R), ("mla_heads", None, None), tr,
-                (H * (N + Vd), R), fan_in=R)
-        add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd),
-            fan_in=H * Vd)
+            add(
+                a + (name,),
+                ha + "kv_b_proj.weight",
+                (H, n, R),
+                ("mla_heads", None, None),
+                tr,
+                (H * (N + Vd), R),
+                fan_in=R,
+            )
+        add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd), fan_in=H * Vd)
         f, hf = p + ("ffn",), h + "mlp."
         lin(f + ("gate",), hf + "gate_proj.weight", D, (F,), ("embed", "ffn"))
         lin(f + ("up",), hf + "up_proj.weight", D, (F,), ("embed", "ffn"))
@@ -192,8 +224,9 @@ def read_config(ckpt_dir: str) -> DSparkConfig:
     """The drafter's config alone (no weights), with a message saying what is wrong with the directory."""
     if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
         what = "no such directory" if not os.path.isdir(ckpt_dir) else "no config.json in it"
-        raise ValueError(f"--draft-checkpoint {ckpt_dir}: {what}; pass an HF DSpark drafter directory "
-                         "(config.json + *.safetensors)")
+        raise ValueError(
+            f"--draft-checkpoint {ckpt_dir}: {what}; pass an HF DSpark drafter directory (config.json + *.safetensors)"
+        )
     try:
         return DSparkConfig.from_hf(ckpt_dir)
     except (json.JSONDecodeError, TypeError) as e:
@@ -204,16 +237,21 @@ def check_target(c: DSparkConfig, target) -> None:
     """Refuse a drafter made for another target model, before any weight is read: it shares the target's
     embedding and lm_head (vocab, hidden size) and reads the target's hidden states at `target_layer_ids`.
     Without this the mismatch surfaces as an einsum shape error deep inside the jitted loop."""
-    pairs = (("vocab_size", c.vocab_size, target.vocab_size), ("hidden_size", c.hidden_size, target.hidden_size),
-             ("target_hidden_size", c.target_hidden_size, target.hidden_size),
-             ("target_num_hidden_layers", c.target_num_hidden_layers, target.num_hidden_layers))
+    pairs = (
+        ("vocab_size", c.vocab_size, target.vocab_size),
+        ("hidden_size", c.hidden_size, target.hidden_size),
+        ("target_hidden_size", c.target_hidden_size, target.hidden_size),
+        ("target_num_hidden_layers", c.target_num_hidden_layers, target.num_hidden_layers),
+    )
     bad = [f"{name}={ours} (target: {theirs})" for name, ours, theirs in pairs if ours != theirs]
     taps = [t for t in c.target_layer_ids if not 0 <= t < target.num_hidden_layers]
     if taps:
         bad.append(f"target_layer_ids {taps} outside the target's {target.num_hidden_layers} layers")
     if bad:
-        raise ValueError(f"the DSpark drafter was made for another target model: {'; '.join(bad)}. "
-                         "Pass the drafter released with this checkpoint")
+        raise ValueError(
+            f"the DSpark drafter was made for another target model: {'; '.join(bad)}. "
+            "Pass the drafter released with this checkpoint"
+        )
 
 
 def load(ckpt_dir: str, dtype=jnp.bfloat16) -> tuple[DSparkConfig, dict]:

@@ -67,8 +67,9 @@ class Engine:
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise GenerationError(f"max_batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.max_len > self.cfg.max_position_embeddings:
-            raise GenerationError(f"max_len {self.max_len} exceeds the model's max_position_embeddings "
-                                  f"{self.cfg.max_position_embeddings}")
+            raise GenerationError(
+                f"max_len {self.max_len} exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}"
+            )
         kernel_backend = "latency_specialized" if self.backend == "latency_specialized" else "xla"
         self.comm = Comm(sh.AXIS if self.mesh is not None else None, kernel_backend)
         ext = partial(model.extend, cfg=self.cfg, dtype=self.dtype, backend=kernel_backend, comm=self.comm)
@@ -81,8 +82,9 @@ class Engine:
                 logits, cache, _ = ext(params, tokens, n_new, cache)
                 return logits, cache
 
-            self._extend = jax.shard_map(body, mesh=self.mesh, in_specs=(pspec, P(), P(), cspec),
-                                         out_specs=(P(), cspec), check_vma=False)
+            self._extend = jax.shard_map(
+                body, mesh=self.mesh, in_specs=(pspec, P(), P(), cspec), out_specs=(P(), cspec), check_vma=False
+            )
         else:
             self._extend = lambda params, tokens, n_new, cache: ext(params, tokens, n_new, cache)[:2]
         self._prefill = jax.jit(self._extend, donate_argnums=(3,))
@@ -110,7 +112,8 @@ class Engine:
             return (cache, jnp.where(emitted, tok, last), done, n_gen, key), (tok, emitted)
 
         (cache, last, done, n_gen, key), (toks, emitted) = jax.lax.scan(
-            step, (cache, last_B, done_B, n_gen_B, key), None, length=steps)
+            step, (cache, last_B, done_B, n_gen_B, key), None, length=steps
+        )
         return cache, last, done, n_gen, key, toks, emitted
 
     # ---- host API ------------------------------------------------------------------------------------
@@ -128,15 +131,20 @@ class Engine:
             toks = np.full((B, T), self.cfg.pad_token_id, np.int32)
             n_new = np.clip(lens - off, 0, T).astype(np.int32)
             for b, p in enumerate(prompts):
-                toks[b, : n_new[b]] = p[off: off + n_new[b]]
+                toks[b, : n_new[b]] = p[off : off + n_new[b]]
             logits, cache = self._prefill(self.params, jnp.asarray(toks), jnp.asarray(n_new), cache)
             ends_here = jnp.asarray((n_new > 0) & (off + n_new == lens))
             last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
         return last, cache
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32,
-                 sampling: SamplingParams = GREEDY, stop_ids: Sequence[int] | None = None,
-                 on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Result:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        sampling: SamplingParams = GREEDY,
+        stop_ids: Sequence[int] | None = None,
+        on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> Result:
         """Generate for a batch of token-id prompts. `on_tokens(tokens [n, B], emitted [n, B])` streams."""
         self.check_request(prompts, max_new_tokens)
         B = len(prompts)
@@ -158,13 +166,24 @@ class Engine:
         last = first
         # compile the decode program before the clock starts (decode tokens/s excludes compilation); the seed
         # only made `key`, so it is zeroed in the static params: one compiled loop serves every seed
-        decode = self._decode.lower(self.params, cache, last, done, n_gen, max_new, key, stop,
-                                    sp=replace(sampling, seed=0), steps=self.steps_per_call).compile()
+        decode = self._decode.lower(
+            self.params,
+            cache,
+            last,
+            done,
+            n_gen,
+            max_new,
+            key,
+            stop,
+            sp=replace(sampling, seed=0),
+            steps=self.steps_per_call,
+        ).compile()
         t1 = time.perf_counter()
         decode_tokens = 0
         while not bool(np.all(np.asarray(done))):
-            cache, last, done, n_gen, key, toks, emitted = decode(self.params, cache, last, done, n_gen, max_new,
-                                                                  key, stop)
+            cache, last, done, n_gen, key, toks, emitted = decode(
+                self.params, cache, last, done, n_gen, max_new, key, stop
+            )
             toks, emitted = np.asarray(toks), np.asarray(emitted)
             for b in range(B):
                 out[b].extend(int(t) for t in toks[emitted[:, b], b])
@@ -174,15 +193,20 @@ class Engine:
         decode_s = time.perf_counter() - t1
         return Result(out, [len(p) for p in prompts], ttft, decode_s, decode_tokens)
 
-    def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,
-              stop_ids: Sequence[int] | None = None,
-              on_finish: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+    def serve(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        sampling: SamplingParams = GREEDY,
+        stop_ids: Sequence[int] | None = None,
+        on_finish: Callable[[int, list[int]], None] | None = None,
+    ) -> list[list[int]]:
         """Continuous batching: any number of prompts through the engine's `max_batch` slots. Between decode
         chunks, each finished sequence's slot is reset and refilled from the queue; only the new prompts are
         prefilled (the running slots get n_new = 0 and are left bit for bit as they were).
         `on_finish(index, tokens)` is called as each request completes. Returns tokens per prompt, in order."""
         for i in range(0, len(prompts), self.max_batch):
-            check_request(self.cfg, prompts[i: i + self.max_batch], max_new_tokens, self.max_len, self.max_batch)
+            check_request(self.cfg, prompts[i : i + self.max_batch], max_new_tokens, self.max_len, self.max_batch)
         B = self.max_batch
         stop = jnp.asarray(list(stop_ids) if stop_ids is not None else [self.cfg.eos_token_id], jnp.int32)
         key = jax.random.key(sampling.seed)
@@ -216,10 +240,21 @@ class Engine:
                     out[owner[b]].append(int(first_np[b]))
             if not bool(np.all(np.asarray(done))):
                 if decode is None:
-                    decode = self._decode.lower(self.params, cache, last, done, n_gen, max_new, key, stop,
-                                                sp=replace(sampling, seed=0), steps=self.steps_per_call).compile()
-                cache, last, done, n_gen, key, toks, emitted = decode(self.params, cache, last, done, n_gen,
-                                                                      max_new, key, stop)
+                    decode = self._decode.lower(
+                        self.params,
+                        cache,
+                        last,
+                        done,
+                        n_gen,
+                        max_new,
+                        key,
+                        stop,
+                        sp=replace(sampling, seed=0),
+                        steps=self.steps_per_call,
+                    ).compile()
+                cache, last, done, n_gen, key, toks, emitted = decode(
+                    self.params, cache, last, done, n_gen, max_new, key, stop
+                )
                 toks, emitted = np.asarray(toks), np.asarray(emitted)
                 for b in range(B):
                     if owner[b] >= 0:
@@ -233,15 +268,16 @@ class Engine:
         return out
 
 
-def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int,
-                  max_batch: int):
+def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int, max_batch: int):
     """Refuse a bad request with a message saying what to change. Needs only the config, so the CLI calls it
     before reading a byte of weights."""
     if not prompts:
         raise GenerationError("no prompts given")
     if len(prompts) > max_batch:
-        raise GenerationError(f"{len(prompts)} sequences but the engine has {max_batch} slots; "
-                              f"raise --batch/max_batch (<= {MAX_BATCH}) or send fewer prompts")
+        raise GenerationError(
+            f"{len(prompts)} sequences but the engine has {max_batch} slots; "
+            f"raise --batch/max_batch (<= {MAX_BATCH}) or send fewer prompts"
+        )
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):
@@ -251,8 +287,8 @@ def check_request(cfg: K3Config, prompts: Sequence[Sequence[int]], max_new_token
             raise GenerationError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                 f"{len(p) + max_new_tokens} cache positions but the cache holds {max_len}: "
-                f"shorten the prompt, lower --max-new-tokens or raise --max-len")
+                f"shorten the prompt, lower --max-new-tokens or raise --max-len"
+            )
         bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
         if bad:
             raise GenerationError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
-

@@ -26,7 +26,8 @@ def demo_checkpoint(log=print) -> str:
     from k3jax.params import TABLE_VERSION
 
     root = os.environ.get("K3JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3jax")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3jax"
+    )
     cfg = preset("demo")
     tag = hashlib.sha256(json.dumps([cfg.to_hf(), DEMO_SEED]).encode()).hexdigest()[:8]
     out = os.path.join(root, f"demo-v{TABLE_VERSION}-{tag}")  # a changed demo config never reuses a stale one
@@ -50,31 +51,45 @@ def parse_args(argv=None):
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in K3's chat markup (one user turn)")
     ap.add_argument("--greedy", action="store_true", help="argmax decoding (the default; same as --temperature 0)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off; "
-                    "needs --temperature > 0)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off; "
-                    "needs --temperature > 0)")
+    ap.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off; needs --temperature > 0)"
+    )
+    ap.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off; needs --temperature > 0)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per sequence (default 32)")
     ap.add_argument("--max-len", type=int, default=None, help="cache positions per sequence (default: fits)")
     ap.add_argument("--batch", type=int, default=1, help="run the prompt as this many sequences (<= 64)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="compute dtype (float32 for verification)")
+    ap.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (float32 for verification)"
+    )
     ap.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8", help="MLA latent cache dtype")
-    ap.add_argument("--decode-backend", choices=("auto", "xla", "latency_specialized"), default="auto",
-                    help="auto/xla: plain XLA; latency_specialized: Pallas GPU kernels where they apply")
+    ap.add_argument(
+        "--decode-backend",
+        choices=("auto", "xla", "latency_specialized"),
+        default="auto",
+        help="auto/xla: plain XLA; latency_specialized: Pallas GPU kernels where they apply",
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices across all processes)")
     ap.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
     ap.add_argument("--num-processes", type=int, help="processes in a multi-host job (one per host)")
     ap.add_argument("--process-id", type=int, help="this process's index in 0..num-processes-1")
-    ap.add_argument("--spec", choices=("none", "dspark", "ngram", "synthetic"), default="none",
-                    help="speculative decoding: DSpark drafter, prompt-lookup n-grams, or synthetic acceptance")
+    ap.add_argument(
+        "--spec",
+        choices=("none", "dspark", "ngram", "synthetic"),
+        default="none",
+        help="speculative decoding: DSpark drafter, prompt-lookup n-grams, or synthetic acceptance",
+    )
     # None = not given: a speculative flag without --spec is refused instead of silently ignored
     ap.add_argument("--num-draft", type=int, default=None, help="draft tokens per step, 1..7 (default 7)")
     ap.add_argument("--draft-checkpoint", help="HF DSpark drafter directory (--spec dspark)")
-    ap.add_argument("--acceptance-length", type=float, default=None,
-                    help="--spec synthetic: tokens per step counting the bonus (default 6; benchmark mode, "
-                    "text is meaningless)")
+    ap.add_argument(
+        "--acceptance-length",
+        type=float,
+        default=None,
+        help="--spec synthetic: tokens per step counting the bonus (default 6; benchmark mode, text is meaningless)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)
 
@@ -93,17 +108,28 @@ def _check_sampling_flags(args, sp) -> None:
     if args.greedy and args.temperature != 0:
         raise ValueError(f"--greedy contradicts --temperature {args.temperature}: give one of them")
     if sp.greedy and (sp.top_k or sp.top_p < 1):
-        raise ValueError("--top-k/--top-p only act when sampling, and decoding is greedy (temperature 0): "
-                         "add --temperature, e.g. --temperature 0.7")
+        raise ValueError(
+            "--top-k/--top-p only act when sampling, and decoding is greedy (temperature 0): "
+            "add --temperature, e.g. --temperature 0.7"
+        )
 
 
 def _check_spec_flags(args) -> None:
     """Speculative flags: refuse impossible or ignored combinations, then fill in the defaults (in place)."""
-    given = [f for f, v in (("--num-draft", args.num_draft), ("--draft-checkpoint", args.draft_checkpoint),
-                            ("--acceptance-length", args.acceptance_length)) if v is not None]
+    given = [
+        f
+        for f, v in (
+            ("--num-draft", args.num_draft),
+            ("--draft-checkpoint", args.draft_checkpoint),
+            ("--acceptance-length", args.acceptance_length),
+        )
+        if v is not None
+    ]
     if args.spec == "none" and given:
-        raise ValueError(f"{', '.join(given)} given but --spec is none (they only act in speculative decoding): "
-                         "add --spec dspark|ngram|synthetic or drop them")
+        raise ValueError(
+            f"{', '.join(given)} given but --spec is none (they only act in speculative decoding): "
+            "add --spec dspark|ngram|synthetic or drop them"
+        )
     if args.draft_checkpoint is not None and args.spec != "dspark":
         raise ValueError(f"--draft-checkpoint is only used by --spec dspark, not --spec {args.spec}")
     if args.acceptance_length is not None and args.spec != "synthetic":
@@ -117,8 +143,9 @@ def _check_spec_flags(args) -> None:
     if args.spec == "dspark" and not args.draft_checkpoint:
         raise ValueError("--spec dspark needs --draft-checkpoint DIR (an HF DSpark drafter directory)")
     if args.spec == "synthetic" and not 1 <= args.acceptance_length <= args.num_draft + 1:
-        raise ValueError(f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}], "
-                         f"got {args.acceptance_length}")
+        raise ValueError(
+            f"--acceptance-length must be in [1, num_draft + 1 = {args.num_draft + 1}], got {args.acceptance_length}"
+        )
 
 
 def _read_prompt(args) -> str | None:
@@ -140,8 +167,9 @@ def _run(args) -> int:
     # Validate everything cheap before touching devices or files.
     from k3jax.sampling import SamplingParams
 
-    sp = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed)
+    sp = SamplingParams(
+        temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
     _check_sampling_flags(args, sp)
     if args.prompt_ids is not None:
         try:
@@ -177,8 +205,10 @@ def _run(args) -> int:
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = demo_checkpoint(log)
-        log("[demo] running the embedded demo model: tiny K3 architecture with RANDOM weights, "
-            "so the text is gibberish; pass --checkpoint for a real model")
+        log(
+            "[demo] running the embedded demo model: tiny K3 architecture with RANDOM weights, "
+            "so the text is gibberish; pass --checkpoint for a real model"
+        )
     cfg = checkpoint.load_config(ckpt)
     if args.tp > 1:
         validate_tp(cfg, args.tp)
@@ -201,27 +231,40 @@ def _run(args) -> int:
     max_len = args.max_len or _round_up(len(ids) + need, 64)
     prompts = [ids] * args.batch
     if args.spec != "none" and len(ids) + need > max_len:  # say where the extra positions come from
-        raise ValueError(f"the prompt has {len(ids)} tokens; --max-new-tokens {args.max_new_tokens} plus the "
-                         f"{args.num_draft + 1} positions a speculative step writes ahead need {len(ids) + need} "
-                         f"cache positions but --max-len is {max_len}: raise --max-len or lower --max-new-tokens")
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; --max-new-tokens {args.max_new_tokens} plus the "
+            f"{args.num_draft + 1} positions a speculative step writes ahead need {len(ids) + need} "
+            f"cache positions but --max-len is {max_len}: raise --max-len or lower --max-new-tokens"
+        )
     check_request(cfg, prompts, need, max_len, args.batch)  # before reading a byte of weights
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"--max-len {max_len} exceeds the model's max_position_embeddings "
-                         f"{cfg.max_position_embeddings}")
+        raise ValueError(
+            f"--max-len {max_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}"
+        )
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     if dtype == jnp.float32:
         jax.config.update("jax_default_matmul_precision", "highest")
     mesh = make_mesh(args.tp) if args.tp > 1 else None
     t0 = time.perf_counter()
     cfg, params = checkpoint.load(ckpt, mesh=mesh, dtype=dtype)
-    log(f"loaded {ckpt} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}) in "
-        f"{time.perf_counter() - t0:.1f}s on {args.tp} device(s) [{jax.devices()[0].platform}]")
+    log(
+        f"loaded {ckpt} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}) in "
+        f"{time.perf_counter() - t0:.1f}s on {args.tp} device(s) [{jax.devices()[0].platform}]"
+    )
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     if args.spec != "none":
         res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len)
     else:
-        eng = Engine(cfg, params, max_len=max_len, max_batch=args.batch, dtype=dtype,
-                     cache_dtype=args.cache_dtype, backend=args.decode_backend, mesh=mesh)
+        eng = Engine(
+            cfg,
+            params,
+            max_len=max_len,
+            max_batch=args.batch,
+            dtype=dtype,
+            cache_dtype=args.cache_dtype,
+            backend=args.decode_backend,
+            mesh=mesh,
+        )
         progress = _progress(args, log, tok)
         res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
         progress.bar.close()
@@ -246,8 +289,10 @@ def _run(args) -> int:
         for b, t in enumerate(res.tokens):
             shown = out["text"][b] if tok is not None else ",".join(map(str, t))
             log(f"--- sequence {b}: {len(t)} tokens ---\n{shown}")
-        log(f"TTFT {res.ttft_s * 1e3:.1f} ms (includes compilation on the first run); decode "
-            f"{res.decode_tokens_per_s:.1f} tokens/s excluding prefill ({res.decode_tokens} tokens)")
+        log(
+            f"TTFT {res.ttft_s * 1e3:.1f} ms (includes compilation on the first run); decode "
+            f"{res.decode_tokens_per_s:.1f} tokens/s excluding prefill ({res.decode_tokens} tokens)"
+        )
     return 0
 
 
@@ -270,11 +315,26 @@ def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len):
         drafter = drafters.NgramDrafter()
     prompt = np.array(prompts, np.int32)
     run = lambda: speculative.generate(  # noqa: E731
-        params, cfg, prompt, np.full((len(prompts),), prompt.shape[1]), drafter=drafter, draft_params=draft_params,
-        num_draft=args.num_draft, max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k,
-        top_p=sp.top_p, acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
-        seed=sp.seed, dtype=dtype, backend="xla" if args.decode_backend == "auto" else args.decode_backend,
-        stop_ids=stop, cache_dtype=args.cache_dtype, max_len=max_len, mesh=mesh)
+        params,
+        cfg,
+        prompt,
+        np.full((len(prompts),), prompt.shape[1]),
+        drafter=drafter,
+        draft_params=draft_params,
+        num_draft=args.num_draft,
+        max_new_tokens=args.max_new_tokens,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
+        seed=sp.seed,
+        dtype=dtype,
+        backend="xla" if args.decode_backend == "auto" else args.decode_backend,
+        stop_ids=stop,
+        cache_dtype=args.cache_dtype,
+        max_len=max_len,
+        mesh=mesh,
+    )
     t0 = time.perf_counter()
     toks, stats = run()
     jax.block_until_ready(toks)
@@ -301,8 +361,14 @@ def _progress(args, log, tok):
     from tqdm import tqdm
 
     total = args.max_new_tokens * args.batch
-    bar = tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty() and not os.environ.get("K3JAX_PROGRESS"))
+    bar = tqdm(
+        total=total,
+        unit="tok",
+        desc="generating",
+        file=sys.stderr,
+        leave=False,
+        disable=not sys.stderr.isatty() and not os.environ.get("K3JAX_PROGRESS"),
+    )
 
     def on_tokens(toks, emitted):
         bar.update(int(emitted.sum()))

@@ -45,8 +45,15 @@ def ffn_layer(p, x_BTD, cfg: K3Config, is_moe: bool, comm: Comm = LOCAL, record:
     return y.reshape(B, T, D)
 
 
-def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = (), comm: Comm = LOCAL,
-          record: dict | None = None):
+def trunk(
+    params,
+    x_BTD,
+    cfg: K3Config,
+    attn: AttnFn,
+    taps: tuple[int, ...] = (),
+    comm: Comm = LOCAL,
+    record: dict | None = None,
+):
     """AttnRes decoder loop. Returns (final hidden: output mix then final norm [B,T,D], {layer: P after it}).
 
     Each sublayer returns this rank's partial output; `join` all-reduces it into the prefix P and forms what
@@ -71,11 +78,22 @@ def trunk(params, x_BTD, cfg: K3Config, attn: AttnFn, taps: tuple[int, ...] = ()
             if cfg.is_block_boundary(L):
                 blocks.append(P)  # the ENTERING prefix, not the mix
                 P = None
-            P, x = join(comm, attn(L, lp["attn"], x), lp["mlp_norm"], eps, "attn_out", P, blocks, lp["mlp_res"],
-                        rec, "mlp_res")
+            P, x = join(
+                comm, attn(L, lp["attn"], x), lp["mlp_norm"], eps, "attn_out", P, blocks, lp["mlp_res"], rec, "mlp_res"
+            )
             is_moe = cfg.is_moe(L)
-            P, x = join(comm, ffn_layer(lp["ffn"], x, cfg, is_moe, comm, rec), norm, eps,
-                        "moe_out" if is_moe else "mlp_out", P, blocks, site, site_rec, key)
+            P, x = join(
+                comm,
+                ffn_layer(lp["ffn"], x, cfg, is_moe, comm, rec),
+                norm,
+                eps,
+                "moe_out" if is_moe else "mlp_out",
+                P,
+                blocks,
+                site,
+                site_rec,
+                key,
+            )
             if L in taps:
                 tapped[L] = P
     return x, tapped
@@ -98,8 +116,18 @@ def forward(params, tokens_BT, cfg: K3Config, dtype=jnp.bfloat16, comm: Comm = L
     return logits_from_hidden(params, h, cfg, comm)
 
 
-def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
-           all_logits: bool = False, taps: tuple[int, ...] = (), comm: Comm = LOCAL):
+def extend(
+    params,
+    tokens_BT,
+    n_new_B,
+    cache: dict,
+    cfg: K3Config,
+    dtype=jnp.bfloat16,
+    backend: str = "xla",
+    all_logits: bool = False,
+    taps: tuple[int, ...] = (),
+    comm: Comm = LOCAL,
+):
     """Append tokens (right-padded; n_new_B real ones per sequence) to the decode state.
 
     Returns (logits [B, V] at each sequence's last new token, or [B, T, V] if all_logits; new cache; taps).
@@ -120,8 +148,9 @@ def extend(params, tokens_BT, n_new_B, cache: dict, cfg: K3Config, dtype=jnp.bfl
             rows = cache_lib.read_rows(entry, R, dtype)
             return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
         if T == 1:
-            out, state, conv = kda.kda_decode(p, x[:, 0], cfg, entry["state"], entry["conv"], backend,
-                                              active_B=n_new_B)  # idle slots keep their state
+            out, state, conv = kda.kda_decode(
+                p, x[:, 0], cfg, entry["state"], entry["conv"], backend, active_B=n_new_B
+            )  # idle slots keep their state
             out = out[:, None]
         else:
             out, state, conv = kda.kda_prefill(p, x, cfg, n_new_B, entry["state"], entry["conv"])

@@ -87,12 +87,36 @@ def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
     D, V = cfg.hidden_size, cfg.vocab_size
     t: list[TensorSpec] = []
 
-    def add(path, hf, shape, axes, transform="copy", hf_shape=None, dtype="bfloat16", init="linear",
-            fan_in=1, hf_dtypes=None, stack=None, active=1.0):
-        t.append(TensorSpec(tuple(path), hf, tuple(shape), dtype, tuple(axes), transform,
-                            tuple(hf_shape if hf_shape is not None else shape),
-                            hf_dtypes or ((dtype,) if dtype != "float32" else ("float32", "bfloat16")),
-                            stack, init, fan_in, active))
+    def add(
+        path,
+        hf,
+        shape,
+        axes,
+        transform="copy",
+        hf_shape=None,
+        dtype="bfloat16",
+        init="linear",
+        fan_in=1,
+        hf_dtypes=None,
+        stack=None,
+        active=1.0,
+    ):
+        t.append(
+            TensorSpec(
+                tuple(path),
+                hf,
+                tuple(shape),
+                dtype,
+                tuple(axes),
+                transform,
+                tuple(hf_shape if hf_shape is not None else shape),
+                hf_dtypes or ((dtype,) if dtype != "float32" else ("float32", "bfloat16")),
+                stack,
+                init,
+                fan_in,
+                active,
+            )
+        )
 
     def norm(path, hf, n, axis="embed"):
         add(path, hf, (n,), (axis,), init="norm")
@@ -101,8 +125,7 @@ def tensor_table(cfg: K3Config, experts: str | None = None) -> list[TensorSpec]:
     add(("lm_head",), "lm_head.weight", (D, V), ("embed", "vocab"), "T", (V, D), fan_in=D)
     norm(("final_norm",), "model.norm.weight", D)
     norm(("out_res", "norm"), "model.output_attn_res_norm.weight", D)
-    add(("out_res", "proj"), "model.output_attn_res_proj.weight", (D,), ("embed",), "reshape", (1, D),
-        fan_in=D)
+    add(("out_res", "proj"), "model.output_attn_res_proj.weight", (D,), ("embed",), "reshape", (1, D), fan_in=D)
 
     for L in range(cfg.num_hidden_layers):
         p, h = ("layers", L), f"model.layers.{L}."
@@ -133,22 +156,62 @@ def _kda(add, a, ha, cfg: K3Config):
     # last, the contracted and minor axis, so x_BD against it is one GEMV with no weight transpose: the old
     # [4, D, H, K] (stack axis leading, D in the middle) made XLA transpose the weight every step (~28 us per
     # KDA layer at one TP16 rank's widths).
-    add(a + ("qkvg",), ha + "{s}_proj.weight", (4, H, K, D), ("stack", "kda_heads", "head_dim", "embed"),
-        "reshape", (H * K, D), stack=("q", "k", "v", "g"), fan_in=D)
-    add(a + ("conv",), ha + "{s}_conv1d.weight", (3, H, K, W), ("stack", "kda_heads", "head_dim", None),
-        "reshape", (H * K, 1, W), dtype="float32", init="conv", stack=("q", "k", "v"), fan_in=W)
+    add(
+        a + ("qkvg",),
+        ha + "{s}_proj.weight",
+        (4, H, K, D),
+        ("stack", "kda_heads", "head_dim", "embed"),
+        "reshape",
+        (H * K, D),
+        stack=("q", "k", "v", "g"),
+        fan_in=D,
+    )
+    add(
+        a + ("conv",),
+        ha + "{s}_conv1d.weight",
+        (3, H, K, W),
+        ("stack", "kda_heads", "head_dim", None),
+        "reshape",
+        (H * K, 1, W),
+        dtype="float32",
+        init="conv",
+        stack=("q", "k", "v"),
+        fan_in=W,
+    )
     add(a + ("f_a",), ha + "f_a_proj.weight", (K, D), (None, "embed"), fan_in=D)
-    add(a + ("f_b",), ha + "f_b_proj.weight", (K, H, K), (None, "kda_heads", "head_dim"), "T", (H * K, K),
-        fan_in=K)
+    add(a + ("f_b",), ha + "f_b_proj.weight", (K, H, K), (None, "kda_heads", "head_dim"), "T", (H * K, K), fan_in=K)
     # out-major like HF: the decode kernel's fused gates read one head's row contiguously
     add(a + ("b",), ha + "b_proj.weight", (H, D), ("kda_heads", "embed"), fan_in=D)
-    add(a + ("A_log",), ha + "A_log", (H,), ("kda_heads",), "narrow", (cfg.kda_a_log_stored,),
-        dtype="float32", init="alog")
-    add(a + ("dt_bias",), ha + "dt_bias", (H, K), ("kda_heads", "head_dim"), "reshape", (H * K,),
-        dtype="float32", init="dt_bias")
+    add(
+        a + ("A_log",),
+        ha + "A_log",
+        (H,),
+        ("kda_heads",),
+        "narrow",
+        (cfg.kda_a_log_stored,),
+        dtype="float32",
+        init="alog",
+    )
+    add(
+        a + ("dt_bias",),
+        ha + "dt_bias",
+        (H, K),
+        ("kda_heads", "head_dim"),
+        "reshape",
+        (H * K,),
+        dtype="float32",
+        init="dt_bias",
+    )
     add(a + ("o_norm",), ha + "o_norm.weight", (K,), (None,), dtype="float32", init="norm")
-    add(a + ("o",), ha + "o_proj.weight", (D, H, K), ("embed", "kda_heads", "head_dim"), "reshape", (D, H * K),
-        fan_in=H * K)
+    add(
+        a + ("o",),
+        ha + "o_proj.weight",
+        (D, H, K),
+        ("embed", "kda_heads", "head_dim"),
+        "reshape",
+        (D, H * K),
+        fan_in=H * K,
+    )
 
 
 def _mla(add, norm, a, ha, cfg: K3Config):
@@ -156,58 +219,136 @@ def _mla(add, norm, a, ha, cfg: K3Config):
     Q, R, N, P, Vd = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     add(a + ("q_a",), ha + "q_a_proj.weight", (D, Q), ("embed", "q_lora"), "T", (Q, D), fan_in=D)
     norm(a + ("q_a_norm",), ha + "q_a_layernorm.weight", Q, "q_lora")
-    add(a + ("q_b",), ha + "q_b_proj.weight", (Q, H, N + P), ("q_lora", "mla_heads", None), "T",
-        (H * (N + P), Q), fan_in=Q)
+    add(
+        a + ("q_b",),
+        ha + "q_b_proj.weight",
+        (Q, H, N + P),
+        ("q_lora", "mla_heads", None),
+        "T",
+        (H * (N + P), Q),
+        fan_in=Q,
+    )
     add(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", (D, R + P), ("embed", None), "T", (R + P, D), fan_in=D)
     norm(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", R, None)
-    add(a + ("w_uk",), ha + "kv_b_proj.weight", (H, N, R), ("mla_heads", None, None), "kvb_k",
-        (H * (N + Vd), R), fan_in=R)
-    add(a + ("w_uv",), ha + "kv_b_proj.weight", (H, Vd, R), ("mla_heads", None, None), "kvb_v",
-        (H * (N + Vd), R), fan_in=R)
+    add(
+        a + ("w_uk",),
+        ha + "kv_b_proj.weight",
+        (H, N, R),
+        ("mla_heads", None, None),
+        "kvb_k",
+        (H * (N + Vd), R),
+        fan_in=R,
+    )
+    add(
+        a + ("w_uv",),
+        ha + "kv_b_proj.weight",
+        (H, Vd, R),
+        ("mla_heads", None, None),
+        "kvb_v",
+        (H * (N + Vd), R),
+        fan_in=R,
+    )
     add(a + ("g",), ha + "g_proj.weight", (D, H, Vd), ("embed", "mla_heads", None), "T", (H * Vd, D), fan_in=D)
-    add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd),
-        fan_in=H * Vd)
+    add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd), fan_in=H * Vd)
 
 
 def _moe(add, norm, f, hm, cfg: K3Config, experts: str):
-    D, E, Dl, I, S = (cfg.hidden_size, cfg.num_experts, cfg.routed_expert_hidden_size,
-                      cfg.moe_intermediate_size, cfg.shared_intermediate)
+    D, E, Dl, I, S = (
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.routed_expert_hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.shared_intermediate,
+    )
     # router and latent projections are split over tp (not replicated): router by expert, latent_down by its
     # output (then gathered), latent_up by its input (partial sums reduced with the shared experts')
     add(f + ("router",), hm + "gate.weight", (D, E), ("embed", "experts_router"), "T", (E, D), fan_in=D)
-    add(f + ("router_bias",), hm + "gate.e_score_correction_bias", (E,), ("experts_router",), dtype="float32",
-        init="router_bias")
-    add(f + ("latent_down",), hm + "routed_expert_down_proj.weight", (D, Dl), ("embed", "latent_tp"), "T", (Dl, D),
-        fan_in=D)
+    add(
+        f + ("router_bias",),
+        hm + "gate.e_score_correction_bias",
+        (E,),
+        ("experts_router",),
+        dtype="float32",
+        init="router_bias",
+    )
+    add(
+        f + ("latent_down",),
+        hm + "routed_expert_down_proj.weight",
+        (D, Dl),
+        ("embed", "latent_tp"),
+        "T",
+        (Dl, D),
+        fan_in=D,
+    )
     norm(f + ("latent_norm",), hm + "routed_expert_norm.weight", Dl, "latent")
-    add(f + ("latent_up",), hm + "routed_expert_up_proj.weight", (Dl, D), ("latent_tp", "embed"), "T", (D, Dl),
-        fan_in=Dl)
+    add(
+        f + ("latent_up",),
+        hm + "routed_expert_up_proj.weight",
+        (Dl, D),
+        ("latent_tp", "embed"),
+        "T",
+        (D, Dl),
+        fan_in=Dl,
+    )
     for name, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj")):
-        add(f + (name,), hm + f"shared_experts.{hf}.weight", (D, S), ("embed", "shared_ffn"), "T", (S, D),
-            fan_in=D)
-    add(f + ("shared_down",), hm + "shared_experts.down_proj.weight", (S, D), ("shared_ffn", "embed"), "T",
-        (D, S), fan_in=S)
+        add(f + (name,), hm + f"shared_experts.{hf}.weight", (D, S), ("embed", "shared_ffn"), "T", (S, D), fan_in=D)
+    add(
+        f + ("shared_down",),
+        hm + "shared_experts.down_proj.weight",
+        (S, D),
+        ("shared_ffn", "embed"),
+        "T",
+        (D, S),
+        fan_in=S,
+    )
     stack = tuple(str(e) for e in range(E))
     act = cfg.num_experts_per_token / E
     # (our name, HF w-index, out, in, axes of [out, in]); logical [out, in] as in HF, groups along `in`
-    for name, w, out, inp, ax in (("w1", "w1", I, Dl, ("moe_ffn", "latent")),
-                                  ("w3", "w3", I, Dl, ("moe_ffn", "latent")),
-                                  ("w2", "w2", Dl, I, ("latent", "moe_ffn"))):
+    for name, w, out, inp, ax in (
+        ("w1", "w1", I, Dl, ("moe_ffn", "latent")),
+        ("w3", "w3", I, Dl, ("moe_ffn", "latent")),
+        ("w2", "w2", Dl, I, ("latent", "moe_ffn")),
+    ):
         base = hm + "experts.{s}." + w
         if experts == "mxfp4":
-            add(f + ("experts", name + "_codes"), base + ".weight_packed", (E, out, inp // 2),
-                ("experts", ax[0], ax[1] + "_packed"), hf_shape=(out, inp // 2), dtype="uint8", init="codes",
-                stack=stack, fan_in=inp, active=act)
-            add(f + ("experts", name + "_scales"), base + ".weight_scale", (E, out, inp // MXFP4_GROUP),
-                ("experts", ax[0], ax[1] + "_groups"), hf_shape=(out, inp // MXFP4_GROUP), dtype="uint8",
-                init="scales", stack=stack, fan_in=inp, active=act)
+            add(
+                f + ("experts", name + "_codes"),
+                base + ".weight_packed",
+                (E, out, inp // 2),
+                ("experts", ax[0], ax[1] + "_packed"),
+                hf_shape=(out, inp // 2),
+                dtype="uint8",
+                init="codes",
+                stack=stack,
+                fan_in=inp,
+                active=act,
+            )
+            add(
+                f + ("experts", name + "_scales"),
+                base + ".weight_scale",
+                (E, out, inp // MXFP4_GROUP),
+                ("experts", ax[0], ax[1] + "_groups"),
+                hf_shape=(out, inp // MXFP4_GROUP),
+                dtype="uint8",
+                init="scales",
+                stack=stack,
+                fan_in=inp,
+                active=act,
+            )
         else:
             src = ".weight_packed" if cfg.expert_quant == "mxfp4" else ".weight"
-            add(f + ("experts", name), base + src, (E, out, inp), ("experts",) + ax,
+            add(
+                f + ("experts", name),
+                base + src,
+                (E, out, inp),
+                ("experts",) + ax,
                 "dequant" if cfg.expert_quant == "mxfp4" else "copy",
                 (out, inp // 2) if cfg.expert_quant == "mxfp4" else (out, inp),
                 hf_dtypes=("uint8",) if cfg.expert_quant == "mxfp4" else ("bfloat16",),
-                stack=stack, fan_in=inp, active=act)
+                stack=stack,
+                fan_in=inp,
+                active=act,
+            )
 
 
 # ---- derived views --------------------------------------------------------------------------------------
@@ -222,8 +363,7 @@ def param_counts(cfg: K3Config, experts: str | None = None) -> dict[str, int]:
 
 def abstract_params(cfg: K3Config, experts: str | None = None) -> dict:
     """The parameter pytree as jax.ShapeDtypeStruct leaves (no allocation)."""
-    return unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
-                      for s in tensor_table(cfg, experts)})
+    return unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in tensor_table(cfg, experts)})
 
 
 def logical_axes(cfg: K3Config, experts: str | None = None) -> dict:

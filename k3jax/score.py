@@ -25,9 +25,7 @@ def score(ckpt_dir: str, tokens: np.ndarray, dtype: str = "float32", mesh=None) 
         jax.config.update("jax_default_matmul_precision", "highest")
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim not in (1, 2):
-        raise ValueError(
-            f"tokens must be int ids of shape [B, T] or [T], got {tokens.dtype}{list(tokens.shape)}"
-        )
+        raise ValueError(f"tokens must be int ids of shape [B, T] or [T], got {tokens.dtype}{list(tokens.shape)}")
     dt = jnp.dtype(dtype)
     cfg, params = load(ckpt_dir, mesh=mesh, dtype=dt)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):

@@ -70,8 +70,7 @@ def validate_tp(cfg: K3Config, tp: int) -> None:
     problem = _tp_problem(cfg, tp) if tp >= 1 else "tp must be >= 1"
     if problem:
         sizes = valid_tp_sizes(cfg, limit=max(tp, 128))
-        raise ShardingError(f"tensor-parallel size {tp} is not valid for this model: {problem}. "
-                            f"Valid sizes: {sizes}")
+        raise ShardingError(f"tensor-parallel size {tp} is not valid for this model: {problem}. Valid sizes: {sizes}")
 
 
 def spec_for(axes: tuple[str | None, ...]) -> P:
@@ -85,19 +84,21 @@ def param_specs(cfg: K3Config, experts: str | None = None):
 def make_mesh(tp: int, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     if tp > len(devices):
-        raise ShardingError(f"tp={tp} needs {tp} devices but only {len(devices)} are visible "
-                            f"({jax.process_count()} process(es)); lower --tp or add hosts")
+        raise ShardingError(
+            f"tp={tp} needs {tp} devices but only {len(devices)} are visible "
+            f"({jax.process_count()} process(es)); lower --tp or add hosts"
+        )
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
 def param_shardings(cfg: K3Config, mesh: Mesh, experts: str | None = None):
     validate_tp(cfg, mesh.shape[AXIS])
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, experts),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, experts), is_leaf=lambda x: isinstance(x, P))
 
 
 def cache_specs(cache: dict):
     """KDA state [B,H,K,V] and conv [B,3,W,H,K] by heads; lengths and the MLA latent cache replicated."""
+
     def entry(e):
         if "state" in e:
             return {"state": P(None, AXIS), "conv": P(None, None, None, AXIS)}

@@ -43,8 +43,16 @@ from pallas_kernels.kda_decode import api as kda_api
 # ---- 1. verify: one target forward over [anchor + K drafts] ------------------------------------------------
 
 
-def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, backend: str = "xla",
-           taps: tuple[int, ...] = (), comm: Comm = LOCAL):
+def verify(
+    params,
+    block_BT,
+    cache: dict,
+    cfg: K3Config,
+    dtype=jnp.bfloat16,
+    backend: str = "xla",
+    taps: tuple[int, ...] = (),
+    comm: Comm = LOCAL,
+):
     """Target forward over the block at positions len..len+T-1 of every sequence (this rank's shards under
     tp: the logits come back gathered, commit data hold this rank's KDA heads).
 
@@ -66,9 +74,20 @@ def verify(params, block_BT, cache: dict, cfg: K3Config, dtype=jnp.bfloat16, bac
             rows = cache_lib.read_rows(entry, R, dtype)
             return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)
-        y, commit_data[L] = kda_api.kda_verify(qkv, f, beta, gate, entry["state"], entry["conv"], p["conv"],
-                                               p["A_log"], p["dt_bias"], p["o_norm"], eps=cfg.rms_norm_eps,
-                                               backend=backend)
+        y, commit_data[L] = kda_api.kda_verify(
+            qkv,
+            f,
+            beta,
+            gate,
+            entry["state"],
+            entry["conv"],
+            p["conv"],
+            p["A_log"],
+            p["dt_bias"],
+            p["o_norm"],
+            eps=cfg.rms_norm_eps,
+            backend=backend,
+        )
         return kda.o_proj(y, p["o"])
 
     h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
@@ -81,8 +100,7 @@ def commit(pending: dict, n_commit_B, backend: str = "xla") -> dict:
     """Advance every sequence by n_commit_B[b] block tokens (anchor + accepted drafts; 0 = unchanged)."""
     layers = list(pending["layers"])
     for L, data in pending["kda_commit"].items():
-        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B,
-                                         backend=backend)
+        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B, backend=backend)
         layers[L] = {"state": state, "conv": conv}
     return {"lengths": pending["lengths"] + n_commit_B, "layers": layers}
 
@@ -171,6 +189,7 @@ def accept(key, logits_BTV, drafts_BK, q_BKV, sampling: float | SamplingParams, 
 
 class SpecConfig(NamedTuple):
     """Everything static about a speculative run (hashable: the jit key)."""
+
     cfg: K3Config
     drafter: object  # a k3jax.drafter.Drafter (frozen dataclass)
     num_draft: int = 7
@@ -206,34 +225,44 @@ def _is_stop(spec: SpecConfig, tokens):
 
 def _prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, cache, dstate) -> SpecState:
     cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
-    logits, cache, taps = model.extend(params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend,
-                                       taps=spec.drafter.taps, comm=spec.comm)
+    logits, cache, taps = model.extend(
+        params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend, taps=spec.drafter.taps, comm=spec.comm
+    )
     key, k_tok = jax.random.split(key)
     anchor = sampling_lib.sample(logits, k_tok, spec.sampling)
-    dstate = spec.drafter.observe(draft_params, params, dstate, prompt_BT, n_prompt_B,
-                                  jnp.zeros_like(n_prompt_B), taps, comm=spec.comm)
+    dstate = spec.drafter.observe(
+        draft_params, params, dstate, prompt_BT, n_prompt_B, jnp.zeros_like(n_prompt_B), taps, comm=spec.comm
+    )
     out = jnp.zeros((B, spec.max_new_tokens + K + 1), jnp.int32).at[:, 0].set(anchor)
     done = _is_stop(spec, anchor)
-    return SpecState(cache, dstate, anchor, out, jnp.ones((B,), jnp.int32), done, key,
-                     jnp.zeros((), jnp.int32), jnp.full((spec.max_new_tokens, B), -1, jnp.int32))
+    return SpecState(
+        cache,
+        dstate,
+        anchor,
+        out,
+        jnp.ones((B,), jnp.int32),
+        done,
+        key,
+        jnp.zeros((), jnp.int32),
+        jnp.full((spec.max_new_tokens, B), -1, jnp.int32),
+    )
 
 
 def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     K, comm = spec.num_draft, spec.comm
     key, k_draft, k_acc = jax.random.split(st.key, 3)
     start_B = st.cache["lengths"]
-    prop = spec.drafter.propose(draft_params, params, st.draft_state, st.anchor_B, start_B, K, k_draft,
-                                spec.sampling.temperature, comm=comm)
+    prop = spec.drafter.propose(
+        draft_params, params, st.draft_state, st.anchor_B, start_B, K, k_draft, spec.sampling.temperature, comm=comm
+    )
     drafts = prop.drafts_BK.astype(jnp.int32)
     block = jnp.concatenate([st.anchor_B[:, None], drafts], axis=1)
-    logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend,
-                                   spec.drafter.taps, comm)
+    logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend, spec.drafter.taps, comm)
     n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.sampling, spec.acceptance_length)
     active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
     n_commit = jnp.where(active, n_acc + 1, 0)
     cache = commit(pending, n_commit, spec.backend)
-    dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps,
-                                  comm=comm)
+    dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps, comm=comm)
 
     i = jnp.arange(K + 1)[None]
     emitted = jnp.where(i < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), nxt[:, None])
@@ -243,8 +272,9 @@ def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     out = st.out_BN.at[b, slot].set(emitted, mode="drop")
     done = st.done_B | jnp.any(keep & _is_stop(spec, emitted), axis=1)
     accepted = st.accepted_SB.at[st.step].set(jnp.where(active, n_acc, -1), mode="drop")
-    return SpecState(cache, dstate, jnp.where(active, nxt, st.anchor_B), out, st.n_out_B + n_commit, done,
-                     key, st.step + 1, accepted)
+    return SpecState(
+        cache, dstate, jnp.where(active, nxt, st.anchor_B), out, st.n_out_B + n_commit, done, key, st.step + 1, accepted
+    )
 
 
 def _running(spec: SpecConfig, st: SpecState):
@@ -266,8 +296,9 @@ def _on_mesh(spec: SpecConfig, body, params, state_specs, out_specs):
     if spec.mesh is None:
         return body
     pspec = sh.param_specs(spec.cfg, experts_format(params))
-    return jax.shard_map(body, mesh=spec.mesh, in_specs=(pspec, P(), *state_specs), out_specs=out_specs,
-                         check_vma=False)
+    return jax.shard_map(
+        body, mesh=spec.mesh, in_specs=(pspec, P(), *state_specs), out_specs=out_specs, check_vma=False
+    )
 
 
 def prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, max_len: int) -> SpecState:
@@ -304,19 +335,43 @@ def stats(st: SpecState, num_draft: int | None = None) -> dict:
     acc = np.asarray(st.accepted_SB)[: int(st.step)]
     live = acc[acc >= 0]
     K1 = None if live.size == 0 else float(np.mean(live + 1))
-    out = {"steps": int(st.step), "accepted_per_step": acc, "mean_acceptance_length": K1,
-           "tokens_generated": np.asarray(st.n_out_B)}
+    out = {
+        "steps": int(st.step),
+        "accepted_per_step": acc,
+        "mean_acceptance_length": K1,
+        "tokens_generated": np.asarray(st.n_out_B),
+    }
     if num_draft is not None:
-        out["position_acceptance_rates"] = ([float(np.mean(live >= i)) for i in range(1, num_draft + 1)]
-                                            if live.size else None)
+        out["position_acceptance_rates"] = (
+            [float(np.mean(live >= i)) for i in range(1, num_draft + 1)] if live.size else None
+        )
     return out
 
 
-def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_params=None, num_draft: int = 7,
-             max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             acceptance_length: float | None = None, seed: int = 0, dtype=jnp.bfloat16, backend: str = "xla",
-             stop_ids=(), cache_dtype: str = "bf16", max_len: int | None = None,
-             on_device_loop: bool = True, on_step=None, mesh: Mesh | None = None):
+def generate(
+    params,
+    cfg: K3Config,
+    prompt_BT,
+    n_prompt_B,
+    *,
+    drafter,
+    draft_params=None,
+    num_draft: int = 7,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    acceptance_length: float | None = None,
+    seed: int = 0,
+    dtype=jnp.bfloat16,
+    backend: str = "xla",
+    stop_ids=(),
+    cache_dtype: str = "bf16",
+    max_len: int | None = None,
+    on_device_loop: bool = True,
+    on_step=None,
+    mesh: Mesh | None = None,
+):
     """Speculative generation for a right-padded prompt batch. Returns (tokens [B, max_new_tokens], stats).
 
     mesh: tensor parallelism over its "tp" axis; `params` should already be placed with
@@ -329,8 +384,19 @@ def generate(params, cfg: K3Config, prompt_BT, n_prompt_B, *, drafter, draft_par
     sp = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
     if mesh is not None:
         sh.validate_tp(cfg, mesh.shape[sh.AXIS])
-    spec = SpecConfig(cfg, drafter, num_draft, max_new_tokens, sp, acceptance_length, dtype, backend,
-                      tuple(int(t) for t in stop_ids), cache_dtype, mesh)
+    spec = SpecConfig(
+        cfg,
+        drafter,
+        num_draft,
+        max_new_tokens,
+        sp,
+        acceptance_length,
+        dtype,
+        backend,
+        tuple(int(t) for t in stop_ids),
+        cache_dtype,
+        mesh,
+    )
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     n_prompt_B = jnp.asarray(n_prompt_B, jnp.int32)
     max_len = max_len or prompt_BT.shape[1] + max_new_tokens + num_draft + 1

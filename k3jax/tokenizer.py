@@ -17,18 +17,20 @@ import tiktoken
 FILES = ("tiktoken.model", "tokenizer_config.json")
 
 # Kimi's pre-tokeniser (K3_SPEC §8.2: 8 branches, Han runs first, cased words, 1-3 digits, punctuation, spaces)
-PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 
 class TokenizerError(ValueError):
@@ -63,7 +65,8 @@ class Tokenizer:
         if missing:
             raise TokenizerError(
                 f"{d} has no tokenizer files ({', '.join(missing)} missing): pass token ids with --prompt-ids, "
-                "or convert from an HF directory that has tiktoken.model and tokenizer_config.json")
+                "or convert from an HF directory that has tiktoken.model and tokenizer_config.json"
+            )
         return cls(*paths)
 
     @property
@@ -80,6 +83,18 @@ class Tokenizer:
     def chat_prompt(self, user_text: str, thinking: bool = False) -> list[int]:
         """One user turn and the assistant generation prompt in K3's XTML markup (K3_SPEC §8.3)."""
         o, c, s, eom = (self.special[t] for t in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
-        ids = [o, *self.encode('message role="user"'), s, *self.encode(user_text), c,
-               *self.encode("message"), s, eom, o, *self.encode('message role="assistant"'), s, o]
+        ids = [
+            o,
+            *self.encode('message role="user"'),
+            s,
+            *self.encode(user_text),
+            c,
+            *self.encode("message"),
+            s,
+            eom,
+            o,
+            *self.encode('message role="assistant"'),
+            s,
+            o,
+        ]
         return ids + self.encode("think" if thinking else "response") + [s]

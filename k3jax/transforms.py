@@ -28,7 +28,7 @@ def _one_from_hf(spec: TensorSpec, a: np.ndarray, companion: np.ndarray | None =
     if t in ("kvb_k", "kvb_v"):
         H, n, R = shape
         per_head = a.reshape(H, -1, R)
-        return per_head[:, :n] if t == "kvb_k" else per_head[:, per_head.shape[1] - n:]
+        return per_head[:, :n] if t == "kvb_k" else per_head[:, per_head.shape[1] - n :]
     if t == "dequant":
         return mxfp4.dequantize_np(a, companion, np.float32)
     raise ValueError(f"unknown transform {t!r} for {spec.key}")

@@ -11,8 +11,16 @@ logger = logging.getLogger("k3jax.backends")
 
 # device_kind substrings -> compute capability, for abstract devices (interpret mode, AOT lowering on CPU),
 # which carry a kind but no compute_capability.
-_KIND_TO_ARCH = (("B200", (10, 0)), ("B300", (10, 3)), ("GB200", (10, 0)), ("GB300", (10, 3)),
-                 ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("H20", (9, 0)))
+_KIND_TO_ARCH = (
+    ("B200", (10, 0)),
+    ("B300", (10, 3)),
+    ("GB200", (10, 0)),
+    ("GB300", (10, 3)),
+    ("H100", (9, 0)),
+    ("H200", (9, 0)),
+    ("H800", (9, 0)),
+    ("H20", (9, 0)),
+)
 
 
 def gpu_arch() -> tuple[int, int] | None:

@@ -44,8 +44,14 @@ def _draw(s, rng):
     if s.init == "alog":
         return np.log(rng.uniform(1.0, 16.0, s.shape))
     n = rng.standard_normal(s.shape)
-    scale, shift = {"linear": (1 / math.sqrt(s.fan_in), 0.0), "embed": (1.0, 0.0), "norm": (0.1, 1.0),
-                    "conv": (0.5, 0.0), "dt_bias": (0.5, -1.0), "router_bias": (0.1, 0.0)}[s.init]
+    scale, shift = {
+        "linear": (1 / math.sqrt(s.fan_in), 0.0),
+        "embed": (1.0, 0.0),
+        "norm": (0.1, 1.0),
+        "conv": (0.5, 0.0),
+        "dt_bias": (0.5, -1.0),
+        "router_bias": (0.1, 0.0),
+    }[s.init]
     return scale * n + shift
 
 
@@ -53,8 +59,7 @@ def place(params_np: dict, shardings: dict) -> dict:
     """Host arrays -> global sharded arrays; each process materialises only its own shards (multi-host safe)."""
     import jax
 
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: a[idx]),
-                        params_np, shardings)
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: a[idx]), params_np, shardings)
 
 
 def prompts_for(seed: int, vocab: int) -> list[list[int]]:
@@ -71,8 +76,9 @@ def generate_tokens(seed: int, tp: int, max_new: int = 6) -> list[list[int]]:
     cfg = demo4_config()
     mesh = sh.make_mesh(tp)
     params = place(numpy_params(cfg, seed), sh.param_shardings(cfg, mesh))
-    eng = Engine(cfg, params, max_len=32, max_batch=2, dtype=jnp.float32, cache_dtype="bf16", mesh=mesh,
-                 steps_per_call=max_new)
+    eng = Engine(
+        cfg, params, max_len=32, max_batch=2, dtype=jnp.float32, cache_dtype="bf16", mesh=mesh, steps_per_call=max_new
+    )
     return eng.generate(prompts_for(seed, cfg.vocab_size), max_new_tokens=max_new, stop_ids=[-1]).tokens
 
 
@@ -87,8 +93,15 @@ def main():
     toks = generate_tokens(seed, tp)
     if jax.process_index() == 0:
         with open(out, "w") as f:
-            json.dump({"tokens": toks, "processes": jax.process_count(), "devices": len(jax.devices()),
-                       "local_devices": len(jax.local_devices())}, f)
+            json.dump(
+                {
+                    "tokens": toks,
+                    "processes": jax.process_count(),
+                    "devices": len(jax.devices()),
+                    "local_devices": len(jax.local_devices()),
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def kda_layer(hf, L, tc, x_TD, state=None, conv_state=None):
     q_THK, k_THK, v_THV = qkv
 
     # §4.3 bounded decay gate: g = lb * sigma(exp(A_log[h]) * (W_fb W_fa x + dt_bias)), per-head A_log.
-    z_THK = (_lin(_lin(x_TD, hf[p + "f_a_proj.weight"]), hf[p + "f_b_proj.weight"]) + _f64(hf[p + "dt_bias"]))
+    z_THK = _lin(_lin(x_TD, hf[p + "f_a_proj.weight"]), hf[p + "f_b_proj.weight"]) + _f64(hf[p + "dt_bias"])
     a_H = np.exp(_f64(hf[p + "A_log"]).reshape(-1)[:H])  # §7.4: stored padded to 128; flatten, take [:H]
     g_THK = la["gate_lower_bound"] * sigmoid(a_H[None, :, None] * z_THK.reshape(T, H, K))
     beta_TH = sigmoid(_lin(x_TD, hf[p + "b_proj.weight"]))
@@ -201,8 +201,9 @@ def mla_layer(hf, L, tc, x_TD, past_latent=None):
     p = f"layers.{L}.self_attn."
     x_TD = _f64(x_TD)
     T = x_TD.shape[0]
-    nh, nope, rope, vd, r = (tc[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
-                                             "v_head_dim", "kv_lora_rank"))
+    nh, nope, rope, vd, r = (
+        tc[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
     q_THQ = mla_queries(hf, L, tc, x_TD)
     rows = mla_latent_rows(hf, L, tc, x_TD)
     all_rows = rows if past_latent is None else np.concatenate([_f64(past_latent), rows], axis=0)
@@ -231,8 +232,7 @@ def _situ_ffn(tc, x, w_gate, w_up, w_down):
 def dense_mlp(hf, L, tc, x_TD):
     """§6 dense layer: W_d SiTU-GLU(W_g x, W_u x)."""
     p = f"layers.{L}.mlp."
-    return _situ_ffn(tc, x_TD, hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"],
-                     hf[p + "down_proj.weight"])
+    return _situ_ffn(tc, x_TD, hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"], hf[p + "down_proj.weight"])
 
 
 def router(hf, L, tc, x_TD):
@@ -252,8 +252,7 @@ def router(hf, L, tc, x_TD):
 def expert_weights(hf, L, e):
     """Dequantised (w1 gate, w3 up, w2 down) of routed expert e, [out, in] float64 (§7.2)."""
     p = f"layers.{L}.block_sparse_moe.experts.{e}."
-    return tuple(mxfp4_dequant(hf[p + f"{w}.weight_packed"], hf[p + f"{w}.weight_scale"])
-                 for w in ("w1", "w3", "w2"))
+    return tuple(mxfp4_dequant(hf[p + f"{w}.weight_packed"], hf[p + f"{w}.weight_scale"]) for w in ("w1", "w3", "w2"))
 
 
 def moe(hf, L, tc, x_TD):
@@ -273,8 +272,9 @@ def moe(hf, L, tc, x_TD):
     out_TD = _lin(y_lat_TR, hf[p + "routed_expert_up_proj.weight"])
     if tc.get("num_shared_experts", 0) > 0:
         sh = p + "shared_experts."
-        out_TD = out_TD + _situ_ffn(tc, x_TD, hf[sh + "gate_proj.weight"], hf[sh + "up_proj.weight"],
-                                    hf[sh + "down_proj.weight"])
+        out_TD = out_TD + _situ_ffn(
+            tc, x_TD, hf[sh + "gate_proj.weight"], hf[sh + "up_proj.weight"], hf[sh + "down_proj.weight"]
+        )
     return out_TD
 
 
@@ -292,8 +292,13 @@ def forward(hf, tc, tokens_T, cache=None):
     blocks = []
     for L in range(tc["num_hidden_layers"]):
         p = f"layers.{L}."
-        h = attn_res(blocks + [P], hf[p + "self_attention_res_norm.weight"],
-                     hf[p + "self_attention_res_proj.weight"], eps) if blocks else P
+        h = (
+            attn_res(
+                blocks + [P], hf[p + "self_attention_res_norm.weight"], hf[p + "self_attention_res_proj.weight"], eps
+            )
+            if blocks
+            else P
+        )
         if L % bs == 0:  # boundary: snapshot the ENTERING state (after the attention-site mix), reset P
             blocks.append(P)
             P = np.zeros_like(P)
@@ -376,12 +381,20 @@ def tiny_text_config():
         "quantization_config": {
             "quant_method": "compressed-tensors",
             "format": "mxfp4-pack-quantized",
-            "config_groups": {"group_0": {
-                "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
-                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                            "group_size": 32, "scale_dtype": "uint8"},
-                "input_activations": None,
-            }},
+            "config_groups": {
+                "group_0": {
+                    "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "scale_dtype": "uint8",
+                    },
+                    "input_activations": None,
+                }
+            },
             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "lm_head"],
         },
     }
@@ -395,8 +408,7 @@ def random_hf_tensors(tc, seed):
     D, V = tc["hidden_size"], tc["vocab_size"]
     la = tc["linear_attn_config"]
     H, K, width = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
-    nh, nope, rope, vd = (tc[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
-                                          "v_head_dim"))
+    nh, nope, rope, vd = (tc[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     R, MI, E = tc["routed_expert_hidden_size"], tc["moe_intermediate_size"], tc["num_experts"]
 
     def bf16(a):
@@ -409,12 +421,18 @@ def random_hf_tensors(tc, seed):
         return bf16(1.0 + 0.1 * rng.standard_normal(n))
 
     def mxfp4(out, inp):
-        return (rng.integers(0, 256, (out, inp // 2), dtype=np.uint8),
-                rng.integers(118, 127, (out, inp // 32), dtype=np.uint8))
+        return (
+            rng.integers(0, 256, (out, inp // 2), dtype=np.uint8),
+            rng.integers(118, 127, (out, inp // 32), dtype=np.uint8),
+        )
 
-    hf = {"embed_tokens.weight": bf16(rng.standard_normal((V, D))), "lm_head.weight": proj(V, D),
-          "norm.weight": norm_w(D), "output_attn_res_norm.weight": norm_w(D),
-          "output_attn_res_proj.weight": proj(1, D)}
+    hf = {
+        "embed_tokens.weight": bf16(rng.standard_normal((V, D))),
+        "lm_head.weight": proj(V, D),
+        "norm.weight": norm_w(D),
+        "output_attn_res_norm.weight": norm_w(D),
+        "output_attn_res_proj.weight": proj(1, D),
+    }
     for L in range(tc["num_hidden_layers"]):
         p = f"layers.{L}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
@@ -438,7 +456,8 @@ def random_hf_tensors(tc, seed):
                 hf[a + f"{n}_proj.weight"] = proj(C, D)
             for n in "qkv":
                 hf[a + f"{n}_conv1d.weight"] = (rng.standard_normal((C, 1, width)) / math.sqrt(width)).astype(
-                    np.float32)
+                    np.float32
+                )
             hf[a + "f_a_proj.weight"] = proj(K, D)
             hf[a + "f_b_proj.weight"] = proj(C, K)
             hf[a + "b_proj.weight"] = proj(H, D)
@@ -462,8 +481,7 @@ def random_hf_tensors(tc, seed):
                 hf[m + "shared_experts.down_proj.weight"] = proj(D, S)
             for e in range(E):
                 for w, (out, inp) in (("w1", (MI, R)), ("w3", (MI, R)), ("w2", (R, MI))):
-                    hf[m + f"experts.{e}.{w}.weight_packed"], hf[m + f"experts.{e}.{w}.weight_scale"] = \
-                        mxfp4(out, inp)
+                    hf[m + f"experts.{e}.{w}.weight_packed"], hf[m + f"experts.{e}.{w}.weight_scale"] = mxfp4(out, inp)
         else:
             d, Iw = p + "mlp.", tc["intermediate_size"]
             hf[d + "gate_proj.weight"] = proj(Iw, D)

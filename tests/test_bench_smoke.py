@@ -13,11 +13,36 @@ from k3jax.config import preset
 
 
 def test_engine_mode_writes_json_md_png(tmp_path):
-    rep = decode.run(decode.parse_args(["--preset", "demo", "--batches", "1,2", "--input-len", "5",
-                                        "--output-len", "3", "--steps-per-call", "2", "--out", str(tmp_path)]))
+    rep = decode.run(
+        decode.parse_args(
+            [
+                "--preset",
+                "demo",
+                "--batches",
+                "1,2",
+                "--input-len",
+                "5",
+                "--output-len",
+                "3",
+                "--steps-per-call",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    )
     data = json.loads((tmp_path / "decode_demo_auto_tp1.json").read_text())
-    assert {"machine", "mode", "config", "tp", "decode_backend", "speculative", "input_len", "output_len",
-            "rows"} <= set(data)
+    assert {
+        "machine",
+        "mode",
+        "config",
+        "tp",
+        "decode_backend",
+        "speculative",
+        "input_len",
+        "output_len",
+        "rows",
+    } <= set(data)
     assert data["machine"]["jax"] and data["machine"]["date"]
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
@@ -31,9 +56,28 @@ def test_engine_mode_writes_json_md_png(tmp_path):
 def test_speculative_synthetic_mode(tmp_path):
     """Synthetic acceptance with L=6, K=7 is deterministic: every step accepts exactly 5 drafts + the bonus."""
     L, K, out_len = 6, 7, 13  # 12 decode tokens after the prefill's first one: exactly 2 steps of 6
-    decode.run(decode.parse_args(["--preset", "demo", "--batches", "2", "--input-len", "5", "--output-len",
-                                  str(out_len), "--speculative", "synthetic", "--acceptance-length", str(L),
-                                  "--num-draft", str(K), "--out", str(tmp_path)]))
+    decode.run(
+        decode.parse_args(
+            [
+                "--preset",
+                "demo",
+                "--batches",
+                "2",
+                "--input-len",
+                "5",
+                "--output-len",
+                str(out_len),
+                "--speculative",
+                "synthetic",
+                "--acceptance-length",
+                str(L),
+                "--num-draft",
+                str(K),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    )
     data = json.loads((tmp_path / "decode_demo_auto_tp1_spec-synthetic.json").read_text())
     assert data["speculative"] == "synthetic" and data["num_draft"] == K and data["acceptance_length"] == L
     (r,) = data["rows"]
@@ -55,8 +99,9 @@ def test_stub_comm_is_local_and_shape_preserving(rng):
     np.testing.assert_array_equal(np.asarray(comm.local_slice(jnp.asarray(x), 1, 2)), x[:, :2])
     table = rng.standard_normal((7, 2)).astype(np.float32)
     ids = rng.integers(0, 30, (2, 3))
-    np.testing.assert_array_equal(np.asarray(comm.embed(jnp.asarray(table), jnp.asarray(ids))),
-                                  table[np.clip(ids, 0, 6)])
+    np.testing.assert_array_equal(
+        np.asarray(comm.embed(jnp.asarray(table), jnp.asarray(ids))), table[np.clip(ids, 0, 6)]
+    )
     assert dict(comm.counts) == {"a": 1, "g": 1, "embed": 1}
     assert [c[0] for c in comm.log] == ["all_reduce", "all_gather", "all_reduce"]
     # no real axis behind it: even under latency_specialized the layer boundaries take the XLA ops
@@ -81,11 +126,27 @@ def _fake_rank_slice(rng):
     runs = []
     for B in (1, 64):
         step = float(rng.uniform(1e3, 1e4))
-        runs.append({"layers": 93, "backend": "xla", "batch": B, "step_us": step, "full_estimate_us": step,
-                     "wall_us_per_step": step * 1.1, "floor_us": step / 3, "frac_floor": 1 / 3,
-                     "summary": {"kernels": 100}, "collective_calls": calls})
-    return {"machine": {"device": "fake", "date": "now", "jax": "x"}, "full_layers": 93, "config": "k3",
-            "context": 16, "runs": runs}, calls
+        runs.append(
+            {
+                "layers": 93,
+                "backend": "xla",
+                "batch": B,
+                "step_us": step,
+                "full_estimate_us": step,
+                "wall_us_per_step": step * 1.1,
+                "floor_us": step / 3,
+                "frac_floor": 1 / 3,
+                "summary": {"kernels": 100},
+                "collective_calls": calls,
+            }
+        )
+    return {
+        "machine": {"device": "fake", "date": "now", "jax": "x"},
+        "full_layers": 93,
+        "config": "k3",
+        "context": 16,
+        "runs": runs,
+    }, calls
 
 
 def test_rank_slice_report_and_projection(tmp_path, rng):

@@ -123,8 +123,14 @@ def test_bounded_host_memory(tmp_path, seed):
     budget = 32e6  # 2 workers x (1 MiB row block or one stack entry, a few copies) + allocator noise
     assert info["bytes"] > 2 * budget
     env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", MEM_SCRIPT, hf, str(tmp_path / "ck")], capture_output=True,
-                       text=True, env=env, cwd=os.getcwd(), timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", MEM_SCRIPT, hf, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.getcwd(),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     growth = m["peak"] - m["base"]

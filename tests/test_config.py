@@ -12,12 +12,20 @@ from k3jax.config import ConfigError, K3Config, load_config, preset
 MXFP4_QUANT = {
     "quant_method": "compressed-tensors",
     "format": "mxfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
-        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
-                    "scale_dtype": "uint8"},
-        "input_activations": None,
-    }},
+    "config_groups": {
+        "group_0": {
+            "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "scale_dtype": "uint8",
+            },
+            "input_activations": None,
+        }
+    },
     "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "lm_head", "re:vision_tower.*"],
 }
 
@@ -30,29 +38,61 @@ def published_config():
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
-        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
         "media_placeholder_token_id": 163605,
         "tie_word_embeddings": False,
         "vision_config": {"model_type": "moonvit", "hidden_size": 1152},
         "text_config": {
-            "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-            "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93, "intermediate_size": 33792,
-            "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "situ",
-            "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-05,
-            "max_position_embeddings": 1048576, "attn_res_block_size": 12,
-            "num_attention_heads": 96, "num_key_value_heads": 96, "head_dim": 74,
-            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "v_head_dim": 128, "mla_use_nope": True, "mla_use_output_gate": True,
+            "model_type": "kimi_linear",
+            "architectures": ["KimiLinearForCausalLM"],
+            "vocab_size": 163840,
+            "hidden_size": 7168,
+            "num_hidden_layers": 93,
+            "intermediate_size": 33792,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "hidden_act": "situ",
+            "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 25.0,
+            "rms_norm_eps": 1e-05,
+            "max_position_embeddings": 1048576,
+            "attn_res_block_size": 12,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 96,
+            "head_dim": 74,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "mla_use_nope": True,
+            "mla_use_output_gate": True,
             "linear_attn_config": {
-                "num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
-                "gate_lower_bound": -5.0, "full_attn_layers": full,
+                "num_heads": 96,
+                "head_dim": 128,
+                "short_conv_kernel_size": 4,
+                "use_full_rank_gate": True,
+                "gate_lower_bound": -5.0,
+                "full_attn_layers": full,
                 "kda_layers": [n for n in range(1, 94) if n not in full],
             },
-            "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
-            "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
-            "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "routed_scaling_factor": 1.0,
-            "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+            "num_experts": 896,
+            "num_experts_per_token": 16,
+            "num_shared_experts": 2,
+            "moe_intermediate_size": 3072,
+            "routed_expert_hidden_size": 3584,
+            "latent_moe_use_norm": True,
+            "moe_router_activation_func": "sigmoid",
+            "moe_renormalize": True,
+            "routed_scaling_factor": 1.0,
+            "use_grouped_topk": True,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False,
             "quantization_config": copy.deepcopy(MXFP4_QUANT),
         },
     }
@@ -131,19 +171,34 @@ def test_release_source_counts_table():
     """K3_SPEC §2.4 table, values written out."""
     c = preset("k3")
     assert c.attn_res_sources(0, "attn") == 1
-    for lo, hi, n in [(1, 12, 2), (13, 24, 3), (25, 36, 4), (37, 48, 5), (49, 60, 6), (61, 72, 7),
-                      (73, 84, 8), (85, 92, 9)]:
+    for lo, hi, n in [
+        (1, 12, 2),
+        (13, 24, 3),
+        (25, 36, 4),
+        (37, 48, 5),
+        (49, 60, 6),
+        (61, 72, 7),
+        (73, 84, 8),
+        (85, 92, 9),
+    ]:
         assert all(c.attn_res_sources(L, "attn") == n for L in range(lo, hi + 1)), (lo, hi)
-    for lo, hi, n in [(0, 11, 2), (12, 23, 3), (24, 35, 4), (36, 47, 5), (48, 59, 6), (60, 71, 7),
-                      (72, 83, 8), (84, 92, 9)]:
+    for lo, hi, n in [
+        (0, 11, 2),
+        (12, 23, 3),
+        (24, 35, 4),
+        (36, 47, 5),
+        (48, 59, 6),
+        (60, 71, 7),
+        (72, 83, 8),
+        (84, 92, 9),
+    ]:
         assert all(c.attn_res_sources(L, "mlp") == n for L in range(lo, hi + 1)), (lo, hi)
     assert c.attn_res_sources(92, "output") == 9
 
 
 @pytest.mark.parametrize("block, layers", [(12, 93), (3, 7), (2, 5), (4, 8), (5, 17), (1, 3)])
 def test_source_counts_follow_the_decoder_loop(block, layers):
-    c = preset("tiny").replace(num_hidden_layers=layers, attn_res_block_size=block,
-                               full_attn_layers=(layers,))
+    c = preset("tiny").replace(num_hidden_layers=layers, attn_res_block_size=block, full_attn_layers=(layers,))
     sim, output = _simulated_sources(c)
     for (L, site), n in sim.items():
         assert c.attn_res_sources(L, site) == n, (L, site)
@@ -229,11 +284,14 @@ def test_wrapper_problems():
         K3Config.from_hf(d)
 
 
-@pytest.mark.parametrize("quant", [
-    {"quant_method": "fp8", "format": "float-quantized"},
-    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
-    {"quant_method": "mxfp4"},
-])
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "fp8", "format": "float-quantized"},
+        {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+        {"quant_method": "mxfp4"},
+    ],
+)
 def test_unsupported_quantization_format(quant):
     with pytest.raises(ConfigError, match="quantization_config"):
         K3Config.from_hf(_tc_with(quantization_config=quant))

@@ -66,8 +66,9 @@ def test_liberal_variants(tmp_path, seed):
     one model.safetensors, a bare kimi_linear config without the language_model. prefix, eos as a list."""
     cfg = preset("tiny")
     hf = str(tmp_path / "hf")
-    write_fake_hf(hf, cfg, seed, small_dtype="bfloat16", a_log_4d=True, single_file=True, bare_config=True,
-                  eos_list=True)
+    write_fake_hf(
+        hf, cfg, seed, small_dtype="bfloat16", a_log_4d=True, single_file=True, bare_config=True, eos_list=True
+    )
     assert not os.path.exists(os.path.join(hf, "model.safetensors.index.json"))
     out = str(tmp_path / "ck")
     meta = convert(hf, out, Options(progress=False, verify=True))
@@ -98,8 +99,12 @@ def _rewrite(hf_dir, fn):
     where = {n: idx["weight_map"].get(n, files[-1]) for n in new}
     for fn_ in files:
         names = [n for n in new if where[n] == fn_]
-        st = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8",
-              np.dtype(np.int32): "I32"}
+        st = {
+            np.dtype(ml_dtypes.bfloat16): "BF16",
+            np.dtype(np.float32): "F32",
+            np.dtype(np.uint8): "U8",
+            np.dtype(np.int32): "I32",
+        }
         w = Writer(os.path.join(hf_dir, fn_), {n: (st[new[n].dtype], new[n].shape) for n in names})
         for n in names:
             w.write(n, new[n])

@@ -42,8 +42,15 @@ def _prefill(params, seqs, lens, cache_dtype, all_logits=False):
     toks = np.zeros((B, int(lens.max())), np.int32)
     for b in range(B):
         toks[b, : lens[b]] = seqs[b][: lens[b]]
-    return EXTEND(params, jnp.asarray(toks), jnp.asarray(lens, jnp.int32), cache, cfg=CFG, dtype=jnp.float32,
-                  all_logits=all_logits)
+    return EXTEND(
+        params,
+        jnp.asarray(toks),
+        jnp.asarray(lens, jnp.int32),
+        cache,
+        cfg=CFG,
+        dtype=jnp.float32,
+        all_logits=all_logits,
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", ["bf16", "fp8"])
@@ -57,8 +64,9 @@ def test_prefill_then_decode_equals_one_pass(params, cache_dtype, rng):
     got = [np.asarray(logits)]
     for i in range(N):
         nxt = np.array([s[lens[b] + i] for b, s in enumerate(seqs)], np.int32)
-        logits, cache, _ = EXTEND(params, jnp.asarray(nxt)[:, None], jnp.ones((B,), jnp.int32), cache, cfg=CFG,
-                                  dtype=jnp.float32)
+        logits, cache, _ = EXTEND(
+            params, jnp.asarray(nxt)[:, None], jnp.ones((B,), jnp.int32), cache, cfg=CFG, dtype=jnp.float32
+        )
         got.append(np.asarray(logits))
     assert np.array_equal(np.asarray(cache["lengths"]), total)
     if cache_dtype == "fp8":
@@ -66,13 +74,13 @@ def test_prefill_then_decode_equals_one_pass(params, cache_dtype, rng):
     fwd = jax.jit(model.forward, static_argnums=(2, 3))
     errs = []
     for b in range(B):
-        full = one[b] if cache_dtype == "fp8" else np.asarray(fwd(params, jnp.asarray(seqs[b])[None], CFG,
-                                                                  jnp.float32))[0]
-        want = full[lens[b] - 1: lens[b] + N]  # logits at the last prompt token and at each decoded token
+        full = (
+            one[b] if cache_dtype == "fp8" else np.asarray(fwd(params, jnp.asarray(seqs[b])[None], CFG, jnp.float32))[0]
+        )
+        want = full[lens[b] - 1 : lens[b] + N]  # logits at the last prompt token and at each decoded token
         mine = np.stack([g[b] for g in got])
         row_errs = [rel_rms(m, w) for m, w in zip(mine, want, strict=True)]
-        print(f"{cache_dtype} seq {b} (prompt {lens[b]}): rel RMS per position",
-              " ".join(f"{e:.1e}" for e in row_errs))
+        print(f"{cache_dtype} seq {b} (prompt {lens[b]}): rel RMS per position", " ".join(f"{e:.1e}" for e in row_errs))
         errs += row_errs
     median_tol, row_max = TOL[cache_dtype]
     assert np.median(errs) <= median_tol and max(errs) <= row_max

@@ -138,11 +138,18 @@ def test_dspark_matches_reference(tmp_path, rng):
         rows = np.full((B, 3, D), 1e3)  # junk beyond the one committed row
         rows[:, 0] = v[np.arange(B), first]
         last[L] = jnp.asarray(rows, F32)
-    state = d.observe(dp, tp, state, jnp.zeros((B, 3), jnp.int32), jnp.ones(B, jnp.int32), jnp.asarray(first),
-                      last)
+    state = d.observe(dp, tp, state, jnp.zeros((B, 3), jnp.int32), jnp.ones(B, jnp.int32), jnp.asarray(first), last)
     anchor = rng.integers(0, V, size=B)
-    prop = d.propose(dp, tp, state, jnp.asarray(anchor, jnp.int32), jnp.asarray(n, jnp.int32), K,
-                     jax.random.key(int(rng.integers(1 << 30))), 1.0)
+    prop = d.propose(
+        dp,
+        tp,
+        state,
+        jnp.asarray(anchor, jnp.int32),
+        jnp.asarray(n, jnp.int32),
+        K,
+        jax.random.key(int(rng.integers(1 << 30))),
+        1.0,
+    )
     greedy = d.propose(dp, tp, state, jnp.asarray(anchor, jnp.int32), jnp.asarray(n, jnp.int32), K, None, 0.0)
     for b in range(B):
         cat = np.concatenate([taps[L][b, : n[b]] for L in c.target_layer_ids], -1)
@@ -182,8 +189,9 @@ def test_dspark_in_speculative_loop(tmp_path, rng):
     prompt = rng.integers(0, cfg.vocab_size, size=(B, P)).astype(np.int32)
     spec = speculative.SpecConfig(cfg, drafter, K, max_new, dtype=F32)
     max_len = P + max_new + K + 1
-    st = speculative.prefill_jit(spec, params, dp, jnp.asarray(prompt), jnp.asarray(n_prompt),
-                                 jax.random.key(0), max_len)
+    st = speculative.prefill_jit(
+        spec, params, dp, jnp.asarray(prompt), jnp.asarray(n_prompt), jax.random.key(0), max_len
+    )
     st = speculative.loop_jit(spec, params, dp, st)
     out = np.asarray(st.out_BN)
     got = out[:, :max_new]
@@ -195,14 +203,22 @@ def test_dspark_in_speculative_loop(tmp_path, rng):
     # one causal extend over everything committed: its argmax at each position is plain greedy decoding, and
     # its taps rebuild the drafter's context cache in one go
     cache = cache_lib.init_cache(cfg, B, max_len, F32, "bf16")
-    logits, _, taps = model.extend(params, jnp.asarray(seq), jnp.asarray(lengths), cache, cfg, F32,
-                                   all_logits=True, taps=drafter.taps)
+    logits, _, taps = model.extend(
+        params, jnp.asarray(seq), jnp.asarray(lengths), cache, cfg, F32, all_logits=True, taps=drafter.taps
+    )
     for b in range(B):
-        want = np.asarray(logits[b, n_prompt[b] - 1: lengths[b]]).argmax(-1)
+        want = np.asarray(logits[b, n_prompt[b] - 1 : lengths[b]]).argmax(-1)
         n = min(max_new, len(want))
         np.testing.assert_array_equal(got[b, :n], want[:n])
-    fresh = drafter.observe(dp, params, drafter.init_state(B, max_len, F32), jnp.asarray(seq),
-                            jnp.asarray(lengths), jnp.zeros(B, jnp.int32), taps)
+    fresh = drafter.observe(
+        dp,
+        params,
+        drafter.init_state(B, max_len, F32),
+        jnp.asarray(seq),
+        jnp.asarray(lengths),
+        jnp.zeros(B, jnp.int32),
+        taps,
+    )
     for r_got, r_want in zip(st.draft_state["rows"], fresh["rows"], strict=True):
         for b in range(B):
             assert rel_rms(r_got[b, : lengths[b]], r_want[b, : lengths[b]]) < 1e-5

@@ -25,8 +25,9 @@ N_NEW = 10
 def run(tiny_ckpt):  # noqa: F811
     rng = np.random.default_rng()
     cfg, params = checkpoint.load(tiny_ckpt.ckpt, dtype=jnp.float32)
-    eng = Engine(cfg, params, max_len=40, max_batch=4, dtype=jnp.float32, cache_dtype="bf16", prefill_chunk=4,
-                 steps_per_call=4)
+    eng = Engine(
+        cfg, params, max_len=40, max_batch=4, dtype=jnp.float32, cache_dtype="bf16", prefill_chunk=4, steps_per_call=4
+    )
     # ragged lengths that all end mid-chunk at the same offset: 2 prefill shapes per batch size (compile time)
     lens = 4 * rng.choice(4, size=3, replace=False) + rng.integers(1, 4)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lens]
@@ -44,10 +45,11 @@ def test_greedy_reproduces_full_forward_argmax(run):
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = s
     with jax.default_matmul_precision("highest"):
-        logits = np.asarray(jax.jit(model.forward, static_argnums=(2, 3))(run.params, jnp.asarray(ids), run.cfg,
-                                                                          jnp.float32))
+        logits = np.asarray(
+            jax.jit(model.forward, static_argnums=(2, 3))(run.params, jnp.asarray(ids), run.cfg, jnp.float32)
+        )
     for b, (p, t) in enumerate(zip(run.prompts, run.res.tokens, strict=True)):
-        lg = logits[b, len(p) - 1: len(p) - 1 + N_NEW]
+        lg = logits[b, len(p) - 1 : len(p) - 1 + N_NEW]
         clear = ~near_tie(lg)  # teacher forcing: every position stands alone, so only near-ties are skipped
         np.testing.assert_array_equal(np.asarray(t)[clear], lg.argmax(-1)[clear], err_msg=f"sequence {b}")
     assert run.res.prompt_lengths == [len(p) for p in run.prompts]
@@ -129,8 +131,13 @@ def test_batch_limits_and_refusals(run):
     with pytest.raises(GenerationError, match="max_position_embeddings"):
         Engine(cfg, params, max_len=cfg.max_position_embeddings + 1)
     eng = run.eng
-    for bad, n, msg in [([], 4, "no prompts"), ([[1], []], 4, "prompt 1 is empty"), ([[1, 2]], 0, "max_new_tokens"),
-                        ([[1] * 35], 6, "cache holds 40"), ([[1, cfg.vocab_size]], 4, "outside")]:
+    for bad, n, msg in [
+        ([], 4, "no prompts"),
+        ([[1], []], 4, "prompt 1 is empty"),
+        ([[1, 2]], 0, "max_new_tokens"),
+        ([[1] * 35], 6, "cache holds 40"),
+        ([[1, cfg.vocab_size]], 4, "outside"),
+    ]:
         with pytest.raises(GenerationError, match=msg):
             eng.generate(bad, n)
 

@@ -15,7 +15,7 @@ STREAMED_N = dict(STREAMED, x_stream="N")  # tokens on N: the batch padded to 8s
 
 def _inputs(r, B, D, rows):
     x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
-    ws = tuple(jnp.asarray(r.standard_normal((n, D)) * D ** -0.5, jnp.bfloat16) for n in rows)
+    ws = tuple(jnp.asarray(r.standard_normal((n, D)) * D**-0.5, jnp.bfloat16) for n in rows)
     return x, ws
 
 
@@ -25,23 +25,44 @@ def _check(got, x, ws):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         assert g.shape == want.shape and g.dtype == jnp.bfloat16
         err = np.abs(np.asarray(g, np.float64) - want)
-        assert np.all(err <= 2 ** -8 * np.abs(want) + 1e-3 * np.max(np.abs(want))), float(err.max())
+        assert np.all(err <= 2**-8 * np.abs(want) + 1e-3 * np.max(np.abs(want))), float(err.max())
 
 
 @cpu_only
-@pytest.mark.parametrize("B, split_k, steps, rows, x_stream", [
-    (3, 2, 3, 64, "M"), (20, 1, 2, 128, "M"), (64, 2, 4, 64, "M"), (13, 2, 3, 64, "N"), (8, 4, 4, 64, "N"),
-    (20, 4, 2, 128, "N"), (32, 1, 2, 128, "N"), (1, 2, 3, 64, "N"), (6, 2, 2, 128, "N"), (1, 1, 2, 64, "N"),
-    (5, 1, 3, 64, "N")])
+@pytest.mark.parametrize(
+    "B, split_k, steps, rows, x_stream",
+    [
+        (3, 2, 3, 64, "M"),
+        (20, 1, 2, 128, "M"),
+        (64, 2, 4, 64, "M"),
+        (13, 2, 3, 64, "N"),
+        (8, 4, 4, 64, "N"),
+        (20, 4, 2, 128, "N"),
+        (32, 1, 2, 128, "N"),
+        (1, 2, 3, 64, "N"),
+        (6, 2, 2, 128, "N"),
+        (1, 1, 2, 64, "N"),
+        (5, 1, 3, 64, "N"),
+    ],
+)
 def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
     """x streamed beside the weights, the tokens on WGMMA's M or N, race-free; with one split the kernel writes
     the rounded output itself (on N a row per token, through SMEM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
     with abstract_gpu("sm90"):
-        got = kernel.gemv(x, ws, block_k=128, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
-                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = kernel.gemv(
+            x,
+            ws,
+            block_k=128,
+            split_k=split_k,
+            steps=steps,
+            rows=rows,
+            x_stream=x_stream,
+            interpret=plgpu.InterpretGPUParams(detect_races=True),
+        )
     assert not get_races().races_found
     _check(got, x, ws)
 
@@ -52,9 +73,21 @@ def test_reference_matches_numpy():
 
 
 @cpu_only
-@pytest.mark.parametrize("B, launch", [(1, None), (64, None), (64, dict(STREAMED, split_k=4, steps=4, rows=128)),
-                                       (64, STREAMED_N), (32, STREAMED_N), (12, STREAMED), (12, STREAMED_N),
-                                       (37, STREAMED_N), (1, STREAMED_N), (5, STREAMED_N)])
+@pytest.mark.parametrize(
+    "B, launch",
+    [
+        (1, None),
+        (64, None),
+        (64, dict(STREAMED, split_k=4, steps=4, rows=128)),
+        (64, STREAMED_N),
+        (32, STREAMED_N),
+        (12, STREAMED),
+        (12, STREAMED_N),
+        (37, STREAMED_N),
+        (1, STREAMED_N),
+        (5, STREAMED_N),
+    ],
+)
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1,
     64) or others (128-row blocks; tokens on N at 64), and at batches that are not whole 8s (Mosaic's TMA
@@ -64,8 +97,7 @@ def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((128, 7168), jnp.bfloat16))
     with abstract_gpu("sm90"):
         kernel.check_supported(x, ws, **launch)
-        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(
-            lowering_platforms=("cuda",))
+        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -79,8 +111,7 @@ def test_o_proj_launch_lowers_for_cuda(B, x_stream):
     ws = (jax.ShapeDtypeStruct((7168, 768), jnp.bfloat16),)
     with abstract_gpu("sm90"):
         kernel.check_supported(x, ws, **launch)
-        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(
-            lowering_platforms=("cuda",))
+        lowered = jax.jit(lambda x, ws: kernel.gemv(x, ws, **launch)).trace(x, ws).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (B, 7168)
 
 
@@ -88,8 +119,13 @@ def test_o_proj_launch_lowers_for_cuda(B, x_stream):
 def test_kernel_refuses_what_it_cannot_run(bad):
     B, D = {"batch": 65, "smem": 64}.get(bad, 2), 7168 if bad == "smem" else 1024
     x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
-    launch = dict(block_k=128, split_k=3 if bad == "split" else 2, steps=2, rows=96 if bad == "block" else 64,
-                  x_stream=False if bad == "x_stream" else "M")  # False: the resident-x form, removed
+    launch = dict(
+        block_k=128,
+        split_k=3 if bad == "split" else 2,
+        steps=2,
+        rows=96 if bad == "block" else 64,
+        x_stream=False if bad == "x_stream" else "M",
+    )  # False: the resident-x form, removed
     if bad == "smem":  # 8 stages of a 128 x 256 weight tile and a 64 x 256 x tile: 786 KB
         launch.update(block_k=256, steps=8, rows=128)
     with pytest.raises(NotImplementedError):
@@ -116,8 +152,11 @@ def test_o_proj_launches_cover_what_they_claim():
         for B in range(1, kernel.MAX_TOKENS + 1):
             if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
                 launch = api.pick_launch(B, D, table="o_proj_launch")
-                kernel.check_supported(jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
-                                       (jax.ShapeDtypeStruct((7168, D), jnp.bfloat16),), **launch)
+                kernel.check_supported(
+                    jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
+                    (jax.ShapeDtypeStruct((7168, D), jnp.bfloat16),),
+                    **launch,
+                )
             else:
                 with pytest.raises(NotImplementedError, match=f"batch {B}: no GEMV o_proj_launch"):
                     api.pick_launch(B, D, table="o_proj_launch")
@@ -168,4 +207,3 @@ def test_streamed_tokens_on_n_on_gpu_matches_numpy(B, rows):
     D = 768 if rows == (7168,) else 7168
     x, ws = _inputs(rng(), B, D, rows)
     _check(kernel.gemv(x, ws, **dict(STREAMED_N, split_k=1 if D == 768 else 2)), x, ws)
-

@@ -27,8 +27,24 @@ def test_greedy_prompt_ids_match_score_argmax(tiny_ckpt, tmp_path, capsys, rng):
     cfg, ck = tiny_ckpt.cfg, tiny_ckpt.ckpt
     ids = rng.integers(0, cfg.vocab_size, size=int(rng.integers(2, 20))).tolist()
     n = int(rng.integers(8, 20))
-    rc = generate.main(["--checkpoint", ck, "--prompt-ids", ",".join(map(str, ids)), "--greedy", "--dtype",
-                        "float32", "--cache-dtype", "bf16", "--max-new-tokens", str(n), "--batch", "64", "--json"])
+    rc = generate.main(
+        [
+            "--checkpoint",
+            ck,
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--greedy",
+            "--dtype",
+            "float32",
+            "--cache-dtype",
+            "bf16",
+            "--max-new-tokens",
+            str(n),
+            "--batch",
+            "64",
+            "--json",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     res = json.loads(out.out.splitlines()[-1])  # one JSON line (the rng fixture printed its seed before it)
@@ -42,10 +58,11 @@ def test_greedy_prompt_ids_match_score_argmax(tiny_ckpt, tmp_path, capsys, rng):
     assert res["decode_tokens"] == 64 * (len(g) - 1) and res["ttft_s"] > 0
     assert len(g) == 1 or res["decode_tokens_per_s"] > 0
     np.save(tmp_path / "ids.npy", np.array(ids + g[:-1]))
-    assert score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "ids.npy"), "--out",
-                       str(tmp_path / "lg.npy")]) == 0
+    assert (
+        score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "lg.npy")]) == 0
+    )
     logits = np.load(tmp_path / "lg.npy")
-    lg = logits[len(ids) - 1:]
+    lg = logits[len(ids) - 1 :]
     clear = ~near_tie(lg)  # teacher forcing: each position stands alone; near-ties may go either way in fp32
     np.testing.assert_array_equal(lg.argmax(-1)[clear], np.asarray(g)[clear])
 
@@ -53,8 +70,10 @@ def test_greedy_prompt_ids_match_score_argmax(tiny_ckpt, tmp_path, capsys, rng):
 @pytest.fixture
 def no_weights(monkeypatch):
     """A refusal must come before any weight is read or any token generated."""
+
     def boom(*a, **k):
         raise AssertionError("weights were loaded before the request was refused")
+
     monkeypatch.setattr(checkpoint, "load", boom)
 
 
@@ -85,8 +104,9 @@ def test_bad_checkpoints_refused(tiny_ckpt, no_weights, tmp_path, capsys):  # no
     assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.hf, "--prompt-ids", "1,2"], "looks like an HF checkpoint")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "weights.bin").write_bytes(os.urandom(64))
-    assert_cli_refused(capsys, ["--checkpoint", str(tmp_path / "junk"), "--prompt", "hi"],
-                       "not a converted k3jax checkpoint")
+    assert_cli_refused(
+        capsys, ["--checkpoint", str(tmp_path / "junk"), "--prompt", "hi"], "not a converted k3jax checkpoint"
+    )
     assert_cli_refused(capsys, ["--checkpoint", str(tmp_path / "missing"), "--prompt", "hi"], "no such directory")
     # converted without tokenizer files: a text prompt is refused and --prompt-ids is named as the way out
     assert_cli_refused(capsys, ["--checkpoint", tiny_ckpt.ckpt_no_tok, "--prompt", "hello"], "tiktoken.model")
@@ -102,8 +122,14 @@ def test_readme_demo_command_as_a_new_user(tmp_path):
     """The README's "run the main job" command, with an empty cache directory: it makes the demo model through
     fake_hf + the real converter, says plainly that the weights are random, and generates."""
     env = {**os.environ, "K3JAX_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-m", "k3jax.generate", "--prompt", "the quick brown fox",
-                        "--max-new-tokens", "24"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "k3jax.generate", "--prompt", "the quick brown fox", "--max-new-tokens", "24"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "RANDOM weights" in p.stdout and str(tmp_path / "cache") in p.stdout
     m = re.search(r"sequence 0: (\d+) tokens", p.stdout)

@@ -47,8 +47,11 @@ def _check(rng, T, chunk, g_of, tol=2e-6, K=K):
 
 @pytest.mark.parametrize("chunk", [4, 16])
 def test_chunked_equals_recurrent_on_random_lengths(rng, chunk):
-    lengths = [1, chunk * int(rng.integers(1, 3)),  # shorter than a chunk; an exact multiple
-               chunk * int(rng.integers(1, 3)) + int(rng.integers(1, chunk))]  # a ragged last chunk
+    lengths = [
+        1,
+        chunk * int(rng.integers(1, 3)),  # shorter than a chunk; an exact multiple
+        chunk * int(rng.integers(1, 3)) + int(rng.integers(1, chunk)),
+    ]  # a ragged last chunk
     for T in lengths:
         _check(rng, T, chunk, lambda s: rng.uniform(-5.0, 0.0, s))
 

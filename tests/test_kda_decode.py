@@ -26,7 +26,10 @@ def make_inputs(r, B, H, K, dtype, T=None):
         return jnp.asarray(r.standard_normal(shape) * scale, jnp.float32).astype(dtype)
 
     return dict(
-        qkv=act(*tok, 3, H, K), f=act(*tok, H, K), beta=act(*tok, H), gate=act(*tok, H, K),
+        qkv=act(*tok, 3, H, K),
+        f=act(*tok, H, K),
+        beta=act(*tok, H),
+        gate=act(*tok, H, K),
         state=jnp.asarray(r.standard_normal((B, H, K, K)) * 0.3, jnp.float32),
         conv=act(B, 3, 3, H, K),
         conv_w=jnp.asarray(r.standard_normal((3, H, K, 4)) * 0.5, jnp.float32),
@@ -37,8 +40,18 @@ def make_inputs(r, B, H, K, dtype, T=None):
 
 
 def args_of(x):
-    return (x["qkv"], x["f"], x["beta"], x["gate"], x["state"], x["conv"], x["conv_w"], x["A_log"],
-            x["dt_bias"], x["o_norm_w"])
+    return (
+        x["qkv"],
+        x["f"],
+        x["beta"],
+        x["gate"],
+        x["state"],
+        x["conv"],
+        x["conv_w"],
+        x["A_log"],
+        x["dt_bias"],
+        x["o_norm_w"],
+    )
 
 
 def numpy_decode(x, eps=1e-5):
@@ -102,8 +115,18 @@ def test_commit_of_verify_equals_sequential_decode(dtype):
     # order can flip both roundings, 2 ulps (seen once in CI-like runs); f32 stays at 1e-6.
     y_tol = dict(atol=1e-6, rtol=2.0**-6) if dtype == "bf16" else dict(atol=1e-6, rtol=1e-6)
     for t in range(T):
-        y, s, c = step(x["qkv"][:, t], x["f"][:, t], x["beta"][:, t], x["gate"][:, t], states[-1], convs[-1],
-                       x["conv_w"], x["A_log"], x["dt_bias"], x["o_norm_w"])
+        y, s, c = step(
+            x["qkv"][:, t],
+            x["f"][:, t],
+            x["beta"][:, t],
+            x["gate"][:, t],
+            states[-1],
+            convs[-1],
+            x["conv_w"],
+            x["A_log"],
+            x["dt_bias"],
+            x["o_norm_w"],
+        )
         assert_close(y_BT[:, t], y, **y_tol, what=f"y[{t}]")
         states.append(s)
         convs.append(c)
@@ -116,8 +139,10 @@ def test_commit_of_verify_equals_sequential_decode(dtype):
 
 # ---- kernel bodies ----------------------------------------------------------------------------------------
 
+
 def _body(arch):
     from pallas_kernels.kda_decode import sm90, sm100
+
     return {"sm90": sm90, "sm100": sm100}[arch]
 
 
@@ -128,9 +153,19 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **l
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
+
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
-    return functools.partial(kernel.decode_gates if gates else kernel.decode, eps=1e-5, tile_layout=layout,
-                             v_chunk=32, tma=tma, v_split=v_split, gather=gather, warpgroups=warpgroups, **launch)
+    return functools.partial(
+        kernel.decode_gates if gates else kernel.decode,
+        eps=1e-5,
+        tile_layout=layout,
+        v_chunk=32,
+        tma=tma,
+        v_split=v_split,
+        gather=gather,
+        warpgroups=warpgroups,
+        **launch,
+    )
 
 
 @cpu_only
@@ -140,6 +175,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **l
 def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype])
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu(arch):
@@ -152,9 +188,11 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
 
 # (tma, split, dtype): a cluster of v_split CTAs per tile with every staging, or the warpgroups of one CTA
 # (which take per-slice or no TMA); one or two 32-column chunks each
-SPLITS = ([(tma, dict(v_split=4), "f32") for tma in (False, True, "chunked")]
-          + [(tma, dict(v_split=2), "bf16") for tma in (False, True, "chunked")]
-          + [(tma, dict(warpgroups=n), dt) for tma in (False, "chunked") for n, dt in ((4, "f32"), (2, "bf16"))])
+SPLITS = (
+    [(tma, dict(v_split=4), "f32") for tma in (False, True, "chunked")]
+    + [(tma, dict(v_split=2), "bf16") for tma in (False, True, "chunked")]
+    + [(tma, dict(warpgroups=n), dt) for tma in (False, "chunked") for n, dt in ((4, "f32"), (2, "bf16"))]
+)
 
 
 @cpu_only
@@ -166,6 +204,7 @@ def test_split_interpret_matches_reference(arch, tma, split, dtype):
     the reference; B = 3 so the splits of different (b, h) run side by side."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     x = make_inputs(rng(), 3, 1, 128, DTYPES[dtype])
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu(arch):
@@ -184,12 +223,14 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.kda_decode import kernel
+
     monkeypatch.setattr(kernel, "_cluster_sync", lambda bar, fences: None)
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):
-        got = _variant("sm90", "chunked", 4)(*args_of(x), interpret=plgpu.InterpretGPUParams(
-            detect_races=True, uninitialized_memory="nan"))
+        got = _variant("sm90", "chunked", 4)(
+            *args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+        )
     ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
     assert get_races().races_found or not ok
 
@@ -202,13 +243,15 @@ def test_warpgroup_split_needs_its_barrier(monkeypatch):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.kda_decode import kernel
+
     # staged by ld.global (tma=False), the CTA barrier is the kernel's only barrier wait
     monkeypatch.setattr(kernel.plgpu, "barrier_wait", lambda *a, **k: None)
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):
-        got = _variant("sm90", False, warpgroups=4)(*args_of(x), interpret=plgpu.InterpretGPUParams(
-            detect_races=True, uninitialized_memory="nan"))
+        got = _variant("sm90", False, warpgroups=4)(
+            *args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+        )
     ok = np.all(np.isfinite(np.asarray(got[0], np.float64))) and np.allclose(got[0], want[0], **TOL["f32"])
     assert get_races().races_found or not ok
 
@@ -216,30 +259,65 @@ def test_warpgroup_split_needs_its_barrier(monkeypatch):
 def gate_inputs(r, B, H, K, dtype, R=16, D=256):
     """The gate projections' inputs at the scale of the model: f and beta logits come out O(1)."""
     act = lambda *shape, scale=1.0: jnp.asarray(r.standard_normal(shape) * scale, jnp.float32).astype(dtype)  # noqa: E731
-    return dict(fa=act(B, R), f_b=act(R, H, K, scale=R ** -0.5), x=act(B, D), b=act(H, D, scale=D ** -0.5))
+    return dict(fa=act(B, R), f_b=act(R, H, K, scale=R**-0.5), x=act(B, D), b=act(H, D, scale=D**-0.5))
 
 
 def gate_args_of(x, g):
-    return (x["qkv"], g["fa"], g["f_b"], g["x"], g["b"], x["gate"], x["state"], x["conv"], x["conv_w"],
-            x["A_log"], x["dt_bias"], x["o_norm_w"])
+    return (
+        x["qkv"],
+        g["fa"],
+        g["f_b"],
+        g["x"],
+        g["b"],
+        x["gate"],
+        x["state"],
+        x["conv"],
+        x["conv_w"],
+        x["A_log"],
+        x["dt_bias"],
+        x["o_norm_w"],
+    )
 
 
 def x_args_of(x, g, w):
     """kda_decode_x's arguments: the layer's input and projection weights instead of projected q/k/v/g."""
-    return (g["x"], w["qkvg"], w["f_a"], g["f_b"], g["b"], x["state"], x["conv"], x["conv_w"], x["A_log"],
-            x["dt_bias"], x["o_norm_w"])
+    return (
+        g["x"],
+        w["qkvg"],
+        w["f_a"],
+        g["f_b"],
+        g["b"],
+        x["state"],
+        x["conv"],
+        x["conv_w"],
+        x["A_log"],
+        x["dt_bias"],
+        x["o_norm_w"],
+    )
 
 
 def projection_weights(r, H, K, R, D, dtype=jnp.bfloat16):
     """Out-major qkvg [4, H, K, D] and f_a [R, D] at the model's scale (outputs O(1))."""
-    return dict(qkvg=jnp.asarray(r.standard_normal((4, H, K, D)) * D ** -0.5, jnp.float32).astype(dtype),
-                f_a=jnp.asarray(r.standard_normal((R, D)) * D ** -0.5, jnp.float32).astype(dtype))
+    return dict(
+        qkvg=jnp.asarray(r.standard_normal((4, H, K, D)) * D**-0.5, jnp.float32).astype(dtype),
+        f_a=jnp.asarray(r.standard_normal((R, D)) * D**-0.5, jnp.float32).astype(dtype),
+    )
 
 
 @cpu_only
-@pytest.mark.parametrize("B, gemv, fuse_max, x_stream", [
-    (1, True, 64, None), (3, True, 64, None), (9, True, 64, "M"), (9, True, 8, "M"), (12, True, 64, "N"),
-    (12, True, 8, "N"), (2, False, 64, None), (9, False, 8, None)])
+@pytest.mark.parametrize(
+    "B, gemv, fuse_max, x_stream",
+    [
+        (1, True, 64, None),
+        (3, True, 64, None),
+        (9, True, 64, "M"),
+        (9, True, 8, "M"),
+        (12, True, 64, "N"),
+        (12, True, 8, "N"),
+        (2, False, 64, None),
+        (9, False, 8, None),
+    ],
+)
 def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max, x_stream):
     """The step from x and the projection weights: with tuning gemv_projections the decode GEMV's fp32 partials
     go straight into the decode kernel (which sums and rounds them; B = 9 and 12 run the GEMV's streamed launch
@@ -252,6 +330,7 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max, x_
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.kda_decode import bodies
+
     r = rng()
     H, K, R, D = 2, 128, 128, 1024  # R = K, as in K3: the fused f gate's fa broadcast through SMEM
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
@@ -261,6 +340,7 @@ def test_decode_x_interpret_matches_reference(monkeypatch, B, gemv, fuse_max, x_
     ops = bodies.entry_points(dict(_body("sm90").TUNING, gemv_projections=gemv, fuse_gates_max_batch=fuse_max))
     if x_stream:  # the tuning's launch with the tokens on x_stream's WGMMA dimension
         from pallas_kernels.gemv import api as gemv_api
+
         pick = gemv_api.pick_launch
         monkeypatch.setattr(gemv_api, "pick_launch", lambda *a, **k: dict(pick(*a, **k), x_stream=x_stream))
     if gemv:  # the GEMV path must not quietly fall back to the model's GEMMs
@@ -279,6 +359,7 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
     from pallas_kernels.gemv import api as gemv_api
     from pallas_kernels.gemv import kernel as gemv
     from pallas_kernels.kda_decode import kernel
+
     r = rng()
     H, K, R, D = 6, 128, 128, 7168
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
@@ -288,8 +369,18 @@ def test_decode_from_gemv_lowers_for_cuda_at_tp16_shapes(B):
 
     def step(x_BD, qkvg, f_a, *rest):
         parts = gemv.partials(x_BD, (qkvg.reshape(-1, D), f_a), **g_launch)
-        return kernel.decode_gates(parts[0], parts[1], rest[0], x_BD, rest[1], parts[0], *rest[2:], eps=1e-5,
-                                   from_gemv="TN" if g_launch["x_stream"] == "M" else "NT", **launch)
+        return kernel.decode_gates(
+            parts[0],
+            parts[1],
+            rest[0],
+            x_BD,
+            rest[1],
+            parts[0],
+            *rest[2:],
+            eps=1e-5,
+            from_gemv="TN" if g_launch["x_stream"] == "M" else "NT",
+            **launch,
+        )
 
     args = x_args_of(x, g, w)
     with abstract_gpu("sm90"):
@@ -346,16 +437,25 @@ def test_api_refuses_qkv_without_three_streams():
 
 
 @cpu_only
-@pytest.mark.parametrize("tma, split", [(False, {}), (True, {}), ("chunked", {}), ("rows", {}),
-                                        ("rows", dict(keep_slices=3)),
-                                        ("rows", dict(keep_slices=2, row_stores="global")),
-                                        ("chunked", dict(warpgroups=2)),
-                                        (True, dict(v_split=2))])
+@pytest.mark.parametrize(
+    "tma, split",
+    [
+        (False, {}),
+        (True, {}),
+        ("chunked", {}),
+        ("rows", {}),
+        ("rows", dict(keep_slices=3)),
+        ("rows", dict(keep_slices=2, row_stores="global")),
+        ("chunked", dict(warpgroups=2)),
+        (True, dict(v_split=2)),
+    ],
+)
 def test_kernel_keeps_idle_sequences(tma, split):
     """The kernel writes an idle sequence's state and window back as read (every staging: SMEM left as loaded,
     or the registers as read; a split's conv writer), in interpret mode; lowered at 64 x 6."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     r = rng()
     x = make_inputs(r, 3, 1, 128, jnp.float32)
     active = idle_mask(r, 3)
@@ -393,13 +493,20 @@ def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.kda_decode import kernel
+
     r = rng()
     x, g = make_inputs(r, 2, 2, 128, DTYPES[dtype]), gate_inputs(r, 2, 2, 128, DTYPES[dtype])
     want = reference.kda_decode_gates(*gate_args_of(x, g))
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
     with abstract_gpu(arch):
-        got = kernel.decode_gates(*gate_args_of(x, g), eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma,
-                                  interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = kernel.decode_gates(
+            *gate_args_of(x, g),
+            eps=1e-5,
+            tile_layout=layout,
+            v_chunk=32,
+            tma=tma,
+            interpret=plgpu.InterpretGPUParams(detect_races=True),
+        )
     assert not get_races().races_found
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -413,6 +520,7 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import bodies
+
     r = rng()
     x, g = make_inputs(r, 1, 2, 128, jnp.float32), gate_inputs(r, 1, 2, 128, jnp.float32)
     tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0)
@@ -427,6 +535,7 @@ def test_body_gates_follow_tuning(monkeypatch, fuse):
 def test_body_fuses_gates_only_within_its_tuning_limits(monkeypatch, B, H, fused):
     """fuse_gates_max_batch = 2 and fuse_gates_max_heads = 3: the fused kernel runs only within both."""
     from pallas_kernels.kda_decode import bodies, kernel
+
     called = []
     monkeypatch.setattr(kernel, "decode_gates", lambda *a, **k: called.append("fused"))
     monkeypatch.setattr(kernel, "decode", lambda *a, **k: called.append("unfused"))
@@ -445,6 +554,7 @@ def test_fused_gates_lower_for_cuda(arch, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
+
     r = rng()
     x, g = make_inputs(r, 8, 12, 128, jnp.bfloat16), gate_inputs(r, 8, 12, 128, jnp.bfloat16, R=128, D=7168)
     layout = getattr(plgpu.Layout, _body(arch).TUNING["layout"])
@@ -456,8 +566,11 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, v_split, gather", [(t, 1, "gmem") for t in (False, True, "chunked", "rows")]
-                         + [(t, 4, g) for t in (False, True, "chunked") for g in ("gmem", "dsmem")])
+@pytest.mark.parametrize(
+    "tma, v_split, gather",
+    [(t, 1, "gmem") for t in (False, True, "chunked", "rows")]
+    + [(t, 4, g) for t in (False, True, "chunked") for g in ("gmem", "dsmem")],
+)
 def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
     (the only CPU check of the peer-SMEM gather, which interpret mode cannot run; the GPU tests run it)."""
@@ -485,10 +598,16 @@ def test_warpgroup_split_lowers_for_cuda(arch, tma, warpgroups):
 
 def test_pick_launch_takes_first_entry_covering_the_tiles():
     from pallas_kernels.kda_decode import kernel, verify_kernel
-    tuning = {"layout": "WGMMA", "launch": [{"max_tiles": 4, "v_chunk": 16, "tma": True},
-                                            {"max_tiles": 64, "v_chunk": 64, "tma": False},
-                                            {"max_tiles": 200, "v_chunk": 32, "tma": "chunked"},
-                                            {"max_tiles": None, "tma": "rows", "k_chunk": 16, "keep_slices": 2}]}
+
+    tuning = {
+        "layout": "WGMMA",
+        "launch": [
+            {"max_tiles": 4, "v_chunk": 16, "tma": True},
+            {"max_tiles": 64, "v_chunk": 64, "tma": False},
+            {"max_tiles": 200, "v_chunk": 32, "tma": "chunked"},
+            {"max_tiles": None, "tma": "rows", "k_chunk": 16, "keep_slices": 2},
+        ],
+    }
     for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (8, 12, (32, "chunked")), (64, 96, (32, "rows"))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
         assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
@@ -510,6 +629,7 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
 def test_api_body_runs_its_tuning():
     """The sm90 body with tuning.json's launch for a small shape (interpret mode, so it runs on CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     with abstract_gpu("sm90"):
         got = _body("sm90").kda_decode(*args_of(x), interpret=plgpu.InterpretGPUParams())
@@ -517,16 +637,26 @@ def test_api_body_runs_its_tuning():
         assert_close(a, b, **TOL["f32"])
 
 
-@pytest.mark.parametrize("launch", [dict(v_split=3), dict(v_split=8, tma=True), dict(v_split=4, gather="dsmem"),
-                                    dict(v_split=4, gather="tmem"), dict(tma="rows", v_split=2),
-                                    dict(tma="rows", warpgroups=2), dict(tma="rows", k_chunk=48),
-                                    dict(tma="columns")])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        dict(v_split=3),
+        dict(v_split=8, tma=True),
+        dict(v_split=4, gather="dsmem"),
+        dict(v_split=4, gather="tmem"),
+        dict(tma="rows", v_split=2),
+        dict(tma="rows", warpgroups=2),
+        dict(tma="rows", k_chunk=48),
+        dict(tma="columns"),
+    ],
+)
 def test_kernel_refuses_impossible_launches(launch):
     """Splits that do not tile V into whole chunks, row slices that do not tile K or share a tile between
     warpgroups, unknown stagings, and gathers interpret mode cannot run, refuse up front."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
+
     x = make_inputs(rng(), 1, 1, 128, jnp.float32)
     kw = dict(eps=1e-5, tile_layout=plgpu.Layout.WGMMA, v_chunk=32, tma="chunked") | launch
     with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
@@ -538,8 +668,12 @@ def test_body_runs_a_split_launch_entry():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import bodies
-    tuning = dict(_body("sm90").TUNING, commit="kernel",
-                  launch=[{"max_tiles": None, "v_chunk": 32, "tma": "chunked", "v_split": 2, "gather": "gmem"}])
+
+    tuning = dict(
+        _body("sm90").TUNING,
+        commit="kernel",
+        launch=[{"max_tiles": None, "v_chunk": 32, "tma": "chunked", "v_split": 2, "gather": "gmem"}],
+    )
     ops = bodies.entry_points(tuning)
     decode, verify, commit = ops.kda_decode, ops.kda_verify, ops.kda_commit
     r = rng()
@@ -593,19 +727,39 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize("k_chunk, keep, stores", [(16, 0, "tma"), (32, 0, "tma"), (64, 0, "tma"), (32, 1, "tma"),
-                                                   (32, 2, "tma"), (32, 3, "tma"), (32, 4, "tma"),
-                                                   (32, 0, "global"), (32, 2, "global"), (32, 3, "global")])
+@pytest.mark.parametrize(
+    "k_chunk, keep, stores",
+    [
+        (16, 0, "tma"),
+        (32, 0, "tma"),
+        (64, 0, "tma"),
+        (32, 1, "tma"),
+        (32, 2, "tma"),
+        (32, 3, "tma"),
+        (32, 4, "tma"),
+        (32, 0, "global"),
+        (32, 2, "global"),
+        (32, 3, "global"),
+    ],
+)
 def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, stores):
     """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
     passes), at real shapes, with idle sequences."""
     from pallas_kernels.kda_decode import kernel
+
     r = rng()
     x = make_inputs(r, B, H, 128, DTYPES[dtype])
     active = idle_mask(r, B) if B > 1 else None
     want = jax.jit(reference.kda_decode)(*args_of(x), active)
-    f = functools.partial(kernel.decode, eps=1e-5, tile_layout=kernel.plgpu.Layout.WGMMA, tma="rows",
-                          k_chunk=k_chunk, keep_slices=keep, row_stores=stores)
+    f = functools.partial(
+        kernel.decode,
+        eps=1e-5,
+        tile_layout=kernel.plgpu.Layout.WGMMA,
+        tma="rows",
+        k_chunk=k_chunk,
+        keep_slices=keep,
+        row_stores=stores,
+    )
     got = jax.jit(f)(*args_of(x), active)
     if active is None:
         for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
@@ -629,15 +783,29 @@ def test_idle_sequences_on_gpu(B, H, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, H, gemv", [(1, 6, True), (8, 6, True), (1, 12, True), (8, 12, True), (12, 6, True),
-                                        (32, 12, True), (64, 6, True), (64, 12, True), (64, 6, False),
-                                        (1, 96, False), (8, 96, False)])
+@pytest.mark.parametrize(
+    "B, H, gemv",
+    [
+        (1, 6, True),
+        (8, 6, True),
+        (1, 12, True),
+        (8, 12, True),
+        (12, 6, True),
+        (32, 12, True),
+        (64, 6, True),
+        (64, 12, True),
+        (64, 6, False),
+        (1, 96, False),
+        (8, 96, False),
+    ],
+)
 def test_decode_x_on_gpu_matches_reference(monkeypatch, B, H, gemv):
     """At TP16 / TP8 / TP1 ranks' real shapes, bf16. gemv: the decode GEMV's partials read by the decode kernel
     (B = 64: x streamed, token-major partials; the kernel sums them within the fused-gates batch). Else where
     the GEMV does not run (B = 64, 96 heads): XLA's projections, the kernel fed the whole qkvg (no sliced
     copies), gates fused or XLA's."""
     from pallas_kernels.kda_decode import bodies
+
     r = rng()
     K, R, D = 128, 128, 7168
     x, g = make_inputs(r, B, H, K, jnp.bfloat16), gate_inputs(r, B, H, K, jnp.bfloat16, R=R, D=D)
@@ -671,6 +839,7 @@ def test_warpgroup_split_on_gpu_matches_reference(B, H, tma, dtype, warpgroups):
 def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
     """Both gate variants at real shapes (R = 128, D = 7168), bf16, against the reference."""
     from pallas_kernels.kda_decode import bodies
+
     r = rng()
     x, g = make_inputs(r, B, H, 128, jnp.bfloat16), gate_inputs(r, B, H, 128, jnp.bfloat16, R=128, D=7168)
     tuning = dict(_body("sm90").TUNING, fuse_gates_max_batch=64 if fuse else 0, fuse_gates_max_heads=H)
@@ -689,6 +858,7 @@ def test_bench_patterns_copies_and_masked_reference():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from bench import kda_patterns as kp
+
     r = rng()
     s = jnp.asarray(r.standard_normal((2, 2, 128, 128)), jnp.float32)
     with abstract_gpu("sm90"):

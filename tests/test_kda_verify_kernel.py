@@ -21,6 +21,7 @@ def _layout(arch):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import sm90, sm100
+
     return getattr(plgpu.Layout, {"sm90": sm90, "sm100": sm100}[arch].TUNING["layout"])
 
 
@@ -28,9 +29,12 @@ def _kernels(arch, tma, interpret=None, v_split=1, gather="gmem"):
     """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none);
     tma="rows": verify's rows path (commit takes the whole tile by TMA, as pick_launch gives it)."""
     from pallas_kernels.kda_decode import verify_kernel
+
     kw = dict(tile_layout=_layout(arch), v_chunk=32, interpret=interpret)
-    return (functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, tma=tma, **kw),
-            functools.partial(verify_kernel.commit, tma=True if tma == "rows" else tma, **kw))
+    return (
+        functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, tma=tma, **kw),
+        functools.partial(verify_kernel.commit, tma=True if tma == "rows" else tma, **kw),
+    )
 
 
 def numpy_steps(x, T):
@@ -54,9 +58,16 @@ def assert_commit_data_close(got, want, dtype):
 
 # (arch, staging, dtype, v_split): each body with both staging paths, each dtype twice, one CTA per tile; then
 # verify on a cluster of 4 / 2 CTAs per tile (o gathered through GMEM for CTA 0's gated norms).
-VARIANTS = [("sm90", False, "f32", 1), ("sm90", True, "bf16", 1), ("sm100", False, "bf16", 1),
-            ("sm100", True, "f32", 1), ("sm90", False, "f32", 4), ("sm100", True, "bf16", 2),
-            ("sm90", "rows", "f32", 1), ("sm100", "rows", "bf16", 1)]
+VARIANTS = [
+    ("sm90", False, "f32", 1),
+    ("sm90", True, "bf16", 1),
+    ("sm100", False, "bf16", 1),
+    ("sm100", True, "f32", 1),
+    ("sm90", False, "f32", 4),
+    ("sm100", True, "bf16", 2),
+    ("sm90", "rows", "f32", 1),
+    ("sm100", "rows", "bf16", 1),
+]
 
 
 @cpu_only
@@ -67,6 +78,7 @@ def test_verify_then_commit_interpret_equals_sequential_decode(arch, tma, dtype,
     T' = 0 and T and random T' per sequence."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     r = rng()
     x = make_inputs(r, 2, 2, 128, DTYPES[dtype], T=T)
     verify, commit = _kernels(arch, tma, plgpu.InterpretGPUParams(detect_races=True), v_split=v_split)
@@ -95,6 +107,7 @@ def test_commit_interpret_every_prefix():
     """Commit kernel == XLA commit for every accepted count 0..T at once (sequence b accepts b tokens)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
     T = 8
     x = make_inputs(rng(), T + 1, 1, 128, jnp.bfloat16, T=T)
     _, data = reference.kda_verify(*args_of(x))
@@ -103,8 +116,9 @@ def test_commit_interpret_every_prefix():
     with abstract_gpu("sm90"):
         got = commit(x["state"], x["conv"], data, accepted)
     assert not get_races().races_found
-    for name, a, b in zip(("state", "conv"), got, reference.kda_commit(x["state"], x["conv"], data, accepted),
-                          strict=True):
+    for name, a, b in zip(
+        ("state", "conv"), got, reference.kda_commit(x["state"], x["conv"], data, accepted), strict=True
+    ):
         assert_close(a, b, atol=1e-6, rtol=1e-6, what=name)
 
 
@@ -115,6 +129,7 @@ def test_bodies_run_their_tuning(arch):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import sm90, sm100
+
     body = {"sm90": sm90, "sm100": sm100}[arch]
     r = rng()
     x = make_inputs(r, 1, 2, 128, jnp.float32, T=3)
@@ -141,6 +156,7 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import bodies, sm90, verify_kernel
+
     ran = []
     steps_rows = verify_kernel._steps_rows
     monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
@@ -156,9 +172,10 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, v_split, gather", [(tma, v, g) for tma in (False, True)
-                                                   for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))]
-                         + [("rows", 1, "gmem")])
+@pytest.mark.parametrize(
+    "tma, v_split, gather",
+    [(tma, v, g) for tma in (False, True) for v, g in ((1, "gmem"), (4, "gmem"), (4, "dsmem"))] + [("rows", 1, "gmem")],
+)
 def test_kernels_lower_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) both real Mosaic GPU kernels at a real shape: catches layout/lowering errors on CPU
     (the only CPU check of verify's peer-SMEM gather)."""
@@ -168,14 +185,16 @@ def test_kernels_lower_for_cuda(arch, tma, v_split, gather):
     accepted = jnp.asarray(r.integers(0, 9, 8), jnp.int32)
     verify, commit = _kernels(arch, tma, v_split=v_split, gather=gather)
     with abstract_gpu(arch):
-        texts = [jax.jit(verify).trace(*args_of(x)).lower(lowering_platforms=("cuda",)).as_text(),
-                 jax.jit(commit).trace(x["state"], x["conv"], data, accepted)
-                 .lower(lowering_platforms=("cuda",)).as_text()]
+        texts = [
+            jax.jit(verify).trace(*args_of(x)).lower(lowering_platforms=("cuda",)).as_text(),
+            jax.jit(commit).trace(x["state"], x["conv"], data, accepted).lower(lowering_platforms=("cuda",)).as_text(),
+        ]
     assert all("mosaic_gpu" in t for t in texts)
 
 
 def test_kernels_refuse_unsupported_shapes():
     from pallas_kernels.kda_decode import sm90
+
     for B, H, K, T in [(1, 2, 16, 2), (1, 2, 128, 9)]:
         x = make_inputs(rng(), B, H, K, jnp.float32, T=T)
         with abstract_gpu("sm90"), pytest.raises(NotImplementedError):
@@ -188,6 +207,7 @@ def test_api_commit_follows_the_tuning(caplog):
     and says why, without touching the kernel."""
     from pallas_kernels import common
     from pallas_kernels.kda_decode import sm90
+
     assert sm90.TUNING.get("commit") == "xla"
     common.log_once.cache_clear()
     r = rng()
@@ -203,6 +223,7 @@ def test_api_commit_follows_the_tuning(caplog):
 
 def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
     from pallas_kernels import common
+
     common.log_once.cache_clear()
     r = rng()
     x = make_inputs(r, 2, 2, 16, jnp.float32, T=3)  # K=16: the kernels refuse it on a GPU too
@@ -240,12 +261,12 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
     assert_close(y, y_want, **TOL[dtype], what="y")
     assert_commit_data_close(data, data_want, dtype)
     want = jax.jit(reference.kda_commit)(x["state"], x["conv"], data_want, accepted)
-    got = jax.jit(lambda *a: api.kda_commit(*a, backend="latency_specialized"))(x["state"], x["conv"], data,
-                                                                                 accepted)
+    got = jax.jit(lambda *a: api.kda_commit(*a, backend="latency_specialized"))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
     # the commit kernel itself, with sm90's launch (its body refuses the commit: tuning.json "commit")
     from pallas_kernels.kda_decode import sm90, verify_kernel
+
     launch = verify_kernel.pick_launch(sm90.TUNING, x["qkv"], split=False)
     got = jax.jit(functools.partial(verify_kernel.commit, **launch))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):

@@ -87,8 +87,9 @@ def test_attn_res_block_sizes_whole_model(rng, block, layers):
     layer). KDA at layer 0, MLA elsewhere (an eager KDA layer costs ~10x an MLA one): the sublayers are
     covered below; this checks the block bookkeeping (snapshot of the entering prefix, reset, source counts,
     output mix)."""
-    cfg = preset("tiny").replace(num_hidden_layers=layers, attn_res_block_size=block,
-                                 full_attn_layers=tuple(range(2, layers + 1)))
+    cfg = preset("tiny").replace(
+        num_hidden_layers=layers, attn_res_block_size=block, full_attn_layers=tuple(range(2, layers + 1))
+    )
     assert [L for L in range(layers) if cfg.is_block_boundary(L)] == list(range(0, layers, block))
     params, hf, tc = model_from_oracle(cfg, rng)
     tokens = rng.integers(0, cfg.vocab_size, 7)  # one length for all three: eager ops compile once
@@ -108,8 +109,14 @@ def test_kda_layer_from_zero_state(rng, tiny):
     T = int(rng.integers(5, 40))
     lengths = np.array([T, int(rng.integers(1, T))])
     x = _x(rng, 2, T, cfg.hidden_size)
-    out, state, window = kda.kda_prefill(params["layers"][0]["attn"], F32(x), cfg, jnp.asarray(lengths),
-                                         jnp.zeros((2, H, K, K), F32), jnp.zeros((2, 3, W - 1, H, K), F32))
+    out, state, window = kda.kda_prefill(
+        params["layers"][0]["attn"],
+        F32(x),
+        cfg,
+        jnp.asarray(lengths),
+        jnp.zeros((2, H, K, K), F32),
+        jnp.zeros((2, 3, W - 1, H, K), F32),
+    )
     for b, n in enumerate(lengths):
         o_ref, s_ref, conv_ref = ref.kda_layer(hf, 0, tc, x[b, :n])
         _check(np.asarray(out)[b, :n], o_ref, f"kda out b={b}")
@@ -130,13 +137,14 @@ def test_kda_layer_continues_across_pieces(rng, tiny):
     n1, n2 = rng.integers(0, Tp + 1, B), rng.integers(1, Tp + 1, B)
     x1, x2 = _x(rng, B, Tp, D), _x(rng, B, Tp, D)
     step = jax.jit(kda.kda_prefill, static_argnums=2)  # same shapes twice: compile once
-    out1, s, w = step(p, F32(x1), cfg, jnp.asarray(n1), F32(state0),
-                      F32(np.stack([_kda_window(c, H, K) for c in conv0])))
+    out1, s, w = step(
+        p, F32(x1), cfg, jnp.asarray(n1), F32(state0), F32(np.stack([_kda_window(c, H, K) for c in conv0]))
+    )
     out2, s, w = step(p, F32(x2), cfg, jnp.asarray(n2), s, w)
     for b in range(B):
-        x_b = np.concatenate([x1[b, :n1[b]], x2[b, :n2[b]]])
+        x_b = np.concatenate([x1[b, : n1[b]], x2[b, : n2[b]]])
         o_ref, s_ref, conv_ref = ref.kda_layer(hf, 1, tc, x_b, state0[b], conv0[b])
-        got = np.concatenate([np.asarray(out1)[b, :n1[b]], np.asarray(out2)[b, :n2[b]]])
+        got = np.concatenate([np.asarray(out1)[b, : n1[b]], np.asarray(out2)[b, : n2[b]]])
         _check(got, o_ref, f"kda two pieces b={b} ({n1[b]}+{n2[b]})")
         _check(s[b], s_ref, f"kda state b={b}")
         win_ref = _kda_window(conv_ref, H, K)  # fp32 projections: error scales with the row, not the element
@@ -214,14 +222,23 @@ def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):
     L = next(L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L))
     experts, k = params["layers"][L]["ffn"]["experts"], cfg.num_experts_per_token
     packed = "w1_codes" in experts  # two e2m1 codes per byte
-    per_token = k * 4 * sum(int(np.prod(experts[m + "_codes" if packed else m].shape[1:])) * (2 if packed else 1)
-                            for m in ("w1", "w3", "w2"))
+    per_token = (
+        k
+        * 4
+        * sum(
+            int(np.prod(experts[m + "_codes" if packed else m].shape[1:])) * (2 if packed else 1)
+            for m in ("w1", "w3", "w2")
+        )
+    )
     chunk = int(rng.integers(2, 6))
     monkeypatch.setattr(moe, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
     assert moe.gather_token_chunk(experts, k, F32) == chunk
     x = _x(rng, 4 * chunk + 1, cfg.hidden_size)  # 5 chunks, the last one padded
-    _check(moe.moe(params["layers"][L]["ffn"], F32(x), cfg), ref.moe(hf, L, tc, x.astype(np.float32)),
-           f"moe in chunks of {chunk}")
+    _check(
+        moe.moe(params["layers"][L]["ffn"], F32(x), cfg),
+        ref.moe(hf, L, tc, x.astype(np.float32)),
+        f"moe in chunks of {chunk}",
+    )
 
 
 def test_router_bias_changes_the_choice_not_the_weights(rng):

@@ -29,12 +29,25 @@ def test_four_processes_match_one_process(tmp_path, rng):
     port = _free_port()
     procs = []
     for i in range(NPROC):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL}", JAX_PLATFORMS="cpu",
-                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(NPROC),
-                   JAX_PROCESS_ID=str(i), PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(out),
-                                       str(seed), str(NPROC * LOCAL)], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL}",
+            JAX_PLATFORMS="cpu",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES=str(NPROC),
+            JAX_PROCESS_ID=str(i),
+            PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(out), str(seed), str(NPROC * LOCAL)],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         logs = [p.communicate(timeout=420)[0] for p in procs]
     finally:
@@ -52,8 +65,14 @@ def test_four_processes_match_one_process(tmp_path, rng):
 def test_single_process_is_a_no_op(monkeypatch):
     from k3jax import distributed
 
-    for v in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-              "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"):
+    for v in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(v, raising=False)
     assert distributed.initialize() is False
     assert distributed.initialize(num_processes=1) is False

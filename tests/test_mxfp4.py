@@ -78,13 +78,16 @@ def test_matvec_from_packed_codes_equals_the_dequantized_product(rng):
     scales = rng.integers(100, 150, (T, k, out, inp // 32), dtype=np.uint8)
     x = rng.standard_normal((T, 1 if rng.integers(2) else k, inp)).astype(np.float32)
     x_bf16 = jnp.asarray(x, jnp.bfloat16)
-    W = np.stack([np.stack([ref.mxfp4_dequant(c, s) for c, s in zip(cc, ss, strict=True)])
-                  for cc, ss in zip(codes, scales, strict=True)])  # [T, k, out, in] float64
+    W = np.stack(
+        [
+            np.stack([ref.mxfp4_dequant(c, s) for c, s in zip(cc, ss, strict=True)])
+            for cc, ss in zip(codes, scales, strict=True)
+        ]
+    )  # [T, k, out, in] float64
     want = np.einsum("tkoi,tki->tko", W, np.broadcast_to(np.asarray(x_bf16, np.float64), (T, k, inp)))
     got = np.asarray(mxfp4.matvec(x_bf16, jnp.asarray(codes), jnp.asarray(scales)), np.float64)
     assert got.shape == (T, k, out)
-    scale = np.einsum("tkoi,tki->tko", np.abs(W), np.abs(np.broadcast_to(np.asarray(x_bf16, np.float64),
-                                                                         (T, k, inp))))
+    scale = np.einsum("tkoi,tki->tko", np.abs(W), np.abs(np.broadcast_to(np.asarray(x_bf16, np.float64), (T, k, inp))))
     assert np.all(np.abs(got - want) <= 1e-6 * scale), np.max(np.abs(got - want) / scale)
 
 
@@ -92,8 +95,9 @@ def test_numpy_handles_the_smallest_scales_like_the_oracle(rng):
     """e = 0 means 2^-127 (OCP), not zero."""
     codes = rng.integers(0, 256, (4, 32), dtype=np.uint8)
     scales = rng.integers(0, 2, (4, 2), dtype=np.uint8)
-    np.testing.assert_array_equal(mxfp4.dequantize_np(codes, scales).astype(np.float64),
-                                  ref.mxfp4_dequant(codes, scales))
+    np.testing.assert_array_equal(
+        mxfp4.dequantize_np(codes, scales).astype(np.float64), ref.mxfp4_dequant(codes, scales)
+    )
 
 
 def test_golden_nibble_order():

@@ -16,7 +16,8 @@ def test_tour_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("K3JAX_CACHE", str(tmp_path / "cache"))  # builds the demo model from scratch, as a new user
     root = os.path.abspath(os.path.join(os.path.dirname(NB), ".."))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": os.path.dirname(NB)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(NB)}}
+    ).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors

@@ -114,8 +114,13 @@ def _mla_absorbed(hf, L, tc, x_TD, past_rows):
 
 
 def test_mla_absorbed_equals_naive_and_cache_split(hf, rng):
-    assert (TC["num_attention_heads"], TC["qk_nope_head_dim"], TC["qk_rope_head_dim"], TC["v_head_dim"],
-            TC["kv_lora_rank"]) == (4, 16, 8, 16, 16)
+    assert (
+        TC["num_attention_heads"],
+        TC["qk_nope_head_dim"],
+        TC["qk_rope_head_dim"],
+        TC["v_head_dim"],
+        TC["kv_lora_rank"],
+    ) == (4, 16, 8, 16, 16)
     L = MLA_L[0]
     x = rng.standard_normal((7, TC["hidden_size"]))
     out_full, rows_full = ref.mla_layer(hf, L, TC, x)

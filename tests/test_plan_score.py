@@ -20,7 +20,7 @@ from k3jax.config import preset
 def _plan_json(capsys, *args):
     rc = plan.main(["--json", *args])
     out = capsys.readouterr()
-    text = out.out[out.out.find("{"):] if "{" in out.out else ""  # the rng fixture prints its seed first
+    text = out.out[out.out.find("{") :] if "{" in out.out else ""  # the rng fixture prints its seed first
     return rc, json.loads(text) if text else None, out.err
 
 
@@ -60,8 +60,9 @@ def test_score_cli_roundtrip(tmp_path, rng):
     convert(str(tmp_path / "hf"), ck, Options(progress=False))
     ids = rng.integers(0, cfg.vocab_size, size=(2, int(rng.integers(3, 10))))
     np.save(tmp_path / "ids.npy", ids)
-    assert score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "ids.npy"), "--out",
-                       str(tmp_path / "lg.npy")]) == 0
+    assert (
+        score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "lg.npy")]) == 0
+    )
     got = np.load(tmp_path / "lg.npy")
     assert got.shape == (*ids.shape, cfg.vocab_size) and got.dtype == np.float32
     params = P.cast_params(P.init_params(cfg, seed), jnp.float32)
@@ -69,12 +70,15 @@ def test_score_cli_roundtrip(tmp_path, rng):
         want = jax.jit(model.forward, static_argnums=(2, 3))(params, jnp.asarray(ids), cfg, jnp.float32)
     assert rel_rms(got, want) < 1e-6
     np.save(tmp_path / "one.npy", ids[0])  # [T] in -> [T, V] out
-    assert score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "one.npy"), "--out",
-                       str(tmp_path / "one_lg.npy")]) == 0
+    assert (
+        score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "one.npy"), "--out", str(tmp_path / "one_lg.npy")])
+        == 0
+    )
     assert rel_rms(np.load(tmp_path / "one_lg.npy"), got[0]) < 1e-5  # other batch shape: fp32 noise
     np.save(tmp_path / "bad.npy", ids + cfg.vocab_size)
-    assert score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "bad.npy"), "--out",
-                       str(tmp_path / "x.npy")]) == 2
+    assert (
+        score.main(["--checkpoint", ck, "--tokens", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "x.npy")]) == 2
+    )
     assert not os.path.exists(tmp_path / "x.npy")
 
 

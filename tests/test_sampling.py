@@ -67,8 +67,9 @@ def test_top_p_keeps_smallest_prefix_reaching_p(rng, top_k):
         for b, s in enumerate(_kept(got)):
             mass = pr[b, list(s)].sum()
             assert mass >= p - 1e-6 and mass - pr[b, list(s)].min() < p
-        np.testing.assert_allclose(np.asarray(probs(jnp.asarray(logits), sp)), np_probs(logits, sp.temperature,
-                                   top_k, p), atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(probs(jnp.asarray(logits), sp)), np_probs(logits, sp.temperature, top_k, p), atol=1e-6
+        )
 
 
 def test_greedy_is_argmax_and_probs_one_hot(rng):
@@ -121,8 +122,18 @@ def test_seeds(rng):
     assert (a != c).mean() > 0.3
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
-                                dict(top_p=1.5), dict(top_p=-0.2), dict(top_p=float("nan")), dict(top_k=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_p=-0.2),
+        dict(top_p=float("nan")),
+        dict(top_k=-1),
+    ],
+)
 def test_invalid_values_raise(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)

@@ -50,18 +50,31 @@ def test_forward_matches_one_device(setup, tp):
     cfg, params_np, tokens, ref, _ = setup
     mesh = sh.make_mesh(tp)
     params = worker.place(params_np, sh.param_shardings(cfg, mesh))
-    fwd = jax.shard_map(partial(model.forward, cfg=cfg, dtype=F32, comm=Comm(sh.AXIS)), mesh=mesh,
-                        in_specs=(sh.param_specs(cfg), P()), out_specs=P(), check_vma=False)
+    fwd = jax.shard_map(
+        partial(model.forward, cfg=cfg, dtype=F32, comm=Comm(sh.AXIS)),
+        mesh=mesh,
+        in_specs=(sh.param_specs(cfg), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
     got = jax.jit(fwd)(params, tokens)
     assert rel_err(got, ref) <= TOL
 
 
 def _engine(cfg, params_np, tp, backend="auto"):
     mesh = sh.make_mesh(tp) if tp else None
-    params = worker.place(params_np, sh.param_shardings(cfg, mesh)) if tp else jax.tree.map(jnp.asarray,
-                                                                                             params_np)
-    return Engine(cfg, params, max_len=32, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh,
-                  steps_per_call=4, backend=backend)
+    params = worker.place(params_np, sh.param_shardings(cfg, mesh)) if tp else jax.tree.map(jnp.asarray, params_np)
+    return Engine(
+        cfg,
+        params,
+        max_len=32,
+        max_batch=2,
+        dtype=F32,
+        cache_dtype="bf16",
+        mesh=mesh,
+        steps_per_call=4,
+        backend=backend,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +90,7 @@ def _prefill_decode(eng, prompts, feed):
     logits, cache = eng.prefill(eng.new_cache(len(prompts)), prompts)
     out = [np.asarray(logits)]
     for tok in feed:  # T == 1 through the engine's (sharded) extend: the decode path
-        logits, cache = eng._prefill(eng.params, jnp.asarray(tok[:, None]), jnp.ones(len(prompts), jnp.int32),
-                                     cache)
+        logits, cache = eng._prefill(eng.params, jnp.asarray(tok[:, None]), jnp.ones(len(prompts), jnp.int32), cache)
         out.append(np.asarray(logits))
     tokens = eng.generate(prompts, max_new_tokens=5, stop_ids=[-1]).tokens
     return out, tokens
@@ -101,21 +113,30 @@ def expected_collectives(cfg) -> dict:
     plus the embedding all-reduce and the logits gather."""
     kinds = cfg.layer_kinds
     n_moe = sum(k.endswith("_moe") for k in kinds)
-    return {"embed": 1, "attn_out": len(kinds), "mlp_out": len(kinds) - n_moe, "router": n_moe,
-            "latent_z": n_moe, "latent_sum": n_moe, "moe_out": n_moe, "logits": 1}
+    return {
+        "embed": 1,
+        "attn_out": len(kinds),
+        "mlp_out": len(kinds) - n_moe,
+        "router": n_moe,
+        "latent_z": n_moe,
+        "latent_sum": n_moe,
+        "moe_out": n_moe,
+        "logits": 1,
+    }
 
 
 @pytest.mark.parametrize("name, backend", [("demo", "auto"), ("demo4", "auto"), ("demo4", "latency_specialized")])
 def test_collectives_per_decode_step(name, backend):
     cfg = preset("demo") if name == "demo" else worker.demo4_config()
     mesh = sh.make_mesh(4)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, F32 if a.dtype == jnp.bfloat16 else a.dtype,
-                                                               sharding=s),
-                            params_lib.abstract_params(cfg), sh.param_shardings(cfg, mesh))
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, F32 if a.dtype == jnp.bfloat16 else a.dtype, sharding=s),
+        params_lib.abstract_params(cfg),
+        sh.param_shardings(cfg, mesh),
+    )
     eng = Engine(cfg, abstract, max_len=16, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh, backend=backend)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 2, 16, F32, "bf16"))
-    hlo = jax.jit(eng._extend).lower(abstract, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32),
-                                     cache).as_text()
+    hlo = jax.jit(eng._extend).lower(abstract, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32), cache).as_text()
     want = expected_collectives(cfg)
     assert dict(eng.comm.counts) == want
     # and nothing else communicates: the lowered program holds exactly these collectives

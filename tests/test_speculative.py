@@ -32,6 +32,7 @@ def tiny():
 class TableDrafter:
     """Test drafter: each draft is the true next token (from a reference sequence) with probability
     draft_params['p_right'], else a wrong token. p_right = 1: all right, 0: all wrong (adversarial)."""
+
     vocab: int
     taps: tuple = ()
 
@@ -41,8 +42,7 @@ class TableDrafter:
     def observe(self, draft_params, target_params, state, tokens_BT, n_B, start_B, taps, comm=None):
         return state
 
-    def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft, key, temperature,
-                comm=None):
+    def propose(self, draft_params, target_params, state, anchor_B, pos_B, num_draft, key, temperature, comm=None):
         ref = draft_params["ref"]
         idx = jnp.minimum(pos_B[:, None] + 1 + jnp.arange(num_draft)[None], ref.shape[1] - 1)
         right = jnp.take_along_axis(ref, idx, axis=1)
@@ -101,9 +101,18 @@ def test_greedy_speculative_equals_greedy(tiny, rng):
     drafter = TableDrafter(cfg.vocab_size)
     for p_right in (0.0, 1.0, 0.6):  # adversarial all-wrong, all-right, random mix
         dp = {"ref": jnp.asarray(ref), "p_right": jnp.float32(p_right)}
-        got, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=drafter, num_draft=K,
-                                       draft_params=dp, max_new_tokens=max_new, dtype=F32,
-                                       seed=int(rng.integers(1 << 30)))
+        got, st = speculative.generate(
+            params,
+            cfg,
+            prompt,
+            n_prompt,
+            drafter=drafter,
+            num_draft=K,
+            draft_params=dp,
+            max_new_tokens=max_new,
+            dtype=F32,
+            seed=int(rng.integers(1 << 30)),
+        )
         acc = st["accepted_per_step"]
         print(f"p_right={p_right}: steps={st['steps']} accepted={acc.tolist()}")
         assert_same_greedy(got, want, sure)
@@ -130,9 +139,18 @@ def test_any_stop_id_ends_a_sequence(tiny, rng):
     stop = (int(want[1, rng.integers(1, sure.min())]), int(want[0, rng.integers(1, sure.min())]))
     ref = np.zeros((B, prompt.shape[1] + max_new + K + 2), np.int32)
     dp = {"ref": jnp.asarray(ref), "p_right": jnp.float32(0.0)}
-    got, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=TableDrafter(cfg.vocab_size),
-                                   num_draft=K, draft_params=dp, max_new_tokens=max_new, dtype=F32,
-                                   stop_ids=stop)
+    got, st = speculative.generate(
+        params,
+        cfg,
+        prompt,
+        n_prompt,
+        drafter=TableDrafter(cfg.vocab_size),
+        num_draft=K,
+        draft_params=dp,
+        max_new_tokens=max_new,
+        dtype=F32,
+        stop_ids=stop,
+    )
     for b in range(B):
         first = next(i for i, t in enumerate(want[b]) if t in stop)  # <= the drawn position, so < sure
         assert st["tokens_generated"][b] == first + 1, (b, stop, want[b].tolist())
@@ -147,9 +165,18 @@ def test_ngram_drafter_host_loop(tiny, rng):
     prompt[:, 6:12] = prompt[:, 0:6]  # repeats so that lookups hit sometimes
     want, sure = baseline_greedy(params, cfg, prompt, n_prompt, max_new)
     seen = []
-    got, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=NgramDrafter(), num_draft=K,
-                                   max_new_tokens=max_new, dtype=F32, on_device_loop=False,
-                                   on_step=lambda i, s: seen.append(i))
+    got, st = speculative.generate(
+        params,
+        cfg,
+        prompt,
+        n_prompt,
+        drafter=NgramDrafter(),
+        num_draft=K,
+        max_new_tokens=max_new,
+        dtype=F32,
+        on_device_loop=False,
+        on_step=lambda i, s: seen.append(i),
+    )
     assert_same_greedy(got, want, sure)
     assert seen == list(range(1, st["steps"] + 1))
 
@@ -159,8 +186,9 @@ def test_ngram_lookup(rng):
     hist = rng.integers(0, V, size=(1, 20)).astype(np.int32)
     hist[0, 10:13] = hist[0, 3:6]  # ... a b c (at 3..5) ... a b [anchor c at 12]
     d = NgramDrafter(max_ngram=3)
-    state = d.observe(None, None, d.init_state(1, 32, F32), jnp.asarray(hist[:, :12]), jnp.array([12]),
-                      jnp.array([0]), {})
+    state = d.observe(
+        None, None, d.init_state(1, 32, F32), jnp.asarray(hist[:, :12]), jnp.array([12]), jnp.array([0]), {}
+    )
     prop = d.propose(None, None, state, jnp.asarray(hist[:, 12]), jnp.array([12]), 4, None, 0.0)
     np.testing.assert_array_equal(np.asarray(prop.drafts_BK)[0], hist[0, 6:10])
 
@@ -225,7 +253,7 @@ def test_rejection_sampling_is_lossless(rng, top_k):
     sampler = functools.partial(speculative.accept_rejection, sampling=sp)
     want = P ** (1 / sp.temperature)
     if top_k:
-        want[want < np.sort(want, axis=1)[:, -top_k:-top_k + 1]] = 0.0
+        want[want < np.sort(want, axis=1)[:, -top_k : -top_k + 1]] = 0.0
     want /= want.sum(1, keepdims=True)
     expect = N * np.outer(want[0], want[1]).reshape(-1)
     cells = expect > 0
@@ -270,7 +298,16 @@ def test_synthetic_generate(tiny, rng):
     """Benchmark mode runs the real verify and commits exactly AL-1 drafts + 1 per step."""
     cfg, params = tiny
     prompt, n_prompt = ragged_prompts(rng, cfg, 2)
-    _, st = speculative.generate(params, cfg, prompt, n_prompt, drafter=NgramDrafter(), num_draft=7,
-                                 max_new_tokens=13, acceptance_length=6.0, dtype=F32)
+    _, st = speculative.generate(
+        params,
+        cfg,
+        prompt,
+        n_prompt,
+        drafter=NgramDrafter(),
+        num_draft=7,
+        max_new_tokens=13,
+        acceptance_length=6.0,
+        dtype=F32,
+    )
     acc = st["accepted_per_step"]
     assert st["steps"] == 2 and np.all(acc == 5) and st["mean_acceptance_length"] == 6.0

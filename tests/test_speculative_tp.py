@@ -30,6 +30,7 @@ class OracleMixDrafter:
     """DSpark proposes (through its TP path); each draft is then replaced by the true next token with
     probability p_right, so steps accept some drafts and reject others (random DSpark weights rarely agree
     with the random target on their own)."""
+
     dspark: DSparkDrafter
 
     @property
@@ -44,11 +45,13 @@ class OracleMixDrafter:
 
     def propose(self, dp, target_params, state, anchor_B, pos_B, num_draft, key, temperature, comm=None):
         k_draft, k_mix = jax.random.split(key)
-        prop = self.dspark.propose(dp["dspark"], target_params, state, anchor_B, pos_B, num_draft, k_draft,
-                                   temperature, comm=comm)
+        prop = self.dspark.propose(
+            dp["dspark"], target_params, state, anchor_B, pos_B, num_draft, k_draft, temperature, comm=comm
+        )
         ref = dp["ref"]
-        right = jnp.take_along_axis(ref, jnp.minimum(pos_B[:, None] + 1 + jnp.arange(num_draft), ref.shape[1] - 1),
-                                    axis=1)
+        right = jnp.take_along_axis(
+            ref, jnp.minimum(pos_B[:, None] + 1 + jnp.arange(num_draft), ref.shape[1] - 1), axis=1
+        )
         pick = jax.random.uniform(k_mix, right.shape) < dp["p_right"]
         return Proposal(jnp.where(pick, right, prop.drafts_BK))
 
@@ -63,8 +66,15 @@ def setup():
     rng = np.random.default_rng(seed)
     dspark_np = params_lib.unflatten({s.path: worker._draw(s, rng).astype(np.float32) for s in DP.tensor_table(c)})
     prompts = worker.prompts_for(seed, cfg.vocab_size)  # lengths 5 and 9: ragged
-    eng = Engine(cfg, jax.tree.map(jnp.asarray, params_np), max_len=32, max_batch=2, dtype=F32,
-                 cache_dtype="bf16", steps_per_call=MAX_NEW - 1)
+    eng = Engine(
+        cfg,
+        jax.tree.map(jnp.asarray, params_np),
+        max_len=32,
+        max_batch=2,
+        dtype=F32,
+        cache_dtype="bf16",
+        steps_per_call=MAX_NEW - 1,
+    )
     want = np.array(eng.generate(prompts, max_new_tokens=MAX_NEW, stop_ids=[-1]).tokens)  # plain greedy, TP1
     return cfg, params_np, c, dspark_np, prompts, want
 
@@ -85,9 +95,19 @@ def test_greedy_speculative_tp_equals_greedy(setup, tp):
         prompt[b, : len(p)] = p
         ref[b, : len(p) + MAX_NEW] = np.concatenate([p, want[b]])
     dp = {"dspark": jax.tree.map(jnp.asarray, dspark_np), "ref": jnp.asarray(ref), "p_right": jnp.float32(0.6)}
-    got, st = speculative.generate(params, cfg, prompt, [len(p) for p in prompts], drafter=OracleMixDrafter(
-        DSparkDrafter(c)), draft_params=dp, num_draft=K, max_new_tokens=MAX_NEW, dtype=F32, mesh=mesh,
-        seed=tp)
+    got, st = speculative.generate(
+        params,
+        cfg,
+        prompt,
+        [len(p) for p in prompts],
+        drafter=OracleMixDrafter(DSparkDrafter(c)),
+        draft_params=dp,
+        num_draft=K,
+        max_new_tokens=MAX_NEW,
+        dtype=F32,
+        mesh=mesh,
+        seed=tp,
+    )
     acc = st["accepted_per_step"]
     print(f"tp={tp}: steps={st['steps']} accepted={acc.tolist()}")
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -106,8 +126,7 @@ def test_dspark_propose_independent_of_tp(setup, rng):
     taps = {L: jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), F32) for L in drafter.taps}
     n_B = jnp.asarray([T, int(rng.integers(1, T))], jnp.int32)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
-    state = drafter.observe(dp, None, drafter.init_state(B, max_len, F32), tokens, n_B, jnp.zeros(B, jnp.int32),
-                            taps)
+    state = drafter.observe(dp, None, drafter.init_state(B, max_len, F32), tokens, n_B, jnp.zeros(B, jnp.int32), taps)
     anchor = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
 
     def draft(params, comm=LOCAL):  # -> (drafts [B,K], base logits U [B,K,V])
@@ -116,8 +135,9 @@ def test_dspark_propose_independent_of_tp(setup, rng):
 
     want_drafts, want_U = jax.jit(draft)(jax.tree.map(jnp.asarray, params_np))
     mesh, params = _place(cfg, params_np, 4)
-    sharded = jax.shard_map(partial(draft, comm=Comm(sh.AXIS)), mesh=mesh, in_specs=(sh.param_specs(cfg),),
-                            out_specs=P(), check_vma=False)
+    sharded = jax.shard_map(
+        partial(draft, comm=Comm(sh.AXIS)), mesh=mesh, in_specs=(sh.param_specs(cfg),), out_specs=P(), check_vma=False
+    )
     got_drafts, got_U = jax.jit(sharded)(params)
     np.testing.assert_allclose(np.asarray(got_U), np.asarray(want_U), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_drafts), np.asarray(want_drafts))

@@ -32,8 +32,35 @@ def tok(tmp_path):
 
 
 def _random_text(rng, n):
-    pools = ["the", " and", "ing", "th", " ", "\n", "\t", "  ", "Zürich", "naïve", "東京都", "中文字符", "😀", "🦊",
-             "Ωμέγα", "кириллица", "123", "4567", "'s", "'LL", "!?", "<|", "|>", "\r\n", "\u200b", "é", "e\u0301"]
+    pools = [
+        "the",
+        " and",
+        "ing",
+        "th",
+        " ",
+        "\n",
+        "\t",
+        "  ",
+        "Zürich",
+        "naïve",
+        "東京都",
+        "中文字符",
+        "😀",
+        "🦊",
+        "Ωμέγα",
+        "кириллица",
+        "123",
+        "4567",
+        "'s",
+        "'LL",
+        "!?",
+        "<|",
+        "|>",
+        "\r\n",
+        "\u200b",
+        "é",
+        "e\u0301",
+    ]
     parts = [str(rng.choice(pools)) for _ in range(n)]
     parts += [chr(int(c)) for c in rng.integers(0x20, 0x2FFF, size=n // 2) if not 0xD800 <= c < 0xE000]
     rng.shuffle(parts)
@@ -83,7 +110,7 @@ def test_chat_prompt_has_the_control_tokens(tok, rng):
     for s in names:
         assert got.count(ids[s]) == plain.count(ids[s]), s
     user = t.encode(sneaky)
-    assert any(got[i: i + len(user)] == user for i in range(len(got)))  # the typed text, as plain tokens
+    assert any(got[i : i + len(user)] == user for i in range(len(got)))  # the typed text, as plain tokens
     think = t.chat_prompt("hello there", thinking=True)
     assert t.decode(think).endswith("think<|sep|>") and t.decode(plain).endswith("response<|sep|>")
 

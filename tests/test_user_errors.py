@@ -43,8 +43,12 @@ def no_weights(monkeypatch):
 
 def _flags(rng):
     """Random values for the flags a case does not care about, so no case passes by a lucky default."""
-    return ["--prompt-ids", ",".join(map(str, rng.integers(0, 256, int(rng.integers(1, 6))))),
-            "--max-new-tokens", str(int(rng.integers(1, 9)))]
+    return [
+        "--prompt-ids",
+        ",".join(map(str, rng.integers(0, 256, int(rng.integers(1, 6))))),
+        "--max-new-tokens",
+        str(int(rng.integers(1, 9))),
+    ]
 
 
 BAD = [
@@ -70,8 +74,14 @@ BAD = [
 
 @pytest.mark.parametrize("argv,msg", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_cli_refuses_up_front(ckpt, no_weights, capsys, monkeypatch, rng, argv, msg):
-    for v in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-              "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"):
+    for v in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(v, raising=False)
     base = _flags(rng)
     if "--prompt-file" in argv:
@@ -85,8 +95,11 @@ def test_dspark_drafter_for_another_target_refused(ckpt, no_weights, capsys, tmp
     hidden = int(rng.choice([32, 96, 256]))
     d = str(tmp_path / "dspark")
     write_fake_dspark(d, tiny_dspark_config(target.replace(hidden_size=hidden)), seed=int(rng.integers(1 << 20)))
-    assert_cli_refused(capsys, ["--checkpoint", ckpt, *_flags(rng), "--spec", "dspark", "--draft-checkpoint", d],
-             f"hidden_size={hidden} (target: {target.hidden_size})")
+    assert_cli_refused(
+        capsys,
+        ["--checkpoint", ckpt, *_flags(rng), "--spec", "dspark", "--draft-checkpoint", d],
+        f"hidden_size={hidden} (target: {target.hidden_size})",
+    )
 
 
 def test_sampling_params_refuse_non_finite(rng):
@@ -96,8 +109,14 @@ def test_sampling_params_refuse_non_finite(rng):
 
 
 def test_distributed_needs_a_coordinator(monkeypatch, rng):
-    for v in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-              "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"):
+    for v in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(v, raising=False)
     n = int(rng.integers(2, 9))
     with pytest.raises(ValueError, match="--coordinator HOST:PORT"):

@@ -21,8 +21,9 @@ def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=N
         from pallas_kernels.collectives import api
 
         comm.counts[what] += 1
-        return api.all_reduce_mix_norm(part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis,
-                                       backend=comm.backend)
+        return api.all_reduce_mix_norm(
+            part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis, backend=comm.backend
+        )
     a = comm.all_reduce(part, what)
     if record is None:
         return reference.mix_norm(a, prefix, blocks, res_norm, res_proj, norm_w, eps)

@@ -36,7 +36,7 @@ def row_parallel(x, w):
     """This rank's partial of a row-parallel projection: x [..., *c] @ w [*c, D], w's leading axes contracted
     (o_proj: heads x head dim). The caller all-reduces it (layers/boundary.py)."""
     c = w.ndim - 1
-    return linear(x.reshape(*x.shape[:x.ndim - c], -1), w.reshape(-1, w.shape[-1]), "...k,kd->...d")
+    return linear(x.reshape(*x.shape[: x.ndim - c], -1), w.reshape(-1, w.shape[-1]), "...k,kd->...d")
 
 
 def ffn(x, gate_w, up_w, down_w, cfg):
@@ -47,5 +47,9 @@ def ffn(x, gate_w, up_w, down_w, cfg):
 
 def ffn_hidden(x, gate_w, up_w, cfg):
     """SiTU-GLU hidden [..., F] of the dense MLP: what its row-parallel down projection consumes."""
-    return situ_glu(linear(x, gate_w, "...d,df->...f"), linear(x, up_w, "...d,df->...f"),
-                    cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return situ_glu(
+        linear(x, gate_w, "...d,df->...f"),
+        linear(x, up_w, "...d,df->...f"),
+        cfg.activation_situ_beta,
+        cfg.activation_situ_linear_beta,
+    )

@@ -53,7 +53,7 @@ def short_conv(u_BT3HK, window_B3WHK, conv_w_3HKW, lengths_B):
     Wm1 = window_B3WHK.shape[2]
     full = jnp.concatenate([jnp.moveaxis(window_B3WHK, 2, 1).astype(u_BT3HK.dtype), u_BT3HK], axis=1)
     T = u_BT3HK.shape[1]
-    taps = jnp.stack([full[:, j:j + T] for j in range(Wm1 + 1)], axis=-1).astype(F32)  # [B,T,3,H,K,W]
+    taps = jnp.stack([full[:, j : j + T] for j in range(Wm1 + 1)], axis=-1).astype(F32)  # [B,T,3,H,K,W]
     y = jnp.einsum("btshkw,shkw->btshk", taps, conv_w_3HKW, precision=jax.lax.Precision.HIGHEST)
     act = jax.nn.silu(y).astype(u_BT3HK.dtype)
     # the last W-1 real inputs: full[len : len + W-1] (full is offset by W-1)
@@ -83,7 +83,7 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chu
     # Intra-chunk pairs exp(G_r - G_c) are factorised around the chunk's middle, so every factor stays within
     # exp(+-5*chunk/2). Factorised around the chunk start, exp(G_r) reaches exp(-80) and its product with a
     # small q/k entry drops below fp32's normal range, which XLA flushes to zero (§4.5 pitfall).
-    Gm = G[..., (chunk - 1) // 2:(chunk - 1) // 2 + 1, :]
+    Gm = G[..., (chunk - 1) // 2 : (chunk - 1) // 2 + 1, :]
     k_in = k * jnp.exp(Gm - G)
     q_mid = q * jnp.exp(G - Gm)
     k_mid = k * jnp.exp(G - Gm)
@@ -92,8 +92,7 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chu
     idx = jnp.arange(chunk)
     strict = idx[:, None] > idx[None, :]
     causal = idx[:, None] >= idx[None, :]
-    L = jnp.where(strict, beta[..., :, None] * jnp.einsum("...rk,...ck->...rc", k_mid, k_in, precision=hp),
-                  0.0)
+    L = jnp.where(strict, beta[..., :, None] * jnp.einsum("...rk,...ck->...rc", k_mid, k_in, precision=hp), 0.0)
     eye = jnp.eye(chunk, dtype=F32)
     Tm = jax.scipy.linalg.solve_triangular(eye + L, eye * beta[..., None, :], lower=True, unit_diagonal=True)
     W = jnp.einsum("...rc,...ck->...rk", Tm, k_out, precision=hp)
@@ -104,8 +103,9 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chu
     def step(S, xs):
         q_o, W_, U_, A_, k_e, G_end = xs
         Vt = U_ - jnp.einsum("...rk,...kv->...rv", W_, S, precision=hp)
-        o = jnp.einsum("...rk,...kv->...rv", q_o, S, precision=hp) + jnp.einsum("...rc,...cv->...rv", A_, Vt,
-                                                                                precision=hp)
+        o = jnp.einsum("...rk,...kv->...rv", q_o, S, precision=hp) + jnp.einsum(
+            "...rc,...cv->...rv", A_, Vt, precision=hp
+        )
         S = jnp.exp(G_end)[..., :, None] * S + jnp.einsum("...ck,...cv->...kv", k_e, Vt, precision=hp)
         return S, o
 
@@ -128,9 +128,9 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     T = x_BTD.shape[1]
     qkv, f, beta_logit, gate = project(p, x_BTD)
     act, new_window = short_conv(qkv, window_B3WHK, p["conv"], lengths_B)
-    valid = (jnp.arange(T)[None] < lengths_B[:, None])  # [B, T]
+    valid = jnp.arange(T)[None] < lengths_B[:, None]  # [B, T]
     K = cfg.kda_head_dim
-    q = l2norm(act[:, :, 0]) * K ** -0.5
+    q = l2norm(act[:, :, 0]) * K**-0.5
     k = l2norm(act[:, :, 1]) * valid[..., None, None]
     v = act[:, :, 2].astype(F32)
     g = decay_gate(f, p["A_log"], p["dt_bias"], cfg.kda_gate_lower_bound) * valid[..., None, None]
@@ -149,7 +149,20 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", 
     The op gets x and the projection weights, so a kernel body may run the projections its own way and fuse
     the f_b and b GEMVs in (its tuning says what it does). Both backends go through the same op, so a kernel
     that refuses a step falls back to exactly the xla backend's numbers."""
-    y, state, window = kda_api.kda_decode_x(x_BD, p["qkvg"], p["f_a"], p["f_b"], p["b"], state_BHKV, window_B3WHK,
-                                            p["conv"], p["A_log"], p["dt_bias"], p["o_norm"], active_B,
-                                            eps=cfg.rms_norm_eps, backend=backend)
+    y, state, window = kda_api.kda_decode_x(
+        x_BD,
+        p["qkvg"],
+        p["f_a"],
+        p["f_b"],
+        p["b"],
+        state_BHKV,
+        window_B3WHK,
+        p["conv"],
+        p["A_log"],
+        p["dt_bias"],
+        p["o_norm"],
+        active_B,
+        eps=cfg.rms_norm_eps,
+        backend=backend,
+    )
     return o_proj(y, p["o"], backend), state, window

@@ -14,8 +14,9 @@ from k3jax.layers.common import dot, linear, rms_norm, row_parallel
 
 def queries(p, x_BTD):
     """-> q [B,T,H,nope+rope]."""
-    return linear(rms_norm(linear(x_BTD, p["q_a"], "btd,dq->btq"), p["q_a_norm"], MLA_LOWRANK_EPS),
-                  p["q_b"], "btq,qhe->bthe")
+    return linear(
+        rms_norm(linear(x_BTD, p["q_a"], "btd,dq->btq"), p["q_a_norm"], MLA_LOWRANK_EPS), p["q_b"], "btq,qhe->bthe"
+    )
 
 
 def latent_rows(p, x_BTD, cfg: K3Config):
@@ -45,8 +46,7 @@ def mla_full(p, x_BTD, cfg: K3Config):
     c, k_pe = rows[..., :R], rows[..., R:]
     k_nope = linear(c, p["w_uk"], "bsr,hnr->bshn")
     v = linear(c, p["w_uv"], "bsr,hvr->bshv")
-    s = (dot("bthn,bshn->bhts", q[..., :N], k_nope)
-         + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim ** -0.5
+    s = (dot("bthn,bshn->bhts", q[..., :N], k_nope) + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim**-0.5
     T = x_BTD.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     probs = _softmax_probs(s, causal, x_BTD.dtype)
@@ -65,8 +65,7 @@ def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
     q = queries(p, x_BTD)
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")  # W_UK^T q_nope
     c, k_pe = cache_rows_BSC[..., :R], cache_rows_BSC[..., R:]
-    s = (dot("bthr,bsr->bhts", q_lat, c)
-         + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim ** -0.5
+    s = (dot("bthr,bsr->bhts", q_lat, c) + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim**-0.5
     S = cache_rows_BSC.shape[1]
     mask = jnp.arange(S)[None, None, None, :] < key_len_BT[:, None, :, None]
     probs = _softmax_probs(s, mask, x_BTD.dtype)

@@ -20,8 +20,7 @@ from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
 def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
     """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them.
     The router is split by expert over tp: gather the (scores, biased scores) pair in one collective."""
-    logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
     both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
     scores, biased = both[0], both[1]
@@ -76,18 +75,27 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
         z, sel, w = args
         dt = z.dtype
         if packed:
+
             def mv(name, x):  # x [t, 1 or k, in] -> [t, k, out] in fp32
                 return mxfp4.matvec(x, experts[name + "_codes"][sel], experts[name + "_scales"][sel])
-            h = situ_glu(mv("w1", z[:, None]).astype(dt), mv("w3", z[:, None]).astype(dt),
-                         cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+            h = situ_glu(
+                mv("w1", z[:, None]).astype(dt),
+                mv("w3", z[:, None]).astype(dt),
+                cfg.activation_situ_beta,
+                cfg.activation_situ_linear_beta,
+            )
             y = mv("w2", h).astype(dt)
         else:
             w1 = _expert_weight(experts, "w1", sel, dt)  # [t,k,I,L]
             w3 = _expert_weight(experts, "w3", sel, dt)
             w2 = _expert_weight(experts, "w2", sel, dt)  # [t,k,L,I]
-            h = situ_glu(dot("tl,tkil->tki", z, w1).astype(dt),
-                         dot("tl,tkil->tki", z, w3).astype(dt),
-                         cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+            h = situ_glu(
+                dot("tl,tkil->tki", z, w1).astype(dt),
+                dot("tl,tkil->tki", z, w3).astype(dt),
+                cfg.activation_situ_beta,
+                cfg.activation_situ_linear_beta,
+            )
             y = dot("tki,tkli->tkl", h, w2).astype(dt)
         return jnp.einsum("tkl,tk->tl", y.astype(F32), w, precision=jax.lax.Precision.HIGHEST).astype(dt)
 
@@ -123,6 +131,5 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
     else:
         y_lat = comm.all_reduce(y_lat, "latent_sum")
     y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[0])
-    y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"],
-                                                          p["shared_down"], cfg)
+    y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"], p["shared_down"], cfg)
     return (y, sel) if return_routing else y

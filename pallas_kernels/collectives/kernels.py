@@ -23,7 +23,6 @@ A multicast variant would replace the n-1 peer stores + signals by one `multicas
 `semaphore_signal_multicast`; the slot layout and the wait/sum phase stay the same.
 """
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -34,230 +33,242 @@ LANES = 128  # elements per tile row
 
 
 def _params(skip_barrier):
-  return plgpu.CompilerParams(skip_device_barrier=skip_barrier)
+    return plgpu.CompilerParams(skip_device_barrier=skip_barrier)
 
 
 def _peers(me, n, axis_name):
-  """Device ids of the n-1 peers, nearest first (dict form works on multi-axis meshes)."""
-  return [{axis_name: lax.rem(me + k, n)} for k in range(1, n)]
+    """Device ids of the n-1 peers, nearest first (dict form works on multi-axis meshes)."""
+    return [{axis_name: lax.rem(me + k, n)} for k in range(1, n)]
 
 
 def _push_block(src_smem, recv_gmem, me, rows, peers, sem):
-  """TMA-store my block into slot `me` of each peer's recv, wait until it landed, then signal."""
-  for peer in peers:
-    plgpu.copy_smem_to_gmem(src_smem, plgpu.remote_ref(recv_gmem, peer).at[me, rows])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-  for peer in peers:
-    pl.semaphore_signal(sem, device_id=peer)
+    """TMA-store my block into slot `me` of each peer's recv, wait until it landed, then signal."""
+    for peer in peers:
+        plgpu.copy_smem_to_gmem(src_smem, plgpu.remote_ref(recv_gmem, peer).at[me, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    for peer in peers:
+        pl.semaphore_signal(sem, device_id=peer)
 
 
 def _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n):
-  """Load the peers' slots (mine is already in buf[me]) and sum all n in rank order, in FP32.
+    """Load the peers' slots (mine is already in buf[me]) and sum all n in rank order, in FP32.
 
-  `rows` is a row slice or, in the fused kernel, a token index.
-  """
-  for r in range(n):
-    @pl.when(me != r)
-    def _load(r=r):  # pl.when runs the body at trace time; r is bound for the linter
-      plgpu.copy_gmem_to_smem(recv_gmem.at[r, rows], buf_nRC.at[r], bars.at[r])
-  for r in range(n):
-    @pl.when(me != r)
-    def _wait(r=r):
-      plgpu.barrier_wait(bars.at[r])
-  acc = buf_nRC[0].astype(jnp.float32)
-  for r in range(1, n):
-    acc = acc + buf_nRC[r].astype(jnp.float32)
-  return acc
+    `rows` is a row slice or, in the fused kernel, a token index.
+    """
+    for r in range(n):
+
+        @pl.when(me != r)
+        def _load(r=r):  # pl.when runs the body at trace time; r is bound for the linter
+            plgpu.copy_gmem_to_smem(recv_gmem.at[r, rows], buf_nRC.at[r], bars.at[r])
+
+    for r in range(n):
+
+        @pl.when(me != r)
+        def _wait(r=r):
+            plgpu.barrier_wait(bars.at[r])
+
+    acc = buf_nRC[0].astype(jnp.float32)
+    for r in range(1, n):
+        acc = acc + buf_nRC[r].astype(jnp.float32)
+    return acc
 
 
 def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-  """All-reduce of x_MC over `axis_name` (n ranks): every rank pushes its data to every peer."""
-  M, C = x_MC.shape
-  R = block_rows
-  dtype = x_MC.dtype
+    """All-reduce of x_MC over `axis_name` (n ranks): every rank pushes its data to every peer."""
+    M, C = x_MC.shape
+    R = block_rows
+    dtype = x_MC.dtype
 
-  def body(x_gmem, y_gmem, recv_gmem, sem):
-    me = lax.axis_index(axis_name)
-    rows = pl.ds(lax.axis_index("blocks") * R, R)
+    def body(x_gmem, y_gmem, recv_gmem, sem):
+        me = lax.axis_index(axis_name)
+        rows = pl.ds(lax.axis_index("blocks") * R, R)
 
-    def scoped(buf_nRC, out_RC, bars):
-      plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
-      plgpu.barrier_wait(bars.at[me])
-      _push_block(buf_nRC.at[me], recv_gmem, me, rows, _peers(me, n, axis_name), sem)
-      pl.semaphore_wait(sem, n - 1)
-      acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
-      out_RC[...] = acc.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
-      plgpu.wait_smem_to_gmem(0)
+        def scoped(buf_nRC, out_RC, bars):
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
+            plgpu.barrier_wait(bars.at[me])
+            _push_block(buf_nRC.at[me], recv_gmem, me, rows, _peers(me, n, axis_name), sem)
+            pl.semaphore_wait(sem, n - 1)
+            acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
+            out_RC[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
+            plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype),
-                  plgpu.Barrier(num_barriers=n))
+        pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype), plgpu.Barrier(num_barriers=n))
 
-  y, _ = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
-      scratch_types=[plgpu.SemaphoreType.REGULAR],
-      grid=(M // R,), grid_names=("blocks",),
-      compiler_params=_params(skip_barrier),
-  )(x_MC)
-  return y
+    y, _ = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
+        scratch_types=[plgpu.SemaphoreType.REGULAR],
+        grid=(M // R,),
+        grid_names=("blocks",),
+        compiler_params=_params(skip_barrier),
+    )(x_MC)
+    return y
 
 
 def two_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-  """Reduce-scatter + all-gather: block g is reduced by rank g % n, which pushes the sum to every peer.
+    """Reduce-scatter + all-gather: block g is reduced by rank g % n, which pushes the sum to every peer.
 
-  Per block a rank is either the owner (waits for n-1 partials) or a sender (waits for 1 result), so one
-  block-local semaphore serves both phases. Each link carries (n-1)/n of the data twice instead of all of
-  it once, and each rank sums 1/n of the blocks.
-  """
-  M, C = x_MC.shape
-  R = block_rows
-  dtype = x_MC.dtype
+    Per block a rank is either the owner (waits for n-1 partials) or a sender (waits for 1 result), so one
+    block-local semaphore serves both phases. Each link carries (n-1)/n of the data twice instead of all of
+    it once, and each rank sums 1/n of the blocks.
+    """
+    M, C = x_MC.shape
+    R = block_rows
+    dtype = x_MC.dtype
 
-  def body(x_gmem, y_gmem, recv_gmem, sem):
-    me = lax.axis_index(axis_name)
-    g = lax.axis_index("blocks")
-    rows = pl.ds(g * R, R)
-    owner = lax.rem(g, n)
+    def body(x_gmem, y_gmem, recv_gmem, sem):
+        me = lax.axis_index(axis_name)
+        g = lax.axis_index("blocks")
+        rows = pl.ds(g * R, R)
+        owner = lax.rem(g, n)
 
-    def scoped(buf_nRC, out_RC, bars):
-      plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
-      plgpu.barrier_wait(bars.at[me])
+        def scoped(buf_nRC, out_RC, bars):
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
+            plgpu.barrier_wait(bars.at[me])
 
-      @pl.when(owner != me)
-      def _send():
-        _push_block(buf_nRC.at[me], recv_gmem, me, rows, [{axis_name: owner}], sem)
-        pl.semaphore_wait(sem, 1)  # the owner has written the sum into my y[rows]
+            @pl.when(owner != me)
+            def _send():
+                _push_block(buf_nRC.at[me], recv_gmem, me, rows, [{axis_name: owner}], sem)
+                pl.semaphore_wait(sem, 1)  # the owner has written the sum into my y[rows]
 
-      @pl.when(owner == me)
-      def _reduce():
-        pl.semaphore_wait(sem, n - 1)
-        acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
-        out_RC[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
-        peers = _peers(me, n, axis_name)
-        for peer in peers:
-          plgpu.copy_smem_to_gmem(out_RC, plgpu.remote_ref(y_gmem, peer).at[rows])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        for peer in peers:
-          pl.semaphore_signal(sem, device_id=peer)
+            @pl.when(owner == me)
+            def _reduce():
+                pl.semaphore_wait(sem, n - 1)
+                acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
+                out_RC[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
+                peers = _peers(me, n, axis_name)
+                for peer in peers:
+                    plgpu.copy_smem_to_gmem(out_RC, plgpu.remote_ref(y_gmem, peer).at[rows])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                for peer in peers:
+                    pl.semaphore_signal(sem, device_id=peer)
 
-    pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype),
-                  plgpu.Barrier(num_barriers=n))
+        pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype), plgpu.Barrier(num_barriers=n))
 
-  y, _ = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
-      scratch_types=[plgpu.SemaphoreType.REGULAR],
-      grid=(M // R,), grid_names=("blocks",),
-      compiler_params=_params(skip_barrier),
-  )(x_MC)
-  return y
+    y, _ = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
+        scratch_types=[plgpu.SemaphoreType.REGULAR],
+        grid=(M // R,),
+        grid_names=("blocks",),
+        compiler_params=_params(skip_barrier),
+    )(x_MC)
+    return y
 
 
 def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrier=False):
-  """One-shot all-reduce fused with residual add and RMSNorm; one CTA per token row.
+    """One-shot all-reduce fused with residual add and RMSNorm; one CTA per token row.
 
-  x_BQC / res_BQC: a token's D = Q*128 features as a (Q, 128) tile. Returns (new_residual, normed) with
-  new = round(res + sum) and normed = round(round(new * rsqrt(mean(new^2) + eps)) * w), as the reference.
-  """
-  B, Q, C = x_BQC.shape
-  D = Q * C
-  dtype = x_BQC.dtype
-  rdtype = res_BQC.dtype
+    x_BQC / res_BQC: a token's D = Q*128 features as a (Q, 128) tile. Returns (new_residual, normed) with
+    new = round(res + sum) and normed = round(round(new * rsqrt(mean(new^2) + eps)) * w), as the reference.
+    """
+    B, Q, C = x_BQC.shape
+    D = Q * C
+    dtype = x_BQC.dtype
+    rdtype = res_BQC.dtype
 
-  def body(x_gmem, res_gmem, w_gmem, new_gmem, normed_gmem, recv_gmem, sem):
-    me = lax.axis_index(axis_name)
-    b = lax.axis_index("blocks")
+    def body(x_gmem, res_gmem, w_gmem, new_gmem, normed_gmem, recv_gmem, sem):
+        me = lax.axis_index(axis_name)
+        b = lax.axis_index("blocks")
 
-    def scoped(buf_nQC, res_QC, w_QC_s, new_QC, normed_QC, bars, in_bar):
-      plgpu.copy_gmem_to_smem(x_gmem.at[b], buf_nQC.at[me], bars.at[me])
-      # residual and weight load while the exchange runs.
-      plgpu.copy_gmem_to_smem(res_gmem.at[b], res_QC, in_bar.at[0])
-      plgpu.copy_gmem_to_smem(w_gmem, w_QC_s, in_bar.at[1])
-      plgpu.barrier_wait(bars.at[me])
-      _push_block(buf_nQC.at[me], recv_gmem, me, b, _peers(me, n, axis_name), sem)
-      pl.semaphore_wait(sem, n - 1)
-      acc = _gather_and_sum(recv_gmem, buf_nQC, bars, me, b, n)
-      plgpu.barrier_wait(in_bar.at[0])
-      plgpu.barrier_wait(in_bar.at[1])
-      new = (res_QC[...].astype(jnp.float32) + acc).astype(rdtype)
-      new_f32 = new.astype(jnp.float32)
-      inv = lax.rsqrt(jnp.sum(new_f32 * new_f32) * (1.0 / D) + eps)
-      normed = (new_f32 * inv).astype(rdtype).astype(jnp.float32) * w_QC_s[...].astype(jnp.float32)
-      new_QC[...] = new
-      normed_QC[...] = normed.astype(rdtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(new_QC, new_gmem.at[b])
-      plgpu.copy_smem_to_gmem(normed_QC, normed_gmem.at[b])
-      plgpu.wait_smem_to_gmem(0)
+        def scoped(buf_nQC, res_QC, w_QC_s, new_QC, normed_QC, bars, in_bar):
+            plgpu.copy_gmem_to_smem(x_gmem.at[b], buf_nQC.at[me], bars.at[me])
+            # residual and weight load while the exchange runs.
+            plgpu.copy_gmem_to_smem(res_gmem.at[b], res_QC, in_bar.at[0])
+            plgpu.copy_gmem_to_smem(w_gmem, w_QC_s, in_bar.at[1])
+            plgpu.barrier_wait(bars.at[me])
+            _push_block(buf_nQC.at[me], recv_gmem, me, b, _peers(me, n, axis_name), sem)
+            pl.semaphore_wait(sem, n - 1)
+            acc = _gather_and_sum(recv_gmem, buf_nQC, bars, me, b, n)
+            plgpu.barrier_wait(in_bar.at[0])
+            plgpu.barrier_wait(in_bar.at[1])
+            new = (res_QC[...].astype(jnp.float32) + acc).astype(rdtype)
+            new_f32 = new.astype(jnp.float32)
+            inv = lax.rsqrt(jnp.sum(new_f32 * new_f32) * (1.0 / D) + eps)
+            normed = (new_f32 * inv).astype(rdtype).astype(jnp.float32) * w_QC_s[...].astype(jnp.float32)
+            new_QC[...] = new
+            normed_QC[...] = normed.astype(rdtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(new_QC, new_gmem.at[b])
+            plgpu.copy_smem_to_gmem(normed_QC, normed_gmem.at[b])
+            plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((n, Q, C), dtype), plgpu.SMEM((Q, C), rdtype), plgpu.SMEM((Q, C), w_QC.dtype),
-        plgpu.SMEM((Q, C), rdtype), plgpu.SMEM((Q, C), rdtype),
-        plgpu.Barrier(num_barriers=n), plgpu.Barrier(num_barriers=2))
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((n, Q, C), dtype),
+            plgpu.SMEM((Q, C), rdtype),
+            plgpu.SMEM((Q, C), w_QC.dtype),
+            plgpu.SMEM((Q, C), rdtype),
+            plgpu.SMEM((Q, C), rdtype),
+            plgpu.Barrier(num_barriers=n),
+            plgpu.Barrier(num_barriers=2),
+        )
 
-  new, normed, _ = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B, Q, C), rdtype), jax.ShapeDtypeStruct((B, Q, C), rdtype),
-                jax.ShapeDtypeStruct((n, B, Q, C), dtype)),
-      scratch_types=[plgpu.SemaphoreType.REGULAR],
-      grid=(B,), grid_names=("blocks",),
-      compiler_params=_params(skip_barrier),
-  )(x_BQC, res_BQC, w_QC)
-  return new, normed
+    new, normed, _ = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((B, Q, C), rdtype),
+            jax.ShapeDtypeStruct((B, Q, C), rdtype),
+            jax.ShapeDtypeStruct((n, B, Q, C), dtype),
+        ),
+        scratch_types=[plgpu.SemaphoreType.REGULAR],
+        grid=(B,),
+        grid_names=("blocks",),
+        compiler_params=_params(skip_barrier),
+    )(x_BQC, res_BQC, w_QC)
+    return new, normed
 
 
 KERNELS = {"one_shot": one_shot, "two_shot": two_shot}
 
 
-
-
 def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
-  """Plain-store one-shot exchange of one block: src_ref's block goes into slot `me` of every rank's recv (its
-  own too) at index idx, then signal, wait for n-1 signals, and return the n slots summed in rank order, FP32.
+    """Plain-store one-shot exchange of one block: src_ref's block goes into slot `me` of every rank's recv (its
+    own too) at index idx, then signal, wait for n-1 signals, and return the n slots summed in rank order, FP32.
 
-  No TMA: a TMA store to a peer needs an in-kernel descriptor for the remote address and a bulk wait for
-  remote completion; plain stores ordered by the signal's release (red.release.sys after a warpgroup
-  barrier) skip both. Every slot, mine included, is read back with plain loads, so writes and reads stay in
-  the generic proxy.
-  """
-  me = lax.axis_index(axis_name)
-  mine = src_ref[...]
-  peers = _peers(me, n, axis_name)
-  for peer in peers:
-    plgpu.remote_ref(recv_gmem, peer).at[(me, *idx)][...] = mine
-  recv_gmem.at[(me, *idx)][...] = mine
-  for peer in peers:
-    pl.semaphore_signal(sem, device_id=peer)
-  pl.semaphore_wait(sem, n - 1)
-  acc = recv_gmem.at[(0, *idx)][...].astype(jnp.float32)
-  for r in range(1, n):
-    acc = acc + recv_gmem.at[(r, *idx)][...].astype(jnp.float32)
-  return acc
+    No TMA: a TMA store to a peer needs an in-kernel descriptor for the remote address and a bulk wait for
+    remote completion; plain stores ordered by the signal's release (red.release.sys after a warpgroup
+    barrier) skip both. Every slot, mine included, is read back with plain loads, so writes and reads stay in
+    the generic proxy.
+    """
+    me = lax.axis_index(axis_name)
+    mine = src_ref[...]
+    peers = _peers(me, n, axis_name)
+    for peer in peers:
+        plgpu.remote_ref(recv_gmem, peer).at[(me, *idx)][...] = mine
+    recv_gmem.at[(me, *idx)][...] = mine
+    for peer in peers:
+        pl.semaphore_signal(sem, device_id=peer)
+    pl.semaphore_wait(sem, n - 1)
+    acc = recv_gmem.at[(0, *idx)][...].astype(jnp.float32)
+    for r in range(1, n):
+        acc = acc + recv_gmem.at[(r, *idx)][...].astype(jnp.float32)
+    return acc
 
 
 def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-  """One-shot with plain register loads/stores only (no SMEM, no TMA): see exchange_st. Latency variant."""
-  M, C = x_MC.shape
-  R = block_rows
-  dtype = x_MC.dtype
+    """One-shot with plain register loads/stores only (no SMEM, no TMA): see exchange_st. Latency variant."""
+    M, C = x_MC.shape
+    R = block_rows
+    dtype = x_MC.dtype
 
-  def body(x_gmem, y_gmem, recv_gmem, sem):
-    rows = pl.ds(lax.axis_index("blocks") * R, R)
-    y_gmem[rows] = exchange_st(x_gmem.at[rows], recv_gmem, (rows,), axis_name, n, sem).astype(dtype)
+    def body(x_gmem, y_gmem, recv_gmem, sem):
+        rows = pl.ds(lax.axis_index("blocks") * R, R)
+        y_gmem[rows] = exchange_st(x_gmem.at[rows], recv_gmem, (rows,), axis_name, n, sem).astype(dtype)
 
-  y, _ = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
-      scratch_types=[plgpu.SemaphoreType.REGULAR],
-      grid=(M // R,), grid_names=("blocks",),
-      compiler_params=_params(skip_barrier),
-  )(x_MC)
-  return y
+    y, _ = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
+        scratch_types=[plgpu.SemaphoreType.REGULAR],
+        grid=(M // R,),
+        grid_names=("blocks",),
+        compiler_params=_params(skip_barrier),
+    )(x_MC)
+    return y
 
 
 KERNELS["one_shot_st"] = one_shot_st

@@ -32,134 +32,148 @@ F32 = jnp.float32
 
 
 def _mean_sq(v):
-  return jnp.sum(v * v) * (1.0 / v.size)
+    return jnp.sum(v * v) * (1.0 / v.size)
 
 
 def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
-  """round(sum_i alpha_i v_i) over the N stored blocks (SMEM) and new, in fp32; new itself without blocks."""
-  if not N:
-    return new.astype(F32)
-  q = q_smem[...]
-  sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
-  scores = []
-  for src in sources:
-    v = src()
-    scores.append(lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q))
-  m = scores[0]
-  for sc in scores[1:]:
-    m = jnp.maximum(m, sc)
-  e = [jnp.exp(sc - m) for sc in scores]
-  z = e[0]
-  for ei in e[1:]:
-    z = z + ei
-  h = e[0] / z * sources[0]()  # the second pass reads SMEM again rather than holding N rows in registers
-  for ei, src in zip(e[1:], sources[1:], strict=True):
-    h = h + ei / z * src()
-  return h.astype(dtype).astype(F32)
+    """round(sum_i alpha_i v_i) over the N stored blocks (SMEM) and new, in fp32; new itself without blocks."""
+    if not N:
+        return new.astype(F32)
+    q = q_smem[...]
+    sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
+    scores = []
+    for src in sources:
+        v = src()
+        scores.append(lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q))
+    m = scores[0]
+    for sc in scores[1:]:
+        m = jnp.maximum(m, sc)
+    e = [jnp.exp(sc - m) for sc in scores]
+    z = e[0]
+    for ei in e[1:]:
+        z = z + ei
+    h = e[0] / z * sources[0]()  # the second pass reads SMEM again rather than holding N rows in registers
+    for ei, src in zip(e[1:], sources[1:], strict=True):
+        h = h + ei / z * src()
+    return h.astype(dtype).astype(F32)
 
 
 def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
-  """_attnres in one pass (online softmax): a loop over the stored blocks carries the running max score m,
-  the softmax denominator z and the unnormalised mix h, each block read from SMEM once. The same sum up to
-  fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form
-  measured 13.5 us at 8 blocks against 5.2 at 4, superlinear)."""
-  v_new = new.astype(F32)
-  if not N:
-    return v_new
+    """_attnres in one pass (online softmax): a loop over the stored blocks carries the running max score m,
+    the softmax denominator z and the unnormalised mix h, each block read from SMEM once. The same sum up to
+    fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form
+    measured 13.5 us at 8 blocks against 5.2 at 4, superlinear)."""
+    v_new = new.astype(F32)
+    if not N:
+        return v_new
 
-  def score(v):
-    return lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q_smem[...])
+    def score(v):
+        return lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q_smem[...])
 
-  def step(i, carry):
-    m, z, h = carry
-    v = blocks_smem[i].astype(F32)
-    s = score(v)
-    m_next = jnp.maximum(m, s)
-    rescale, e = jnp.exp(m - m_next), jnp.exp(s - m_next)
-    return m_next, z * rescale + e, h * rescale + e * v
+    def step(i, carry):
+        m, z, h = carry
+        v = blocks_smem[i].astype(F32)
+        s = score(v)
+        m_next = jnp.maximum(m, s)
+        rescale, e = jnp.exp(m - m_next), jnp.exp(s - m_next)
+        return m_next, z * rescale + e, h * rescale + e * v
 
-  m, z, h = lax.fori_loop(0, N, step, (score(v_new), jnp.float32(1.0), v_new))
-  return (h / z).astype(dtype).astype(F32)
+    m, z, h = lax.fori_loop(0, N, step, (score(v_new), jnp.float32(1.0), v_new))
+    return (h / z).astype(dtype).astype(F32)
 
 
 def smem_bytes(Q, C, N, has_prefix, itemsize):
-  """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
-  return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
+    """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
+    return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
 
 
-def mix_norm(x_BQC, prefix_BQC, blocks, q_QC, w_QC, eps, *, axis_name, n, skip_barrier=False,
-             interpret=None, profile_dir="", online=None):
-  """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC may be None; blocks: the N stored blocks,
-  a sequence of [B, Q, C] arrays (each its own operand, so the caller's list needs no stacked copy), may be
-  empty; w_QC in x's dtype, q_QC in fp32.
+def mix_norm(
+    x_BQC,
+    prefix_BQC,
+    blocks,
+    q_QC,
+    w_QC,
+    eps,
+    *,
+    axis_name,
+    n,
+    skip_barrier=False,
+    interpret=None,
+    profile_dir="",
+    online=None,
+):
+    """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC may be None; blocks: the N stored blocks,
+    a sequence of [B, Q, C] arrays (each its own operand, so the caller's list needs no stacked copy), may be
+    empty; w_QC in x's dtype, q_QC in fp32.
 
-  The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
-  behind the exchange's round trip and AttnRes reads them from SMEM.
-  online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
-  default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
-  5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
-  profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
-  B, Q, C = x_BQC.shape
-  dtype = x_BQC.dtype
-  blocks = tuple(blocks or ())
-  has_prefix, N = prefix_BQC is not None, len(blocks)
-  online = N > 1 if online is None else online
-  exchange = n > 1
+    The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
+    behind the exchange's round trip and AttnRes reads them from SMEM.
+    online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
+    default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
+    5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
+    B, Q, C = x_BQC.shape
+    dtype = x_BQC.dtype
+    blocks = tuple(blocks or ())
+    has_prefix, N = prefix_BQC is not None, len(blocks)
+    online = N > 1 if online is None else online
+    exchange = n > 1
 
-  def body(*refs):
-    refs = list(refs)
-    x_gmem = refs.pop(0)
-    prefix_gmem = refs.pop(0) if has_prefix else None
-    blocks_gmem = [refs.pop(0) for _ in range(N)]
-    q_gmem, w_gmem, new_gmem, normed_gmem = refs[:4]
-    refs = refs[4:]
-    recv_gmem = refs.pop(0) if exchange else None
-    sem = refs.pop(0) if exchange else None
-    q_smem, w_smem, bar = refs[:3]
-    prefix_smem = refs[3] if has_prefix else None
-    blocks_smem = refs[-1] if N else None
-    b = lax.axis_index("tokens")
+    def body(*refs):
+        refs = list(refs)
+        x_gmem = refs.pop(0)
+        prefix_gmem = refs.pop(0) if has_prefix else None
+        blocks_gmem = [refs.pop(0) for _ in range(N)]
+        q_gmem, w_gmem, new_gmem, normed_gmem = refs[:4]
+        refs = refs[4:]
+        recv_gmem = refs.pop(0) if exchange else None
+        sem = refs.pop(0) if exchange else None
+        q_smem, w_smem, bar = refs[:3]
+        prefix_smem = refs[3] if has_prefix else None
+        blocks_smem = refs[-1] if N else None
+        b = lax.axis_index("tokens")
 
-    # Everything the epilogue reads, in flight while the partials are exchanged (one barrier counts all).
-    loads = [(q_gmem, q_smem), (w_gmem, w_smem)]
-    loads += [(prefix_gmem.at[b], prefix_smem)] if has_prefix else []
-    loads += [(blk.at[b], blocks_smem.at[i]) for i, blk in enumerate(blocks_gmem)]
-    for src, dst in loads:
-      plgpu.copy_gmem_to_smem(src, dst, bar)
+        # Everything the epilogue reads, in flight while the partials are exchanged (one barrier counts all).
+        loads = [(q_gmem, q_smem), (w_gmem, w_smem)]
+        loads += [(prefix_gmem.at[b], prefix_smem)] if has_prefix else []
+        loads += [(blk.at[b], blocks_smem.at[i]) for i, blk in enumerate(blocks_gmem)]
+        for src, dst in loads:
+            plgpu.copy_gmem_to_smem(src, dst, bar)
 
-    with jax.named_scope("exchange"):
-      if exchange:
-        s = exchange_st(x_gmem.at[b], recv_gmem, (b,), axis_name, n, sem)
-      else:
-        s = x_gmem[b].astype(F32)
-      a = s.astype(dtype)  # what the all-reduce hands back
-    with jax.named_scope("wait_loads"):
-      plgpu.barrier_wait(bar)
-    with jax.named_scope("prefix"):
-      new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
-      new_gmem[b] = new
-    with jax.named_scope("attnres"):
-      h = (_attnres_online if online else _attnres)(new, blocks_smem, q_smem, N, eps, dtype)
-    with jax.named_scope("norm"):
-      normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
-      normed_gmem[b] = normed.astype(dtype)
+        with jax.named_scope("exchange"):
+            if exchange:
+                s = exchange_st(x_gmem.at[b], recv_gmem, (b,), axis_name, n, sem)
+            else:
+                s = x_gmem[b].astype(F32)
+            a = s.astype(dtype)  # what the all-reduce hands back
+        with jax.named_scope("wait_loads"):
+            plgpu.barrier_wait(bar)
+        with jax.named_scope("prefix"):
+            new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
+            new_gmem[b] = new
+        with jax.named_scope("attnres"):
+            h = (_attnres_online if online else _attnres)(new, blocks_smem, q_smem, N, eps, dtype)
+        with jax.named_scope("norm"):
+            normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
+            normed_gmem[b] = normed.astype(dtype)
 
-  out_type = [jax.ShapeDtypeStruct((B, Q, C), dtype)] * 2
-  scratch = [plgpu.SemaphoreType.REGULAR] if exchange else []
-  if exchange:
-    out_type.append(jax.ShapeDtypeStruct((n, B, Q, C), dtype))
-  scratch += [plgpu.SMEM((Q, C), F32), plgpu.SMEM((Q, C), dtype),
-              plgpu.Barrier(num_arrivals=2 + has_prefix + N)]
-  scratch += [plgpu.SMEM((Q, C), dtype)] if has_prefix else []
-  scratch += [plgpu.SMEM((N, Q, C), dtype)] if N else []
-  operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + list(blocks)
-  outs = plgpu.kernel(
-      body,
-      out_type=tuple(out_type),
-      scratch_types=scratch,
-      grid=(B,), grid_names=("tokens",),
-      compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier,
-                                           profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
-      interpret=interpret,
-  )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
-  return outs[0], outs[1]
+    out_type = [jax.ShapeDtypeStruct((B, Q, C), dtype)] * 2
+    scratch = [plgpu.SemaphoreType.REGULAR] if exchange else []
+    if exchange:
+        out_type.append(jax.ShapeDtypeStruct((n, B, Q, C), dtype))
+    scratch += [plgpu.SMEM((Q, C), F32), plgpu.SMEM((Q, C), dtype), plgpu.Barrier(num_arrivals=2 + has_prefix + N)]
+    scratch += [plgpu.SMEM((Q, C), dtype)] if has_prefix else []
+    scratch += [plgpu.SMEM((N, Q, C), dtype)] if N else []
+    operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + list(blocks)
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=scratch,
+        grid=(B,),
+        grid_names=("tokens",),
+        compiler_params=plgpu.CompilerParams(
+            skip_device_barrier=skip_barrier, profile_space=256 if profile_dir else 0, profile_dir=profile_dir
+        ),
+        interpret=interpret,
+    )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
+    return outs[0], outs[1]

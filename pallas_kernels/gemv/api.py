@@ -22,12 +22,19 @@ def pick_launch(B, D, table="launch") -> dict:
     entries = tuning()["sm90"].get(table, [])
     entry = next((e for e in entries if e.get("min_batch", 1) <= B <= e["max_batch"]), None)
     if entry is None:
-        raise NotImplementedError(f"batch {B}: no GEMV {table} entry in tuning.json (it serves batches "
-                                  f"{[(e.get('min_batch', 1), e['max_batch']) for e in entries]})")
+        raise NotImplementedError(
+            f"batch {B}: no GEMV {table} entry in tuning.json (it serves batches "
+            f"{[(e.get('min_batch', 1), e['max_batch']) for e in entries]})"
+        )
     # split D only where it divides: o_proj's short D (768 at TP16) has row blocks enough without it
     split_k = entry["split_k"] if D % (entry["split_k"] * entry["block_k"]) == 0 else 1
-    return dict(block_k=entry["block_k"], split_k=split_k, steps=entry["steps"], rows=entry.get("rows", 64),
-                x_stream=entry.get("x_stream", "N"))
+    return dict(
+        block_k=entry["block_k"],
+        split_k=split_k,
+        steps=entry["steps"],
+        rows=entry.get("rows", 64),
+        x_stream=entry.get("x_stream", "N"),
+    )
 
 
 def _kernel(x_BD, ws_ND, table="launch"):
@@ -35,6 +42,7 @@ def _kernel(x_BD, ws_ND, table="launch"):
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
     from pallas_kernels.gemv import kernel
+
     launch = pick_launch(*x_BD.shape, table=table)
     kernel.check_supported(x_BD, ws_ND, **launch)
     return kernel.gemv(x_BD, tuple(ws_ND), **launch)

@@ -76,12 +76,16 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
     if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % rows for w in ws_ND):
         raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {rows} == 0")
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
-        raise NotImplementedError(f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
-                                  "pipeline releases a stage one step late, so it needs two)")
+        raise NotImplementedError(
+            f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
+            "pipeline releases a stage one step late, so it needs two)"
+        )
     if smem_bytes(B, D, block_k, split_k, steps, rows, x_stream) > SMEM_BYTES:
-        raise NotImplementedError(f"batch {B}: {steps} stages of weight and x tiles need "
-                                  f"{smem_bytes(B, D, block_k, split_k, steps, rows, x_stream)} bytes "
-                                  f"of SMEM (> {SMEM_BYTES}); lower steps or block_k")
+        raise NotImplementedError(
+            f"batch {B}: {steps} stages of weight and x tiles need "
+            f"{smem_bytes(B, D, block_k, split_k, steps, rows, x_stream)} bytes "
+            f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
+        )
 
 
 def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_tokens):
@@ -90,7 +94,7 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
     itself in x's dtype, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
     accumulator [rows, T] that the n_tokens output rows are read from."""
     n_w = len(n_blocks)
-    ws, outs, scratch = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+    ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], refs[2 * n_w :]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
     k_range = pl.ds(s * k_slabs * block_k, k_slabs * block_k)  # this CTA's columns of D
 
@@ -103,11 +107,13 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
                     plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
 
             # a stage: the weight's [rows, block_k] tile and x's [T, block_k] tile of the same K block
-            specs = [plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS,
-                                     delay_release=1),
-                     plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1)]
+            specs = [
+                plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
+                plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1),
+            ]
             plgpu.emit_pipeline(step, grid=(k_slabs,), max_concurrent_steps=steps, in_specs=specs)(
-                w_ref.at[:, k_range], x_ref.at[:, k_range])
+                w_ref.at[:, k_range], x_ref.at[:, k_range]
+            )
             return acc_ref[...]
 
         block = pl.ds(row_blk * rows, rows)
@@ -138,8 +144,17 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N
     split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
     direct = split_k == 1
-    parts = _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
-                      interpret=interpret, out_dtype=x_BD.dtype if direct else F32)
+    parts = _partials(
+        x_BD,
+        ws_ND,
+        block_k=block_k,
+        split_k=split_k,
+        steps=steps,
+        rows=rows,
+        x_stream=x_stream,
+        interpret=interpret,
+        out_dtype=x_BD.dtype if direct else F32,
+    )
     if direct:  # [1, 64 ("M") or B ("N"), N_i] in x's dtype
         return tuple(p[0, :B] for p in parts)
     if x_stream == "M":  # token-major
@@ -152,8 +167,9 @@ def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_strea
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding); with x_stream "M" token-major [split_k, 64, N_i], row b token b's. A
     consumer that reads these itself (the KDA decode kernel) saves the glue."""
-    return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream,
-                     interpret=interpret)
+    return _partials(
+        x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream, interpret=interpret
+    )
 
 
 def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret, out_dtype=F32):
@@ -166,13 +182,31 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret
     direct_n = x_stream == "N" and out_dtype != F32
     scratch = [plgpu.SMEM((rows, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
     kernel = plgpu.kernel(
-        functools.partial(_body, n_blocks=n_blocks, block_k=block_k, steps=min(steps, k_slabs), rows=rows,
-                          k_slabs=k_slabs, T=T, x_stream=x_stream, n_tokens=B),
-        out_type=tuple(jax.ShapeDtypeStruct((1, B, w.shape[0]) if direct_n else (split_k, T, w.shape[0])
-                                            if x_stream == "M" else (split_k, w.shape[0], T), out_dtype)
-                       for w in ws_ND),
+        functools.partial(
+            _body,
+            n_blocks=n_blocks,
+            block_k=block_k,
+            steps=min(steps, k_slabs),
+            rows=rows,
+            k_slabs=k_slabs,
+            T=T,
+            x_stream=x_stream,
+            n_tokens=B,
+        ),
+        out_type=tuple(
+            jax.ShapeDtypeStruct(
+                (1, B, w.shape[0])
+                if direct_n
+                else (split_k, T, w.shape[0])
+                if x_stream == "M"
+                else (split_k, w.shape[0], T),
+                out_dtype,
+            )
+            for w in ws_ND
+        ),
         scratch_types=scratch,
-        grid=(sum(n_blocks), split_k), grid_names=("n", "k"),
+        grid=(sum(n_blocks), split_k),
+        grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )

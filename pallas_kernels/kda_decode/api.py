@@ -18,9 +18,11 @@ def _kernel_body():
         raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
     if arch[0] == 9:
         from pallas_kernels.kda_decode import sm90
+
         return sm90
     if arch[0] == 10:
         from pallas_kernels.kda_decode import sm100
+
         return sm100
     raise NotImplementedError(f"no KDA decode body for compute capability {arch}")
 
@@ -48,53 +50,166 @@ def _check_qkv(qkv_B3HK):
 def _check_active(active_B, state_BHKV):
     """active_B must be one integer or bool per sequence: a wrong length would mask the wrong slots."""
     if active_B is not None and (active_B.shape != state_BHKV.shape[:1] or active_B.dtype.kind not in "iub"):
-        raise ValueError(f"active_B must be an int or bool array of shape ({state_BHKV.shape[0]},), one entry "
-                         f"per sequence (0 = idle), got {active_B.dtype}{list(active_B.shape)}")
+        raise ValueError(
+            f"active_B must be an int or bool array of shape ({state_BHKV.shape[0]},), one entry "
+            f"per sequence (0 = idle), got {active_B.dtype}{list(active_B.shape)}"
+        )
 
 
-def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-               o_norm_w_K, active_B=None, *, eps=1e-5, backend="xla"):
+def kda_decode(
+    qkv_B3HK,
+    f_BHK,
+    beta_BH,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+    backend="xla",
+):
     """One KDA decode step -> (y_BHK, new_state_BHKV, new_conv_B3WHK). See reference.py for the maths.
     active_B (int [B], None = all): sequences whose entry is 0 (idle slots) keep state and conv window (value
     for value). Pass it rather than selecting afterwards: after a kernel that select is a second pass over the
     state (H200, TP16 B = 64: 72.2 vs 55.4 us for the sublayer, bench/results/kda_layer.json)."""
     _check_qkv(qkv_B3HK)
     _check_active(active_B, state_BHKV)
-    return _dispatch("kda_decode", backend, (qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK,
-                                             conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B), dict(eps=eps))
+    return _dispatch(
+        "kda_decode",
+        backend,
+        (
+            qkv_B3HK,
+            f_BHK,
+            beta_BH,
+            gate_BHK,
+            state_BHKV,
+            conv_B3WHK,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            active_B,
+        ),
+        dict(eps=eps),
+    )
 
 
-def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                     A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, backend="xla"):
+def kda_decode_gates(
+    qkv_B3HK,
+    fa_BR,
+    f_b_RHK,
+    x_BD,
+    b_HD,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+    backend="xla",
+):
     """kda_decode from the gate projections' inputs: f = fa @ f_b, beta logits = x @ b (fa = x @ f_a). A body
     computes them in the decode kernel up to its tuning's "fuse_gates_max_batch" (two fewer launches per KDA
     layer); above it runs the two projections, then its decode kernel."""
     _check_qkv(qkv_B3HK)
     _check_active(active_B, state_BHKV)
-    return _dispatch("kda_decode_gates", backend, (qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV,
-                                                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-                                                   active_B), dict(eps=eps))
+    return _dispatch(
+        "kda_decode_gates",
+        backend,
+        (
+            qkv_B3HK,
+            fa_BR,
+            f_b_RHK,
+            x_BD,
+            b_HD,
+            gate_BHK,
+            state_BHKV,
+            conv_B3WHK,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            active_B,
+        ),
+        dict(eps=eps),
+    )
 
 
-def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, backend="xla"):
+def kda_decode_x(
+    x_BD,
+    qkvg_4HKD,
+    f_a_RD,
+    f_b_RHK,
+    b_HD,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+    backend="xla",
+):
     """The step from the layer's normed input x and its out-major projection weights (qkvg [4, H, K, D],
     f_a [R, D]): the projections, then kda_decode_gates. A body may run the projections as its own GEMV whose
     partials the decode kernel reads (tuning "gemv_projections"); the reference runs the model's GEMMs."""
     _check_active(active_B, state_BHKV)
-    return _dispatch("kda_decode_x", backend, (x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK,
-                                               conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B),
-                     dict(eps=eps))
+    return _dispatch(
+        "kda_decode_x",
+        backend,
+        (
+            x_BD,
+            qkvg_4HKD,
+            f_a_RD,
+            f_b_RHK,
+            b_HD,
+            state_BHKV,
+            conv_B3WHK,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            active_B,
+        ),
+        dict(eps=eps),
+    )
 
 
-def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-               dt_bias_HK, o_norm_w_K, *, eps=1e-5, backend="xla"):
+def kda_verify(
+    qkv_BT3HK,
+    f_BTHK,
+    beta_BTH,
+    gate_BTHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    *,
+    eps=1e-5,
+    backend="xla",
+):
     """Speculative verify of T new tokens -> (y_BTHK, commit_data); the state is left untouched.
 
     The kernel reads the state once and keeps the running state on chip; the XLA form unrolls T <= 8 steps.
     """
-    return _dispatch("kda_verify", backend, (qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
-                                             conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K), dict(eps=eps))
+    return _dispatch(
+        "kda_verify",
+        backend,
+        (qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K),
+        dict(eps=eps),
+    )
 
 
 def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, backend="xla"):

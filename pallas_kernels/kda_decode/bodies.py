@@ -19,6 +19,7 @@ from pallas_kernels.kda_decode import kernel, reference, verify_kernel
 
 class Ops(NamedTuple):
     """A body's ops, with the api's signatures (plus `interpret` for CPU tests)."""
+
     kda_decode: Callable
     kda_decode_gates: Callable
     kda_decode_x: Callable
@@ -45,15 +46,58 @@ def entry_points(tuning: dict) -> Ops:
     def fuses_gates(B, H):  # tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any)
         return B <= tuning.get("fuse_gates_max_batch", 0) and H <= tuning.get("fuse_gates_max_heads", H)
 
-    def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
+    def kda_decode(
+        qkv_B3HK,
+        f_BHK,
+        beta_BH,
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B=None,
+        *,
+        eps=1e-5,
+        interpret=None,
+    ):
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
-        return kernel.decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                             dt_bias_HK, o_norm_w_K, active_B, eps=eps, interpret=interpret,
-                             **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret))
+        return kernel.decode(
+            qkv_B3HK,
+            f_BHK,
+            beta_BH,
+            gate_BHK,
+            state_BHKV,
+            conv_B3WHK,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            active_B,
+            eps=eps,
+            interpret=interpret,
+            **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret),
+        )
 
-    def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                         A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
+    def kda_decode_gates(
+        qkv_B3HK,
+        fa_BR,
+        f_b_RHK,
+        x_BD,
+        b_HD,
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B=None,
+        *,
+        eps=1e-5,
+        interpret=None,
+    ):
         """Up to tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any) the two projections
         run inside the decode kernel; beyond either, XLA's GEMVs (as the model runs them), then the decode
         kernel. With b out-major [H, D] (weight table version 4: a contiguous row per head) fused wins at every
@@ -65,13 +109,38 @@ def entry_points(tuning: dict) -> Ops:
         launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         B, _, H, _ = qkv_B3HK.shape
         if fuses_gates(B, H):
-            return kernel.decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, *rest, active_B, eps=eps,
-                                       interpret=interpret, **dict(launch, warpgroups=1))
+            return kernel.decode_gates(
+                qkv_B3HK,
+                fa_BR,
+                f_b_RHK,
+                x_BD,
+                b_HD,
+                *rest,
+                active_B,
+                eps=eps,
+                interpret=interpret,
+                **dict(launch, warpgroups=1),
+            )
         f, beta = reference.gates(fa_BR, f_b_RHK, x_BD, b_HD)
         return kernel.decode(qkv_B3HK, f, beta, *rest, active_B, eps=eps, interpret=interpret, **launch)
 
-    def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                     dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5, interpret=None):
+    def kda_decode_x(
+        x_BD,
+        qkvg_4HKD,
+        f_a_RD,
+        f_b_RHK,
+        b_HD,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B=None,
+        *,
+        eps=1e-5,
+        interpret=None,
+    ):
         """With tuning "gemv_projections" (where the GEMV takes the shapes): the decode GEMV
         (pallas_kernels.gemv) runs q/k/v/g and f_a in one launch, as fp32 partials. Where the gate projections
         fuse, the decode kernel sums and rounds them itself (two launches in all); above that batch, where the
@@ -81,23 +150,26 @@ def entry_points(tuning: dict) -> Ops:
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
             try:
-                return _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, *rest, active_B=active_B, eps=eps,
-                                  interpret=interpret)
+                return _from_gemv(
+                    x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, *rest, active_B=active_B, eps=eps, interpret=interpret
+                )
             except NotImplementedError as e:
                 common.log_once("kda_decode_x", f"projections by XLA: {e}")
         qkvg_B4HK, fa_BR = reference.project(x_BD, qkvg_4HKD, f_a_RD)
         # qkvg goes in whole as both qkv and gate (kernel.check_supported): slicing it made XLA copy q/k/v and g
         # into operands of their own before the custom call (two kernels, 3.6 us at TP16 B = 64, kda_layer.json)
-        return kda_decode_gates(qkvg_B4HK, fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK, *rest, active_B, eps=eps,
-                                interpret=interpret)
+        return kda_decode_gates(
+            qkvg_B4HK, fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK, *rest, active_B, eps=eps, interpret=interpret
+        )
 
     def _from_gemv(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, *rest, active_B, eps, interpret):
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
         if H > tuning.get("fuse_gates_max_heads", H):  # TP1: unmeasured with the GEMV, and glue lost at TP8
-            raise NotImplementedError(f"{B} x {H}: the GEMV projections are tuned at <= "
-                                      f"{tuning['fuse_gates_max_heads']} heads")
+            raise NotImplementedError(
+                f"{B} x {H}: the GEMV projections are tuned at <= {tuning['fuse_gates_max_heads']} heads"
+            )
         ws = (qkvg_4HKD.reshape(-1, D), f_a_RD)
         g = gemv_api.pick_launch(B, D)
         gemv.check_supported(x_BD, ws, **g)
@@ -107,9 +179,20 @@ def entry_points(tuning: dict) -> Ops:
         layout = "TN" if g["x_stream"] == "M" else "NT"
         if fuses_gates(B, H):
             launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
-            return kernel.decode_gates(qkvg_parts, fa_parts, f_b_RHK, x_BD, b_HD, qkvg_parts, *rest, active_B,
-                                       eps=eps, from_gemv=layout, interpret=interpret,
-                                       **dict(launch, warpgroups=1))  # one warpgroup, fused gates
+            return kernel.decode_gates(
+                qkvg_parts,
+                fa_parts,
+                f_b_RHK,
+                x_BD,
+                b_HD,
+                qkvg_parts,
+                *rest,
+                active_B,
+                eps=eps,
+                from_gemv=layout,
+                interpret=interpret,
+                **dict(launch, warpgroups=1),
+            )  # one warpgroup, fused gates
 
         def summed(parts):  # XLA sums the partials (one rounding, as the model's GEMMs round) -> [B, N]
             return (parts[:, :B] if layout == "TN" else parts[..., :B].transpose(0, 2, 1)).sum(0).astype(x_BD.dtype)
@@ -117,13 +200,38 @@ def entry_points(tuning: dict) -> Ops:
         qkvg, fa = summed(qkvg_parts).reshape(B, 4, H, K), summed(fa_parts)  # qkvg goes to the kernel whole
         return kda_decode_gates(qkvg, fa, f_b_RHK, x_BD, b_HD, qkvg, *rest, active_B, eps=eps, interpret=interpret)
 
-    def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, *, eps=1e-5, interpret=None):
+    def kda_verify(
+        qkv_BT3HK,
+        f_BTHK,
+        beta_BTH,
+        gate_BTHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        *,
+        eps=1e-5,
+        interpret=None,
+    ):
         """The decode launch table: same tiles, and the state is still the traffic."""
         verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
-        return verify_kernel.verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
-                                    conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps=eps, interpret=interpret,
-                                    **_launch(verify_kernel.pick_launch(tuning, qkv_BT3HK), interpret))
+        return verify_kernel.verify(
+            qkv_BT3HK,
+            f_BTHK,
+            beta_BTH,
+            gate_BTHK,
+            state_BHKV,
+            conv_B3WHK,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            eps=eps,
+            interpret=interpret,
+            **_launch(verify_kernel.pick_launch(tuning, qkv_BT3HK), interpret),
+        )
 
     def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, interpret=None):
         """Reads and writes each tile once, like a decode step: the decode launch table applies as is.
@@ -132,7 +240,13 @@ def entry_points(tuning: dict) -> Ops:
             raise NotImplementedError("tuning.json: XLA's fused commit measured faster on this GPU")
         qkv_BT3HK = commit_data["new_inputs_BT3HK"]
         verify_kernel.check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK)
-        return verify_kernel.commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, interpret=interpret,
-                                    **verify_kernel.pick_launch(tuning, qkv_BT3HK, split=False))
+        return verify_kernel.commit(
+            state_BHKV,
+            conv_B3WHK,
+            commit_data,
+            accepted_B,
+            interpret=interpret,
+            **verify_kernel.pick_launch(tuning, qkv_BT3HK, split=False),
+        )
 
     return Ops(kda_decode, kda_decode_gates, kda_decode_x, kda_verify, kda_commit)

@@ -70,8 +70,9 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
     """qkv_B3HK: [B, 3, H, K], or the layer's whole qkvg [B, 4, H, K] (the kernel then reads the gate from it)."""
     B, three, H, K = qkv_B3HK.shape
     if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
-        raise NotImplementedError(f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} "
-                                  f"conv={conv_B3WHK.shape}")
+        raise NotImplementedError(
+            f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} conv={conv_B3WHK.shape}"
+        )
     if K != 128:
         raise NotImplementedError(f"kernel needs K = V = 128 (one channel per thread), got {K}")
     if qkv_B3HK.dtype not in (jnp.bfloat16, jnp.float32) or state_BHKV.dtype != F32:
@@ -86,14 +87,35 @@ def pick_launch(tuning, qkv_B3HK):
     """The first launch entry of a tuning.json body whose max_tiles (null = any) covers the B*H tiles."""
     tiles = qkv_B3HK.shape[0] * qkv_B3HK.shape[2]
     entry = next(e for e in tuning["launch"] if e["max_tiles"] is None or tiles <= e["max_tiles"])
-    return dict(tile_layout=getattr(plgpu.Layout, tuning["layout"]), v_chunk=entry.get("v_chunk", 32),
-                tma=entry["tma"], v_split=entry.get("v_split", 1), gather=entry.get("gather", "gmem"),
-                warpgroups=entry.get("warpgroups", 1),
-                **{key: entry[key] for key in ROWS_KEYS if key in entry})
+    return dict(
+        tile_layout=getattr(plgpu.Layout, tuning["layout"]),
+        v_chunk=entry.get("v_chunk", 32),
+        tma=entry["tma"],
+        v_split=entry.get("v_split", 1),
+        gather=entry.get("gather", "gmem"),
+        warpgroups=entry.get("warpgroups", 1),
+        **{key: entry[key] for key in ROWS_KEYS if key in entry},
+    )
 
 
-def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=False, chunked=False, v_split=1,
-          gather="gmem", warpgroups=1, idle_mask=False, on_gpu=True, k_rows=0, keep_slices=0, row_stores="tma"):
+def _body(
+    *refs,
+    tile_layout,
+    v_chunk,
+    eps,
+    dtype,
+    fuse_gates=False,
+    from_gemv=False,
+    chunked=False,
+    v_split=1,
+    gather="gmem",
+    warpgroups=1,
+    idle_mask=False,
+    on_gpu=True,
+    k_rows=0,
+    keep_slices=0,
+    row_stores="tma",
+):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
@@ -114,7 +136,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     [S, T, R] (token-major, the GEMV's x_stream "M" launch): this kernel sums and rounds them (once, as the
     model's projections round), so no glue kernel runs."""
     n_in = (12 if fuse_gates else 10) + idle_mask
-    qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:n_in - idle_mask]
+    qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[: n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
     y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
     o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
@@ -142,12 +164,10 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     def issue_state_tma():  # the tile HBM -> SMEM by TMA: in flight during the prologue
         if k_rows:  # one TMA per row slice: row slices are contiguous in GMEM and SMEM alike
             for c in range(state_ref.shape[-2] // k_rows):
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
-                                        tile_bar.at[c])
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c], tile_bar.at[c])
         elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)],
-                                        tile_bar.at[slot(c)])
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)], tile_bar.at[slot(c)])
         else:
             plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
@@ -167,11 +187,13 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
     # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
+
         def projected(i):  # stream i (q, k, v, g) of (b, h): its S fp32 partials, loaded (summed by `resolve`)
             rows = pl.ds((i * H + h) * K, K)
             at = (lambda p: qkv_ref.at[p, b, rows]) if from_gemv == "TN" else (lambda p: qkv_ref.at[p, rows, b])
             return tuple(plgpu.load(at(p)) for p in range(qkv_ref.shape[0]))
     else:  # qkv [B, 3, H, K] and gate [B, H, K], or qkvg [B, 4, H, K] whole (passed as both)
+
         def projected(i):
             return (gate_ref.at[b, h] if i == 3 and qkv_ref.shape[1] == 3 else qkv_ref.at[b, i, h])[...]
 
@@ -202,11 +224,22 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("prologue"):
         with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py)
-            f, beta = _gates(_fa_of(gate_in[0], b, from_gemv, dtype, vec_smem.at[7] if vec_smem.shape[-2] > 7
-                                    else None), *gate_in[1:], b, h, vec_smem, dtype,
-                             total) if fuse_gates else f_beta
-        o_gain = _prologue(pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total,
-                           write_conv=s == 0, active=active)
+            f, beta = (
+                _gates(
+                    _fa_of(gate_in[0], b, from_gemv, dtype, vec_smem.at[7] if vec_smem.shape[-2] > 7 else None),
+                    *gate_in[1:],
+                    b,
+                    h,
+                    vec_smem,
+                    dtype,
+                    total,
+                )
+                if fuse_gates
+                else f_beta
+            )
+        o_gain = _prologue(
+            pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total, write_conv=s == 0, active=active
+        )
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
@@ -233,11 +266,31 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
 
     with jax.named_scope("recurrence"):
         if k_rows:
-            _recurrence_rows(tile_smem, tile_bar, new_state_ref.at[b, h], vec_smem, o_gain, dtype, keep=keep_slices,
-                             stores=row_stores)
+            _recurrence_rows(
+                tile_smem,
+                tile_bar,
+                new_state_ref.at[b, h],
+                vec_smem,
+                o_gain,
+                dtype,
+                keep=keep_slices,
+                stores=row_stores,
+            )
         else:
-            _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, tile_layout=tile_layout,
-                        v_chunk=v_chunk, n_chunks=n_chunks, col0=col0, dtype=dtype, total=total)
+            _recurrence(
+                first_chunk,
+                load_state,
+                store_state,
+                put_o,
+                vec_smem,
+                o_gain,
+                tile_layout=tile_layout,
+                v_chunk=v_chunk,
+                n_chunks=n_chunks,
+                col0=col0,
+                dtype=dtype,
+                total=total,
+            )
     if tma_scratch and not (chunked or k_rows):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
@@ -250,8 +303,7 @@ def _body(*refs, tile_layout, v_chunk, eps, dtype, fuse_gates=False, from_gemv=F
                 plgpu.barrier_wait(xchg_bar)
             else:
                 _cluster_sync(xchg_bar, on_gpu)
-            o_src = (vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem"
-                     else o_xchg_ref.at[b, h])
+            o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
             pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
         with jax.named_scope("store_wait"):
@@ -366,7 +418,7 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     q, k, v = x
     g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
     beta = _sigmoid(beta.astype(F32))
-    qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K ** -0.5)
+    qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K**-0.5)
     kn = k * lax.rsqrt(total(k * k) + 1e-6)
     decay = jnp.exp(g)
     vec_smem.at[0][...] = decay * kn
@@ -382,8 +434,21 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     return beta * total(kn * qn)
 
 
-def _recurrence(first_chunk, load_state, store_state, put_o, vec_smem, o_gain, *, tile_layout, v_chunk,
-                n_chunks, col0, dtype, total=jnp.sum):
+def _recurrence(
+    first_chunk,
+    load_state,
+    store_state,
+    put_o,
+    vec_smem,
+    o_gain,
+    *,
+    tile_layout,
+    v_chunk,
+    n_chunks,
+    col0,
+    dtype,
+    total=jnp.sum,
+):
     """The state update and output (§4.4) from one read of S, v_chunk columns at a time (columns are
     independent given k̂, q̂): n_chunks chunks from state column col0. first_chunk() gives chunk 0 (waiting for
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
@@ -468,14 +533,47 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
 _SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-_STATIC = ("eps", "tile_layout", "v_chunk", *ROWS_KEYS, "tma", "v_split", "gather", "warpgroups", "interpret",
-           "profile_dir")
+_STATIC = (
+    "eps",
+    "tile_layout",
+    "v_chunk",
+    *ROWS_KEYS,
+    "tma",
+    "v_split",
+    "gather",
+    "warpgroups",
+    "interpret",
+    "profile_dir",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1, gather="gmem",
-           warpgroups=1, interpret=None, profile_dir="", k_chunk=32, keep_slices=0, row_stores="tma"):
+def decode(
+    qkv_B3HK,
+    f_BHK,
+    beta_BH,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps,
+    tile_layout,
+    v_chunk=128,
+    tma=False,
+    v_split=1,
+    gather="gmem",
+    warpgroups=1,
+    interpret=None,
+    profile_dir="",
+    k_chunk=32,
+    keep_slices=0,
+    row_stores="tma",
+):
     """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
@@ -497,17 +595,62 @@ def decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3H
     qkv_B3HK may also be the layer's whole qkvg [B, 4, H, K], passed again as gate_BHK: the kernel reads the
     gate from its fourth stream, so the caller makes no sliced copies.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
-    return _launch(qkv_B3HK, (f_BHK, beta_BH), gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                   dt_bias_HK, o_norm_w_K, active_B, eps=eps, tile_layout=tile_layout, v_chunk=v_chunk, tma=tma,
-                   v_split=v_split, gather=gather, warpgroups=warpgroups, interpret=interpret,
-                   profile_dir=profile_dir, k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
+    return _launch(
+        qkv_B3HK,
+        (f_BHK, beta_BH),
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B,
+        eps=eps,
+        tile_layout=tile_layout,
+        v_chunk=v_chunk,
+        tma=tma,
+        v_split=v_split,
+        gather=gather,
+        warpgroups=warpgroups,
+        interpret=interpret,
+        profile_dir=profile_dir,
+        k_chunk=k_chunk,
+        keep_slices=keep_slices,
+        row_stores=row_stores,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("from_gemv",))
-def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, active_B=None, *, eps, tile_layout, v_chunk=128, tma=False, v_split=1,
-                 gather="gmem", warpgroups=1, interpret=None, profile_dir="", from_gemv=False, k_chunk=32,
-                 keep_slices=0, row_stores="tma"):
+def decode_gates(
+    qkv_B3HK,
+    fa_BR,
+    f_b_RHK,
+    x_BD,
+    b_HD,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps,
+    tile_layout,
+    v_chunk=128,
+    tma=False,
+    v_split=1,
+    gather="gmem",
+    warpgroups=1,
+    interpret=None,
+    profile_dir="",
+    from_gemv=False,
+    k_chunk=32,
+    keep_slices=0,
+    row_stores="tma",
+):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
     from_gemv ("NT" or "TN", the partials' layout: see _body): straight from the decode GEMV's fp32 partials
@@ -519,16 +662,59 @@ def decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, con
     if x_BD.shape[1] % conv_B3WHK.shape[-1]:
         raise NotImplementedError(f"fused gates: f_b {f_b_RHK.shape}, x {x_BD.shape}")
     dtype = x_BD.dtype
-    return _launch(qkv_B3HK, (fa_BR, f_b_RHK.astype(dtype), x_BD, b_HD.astype(dtype)), gate_BHK, state_BHKV,
-                   conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps,
-                   tile_layout=tile_layout, v_chunk=v_chunk, tma=tma, v_split=v_split, gather=gather,
-                   warpgroups=warpgroups, interpret=interpret, profile_dir=profile_dir, from_gemv=from_gemv,
-                   k_chunk=k_chunk, keep_slices=keep_slices, row_stores=row_stores)
+    return _launch(
+        qkv_B3HK,
+        (fa_BR, f_b_RHK.astype(dtype), x_BD, b_HD.astype(dtype)),
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B,
+        eps=eps,
+        tile_layout=tile_layout,
+        v_chunk=v_chunk,
+        tma=tma,
+        v_split=v_split,
+        gather=gather,
+        warpgroups=warpgroups,
+        interpret=interpret,
+        profile_dir=profile_dir,
+        from_gemv=from_gemv,
+        k_chunk=k_chunk,
+        keep_slices=keep_slices,
+        row_stores=row_stores,
+    )
 
 
-def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K,
-            active_B, *, eps, tile_layout, v_chunk, tma, v_split=1, gather="gmem", warpgroups=1, interpret,
-            profile_dir="", from_gemv=False, k_chunk=32, keep_slices=0, row_stores="tma"):
+def _launch(
+    qkv_B3HK,
+    gate_in,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B,
+    *,
+    eps,
+    tile_layout,
+    v_chunk,
+    tma,
+    v_split=1,
+    gather="gmem",
+    warpgroups=1,
+    interpret,
+    profile_dir="",
+    from_gemv=False,
+    k_chunk=32,
+    keep_slices=0,
+    row_stores="tma",
+):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
     B, H, K = gate_in[2].shape[0] if from_gemv else qkv_B3HK.shape[0], *conv_B3WHK.shape[-2:]
@@ -536,25 +722,33 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
     parts = v_split * warpgroups
     Vs = V // parts  # state columns per warpgroup
     if tma != "rows" and (V % parts or Vs % v_chunk or v_chunk % (32 if tma else 8)):
-        raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile "
-                                  f"V={V} (tma={tma})")
+        raise NotImplementedError(
+            f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile V={V} (tma={tma})"
+        )
     if warpgroups > 1 and (v_split > 1 or tma is True):
-        raise NotImplementedError("warpgroups > 1 takes one CTA per tile and per-slice state staging "
-                                  f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}")
+        raise NotImplementedError(
+            "warpgroups > 1 takes one CTA per tile and per-slice state staging "
+            f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}"
+        )
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
     if tma not in (False, True, "chunked", "rows"):
         raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'rows'")
     if tma == "rows" and (parts > 1 or K % k_chunk or V != 128):
-        raise NotImplementedError(f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
-                                  f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
-                                  f"k_chunk={k_chunk}, K={K}, V={V}")
+        raise NotImplementedError(
+            f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
+            f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
+            f"k_chunk={k_chunk}, K={K}, V={V}"
+        )
     if row_stores not in ROW_STORES:
         raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
-    out_type = [jax.ShapeDtypeStruct((B, H, K), dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32),
-                jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
+    out_type = [
+        jax.ShapeDtypeStruct((B, H, K), dtype),
+        jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+        jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype),
+    ]
     # vec_smem rows: 0-5 (_prologue, o), 6 f (fused gates), 7 fa broadcast (from the GEMV's partials, R = K: _fa_of)
     fa_broadcast = bool(fuse_gates and from_gemv) and gate_in[0].shape[2 if from_gemv == "TN" else 1] == K
     vec_rows = 6 + int(fuse_gates) + int(fa_broadcast)
@@ -570,29 +764,48 @@ def _launch(qkv_B3HK, gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_
             out_type.append(jax.ShapeDtypeStruct((B, H, V), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         launch_kw = dict(cluster=(v_split,), cluster_names=("s",))
-    body = functools.partial(_body, fuse_gates=fuse_gates, from_gemv=from_gemv, chunked=tma == "chunked",
-                             v_split=v_split, gather=gather, warpgroups=warpgroups,
-                             idle_mask=active_B is not None, on_gpu=interpret is None,
-                             k_rows=k_chunk if tma == "rows" else 0, keep_slices=keep_slices, row_stores=row_stores)
+    body = functools.partial(
+        _body,
+        fuse_gates=fuse_gates,
+        from_gemv=from_gemv,
+        chunked=tma == "chunked",
+        v_split=v_split,
+        gather=gather,
+        warpgroups=warpgroups,
+        idle_mask=active_B is not None,
+        on_gpu=interpret is None,
+        k_rows=k_chunk if tma == "rows" else 0,
+        keep_slices=keep_slices,
+        row_stores=row_stores,
+    )
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
-        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED),
-                    plgpu.Barrier(num_barriers=n_slices)]
+        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
     elif tma:
         scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=tuple(out_type),
         scratch_types=scratch,
-        grid=(B, H), grid_names=("b", "h"), **launch_kw,
-        compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0,
-                                            profile_dir=profile_dir),
+        grid=(B, H),
+        grid_names=("b", "h"),
+        **launch_kw,
+        compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
         interpret=interpret,
     )
-    outs = kernel(qkv_B3HK, *gate_in, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW.astype(F32),
-                  A_log_H.astype(F32), dt_bias_HK.astype(F32), o_norm_w_K.astype(F32),
-                  *(() if active_B is None else (active_B.astype(jnp.int32),)))
+    outs = kernel(
+        qkv_B3HK,
+        *gate_in,
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW.astype(F32),
+        A_log_H.astype(F32),
+        dt_bias_HK.astype(F32),
+        o_norm_w_K.astype(F32),
+        *(() if active_B is None else (active_B.astype(jnp.int32),)),
+    )
     return outs[:3]  # (y, state, conv); with v_split the gather buffer is dropped

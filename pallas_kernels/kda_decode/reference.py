@@ -45,16 +45,26 @@ def _gated_norm(o_BHV, gate_BHV, o_norm_w_V, eps, dtype):
 
 def _advance(state_BHKV, kn_BHK, decay_BHK, beta_BH, delta_BHV):
     """S <- diag(decay) S + beta k̂ deltaᵀ: the only state write, shared by decode and commit."""
-    return (decay_BHK[..., None] * state_BHKV
-            + (beta_BH[..., None] * kn_BHK)[..., None] * delta_BHV[..., None, :])
+    return decay_BHK[..., None] * state_BHKV + (beta_BH[..., None] * kn_BHK)[..., None] * delta_BHV[..., None, :]
 
 
-def _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-          o_norm_w_K, eps, active_B=None):
+def _step(
+    qkv_B3HK,
+    f_BHK,
+    beta_BH,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    eps,
+    active_B=None,
+):
     """One token: returns y, the new state and window, and what a commit needs to replay this step.
     active_B: see kda_decode."""
-    qn, kn, v, decay, beta, new_conv = _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H,
-                                                dt_bias_HK)
+    qn, kn, v, decay, beta, new_conv = _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK)
     weight_BH = beta
     if active_B is not None:  # an idle sequence advances by decay 1 and weight 0 (S * 1 + 0 = S): no select
         # after the update. The mask goes on decay before both of its uses (delta and the update), so the state
@@ -71,15 +81,40 @@ def _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HK
     return y, new_state, new_conv, (kn, decay, weight_BH, delta_BHV)
 
 
-def kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-               o_norm_w_K, active_B=None, *, eps=1e-5):
+def kda_decode(
+    qkv_B3HK,
+    f_BHK,
+    beta_BH,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+):
     """One decode step of one KDA layer -> (y_BHK, new_state_BHKV, new_conv_B3WHK). active_B (int [B], None =
     all): a sequence whose entry is 0 (an idle slot) keeps its conv window bit for bit and its state value for
     value (the update runs with decay 1 and rank-1 weight 0, so an exact -0.0 may come back +0.0, and the slot's
     inputs must be finite: 0 * inf is nan); its y is not specified (a slot nobody reads). As a select after the
     update, XLA ran it as one more pass over the state (H200, bench/results/kda_layer.json, xla column)."""
-    y, new_state, new_conv, _ = _step(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                                      A_log_H, dt_bias_HK, o_norm_w_K, eps, active_B)
+    y, new_state, new_conv, _ = _step(
+        qkv_B3HK,
+        f_BHK,
+        beta_BH,
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        eps,
+        active_B,
+    )
     return y, new_state, new_conv
 
 
@@ -94,12 +129,39 @@ def gates(fa_BR, f_b_RHK, x_BD, b_HD):
     return f.astype(dtype), beta.astype(dtype)
 
 
-def kda_decode_gates(qkv_B3HK, fa_BR, f_b_RHK, x_BD, b_HD, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW,
-                     A_log_H, dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
+def kda_decode_gates(
+    qkv_B3HK,
+    fa_BR,
+    f_b_RHK,
+    x_BD,
+    b_HD,
+    gate_BHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+):
     """kda_decode with f and beta from their projections' inputs (see gates)."""
     f_BHK, beta_BH = gates(fa_BR, f_b_RHK, x_BD, b_HD)
-    return kda_decode(qkv_B3HK, f_BHK, beta_BH, gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                      dt_bias_HK, o_norm_w_K, active_B, eps=eps)
+    return kda_decode(
+        qkv_B3HK,
+        f_BHK,
+        beta_BH,
+        gate_BHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B,
+        eps=eps,
+    )
 
 
 def project(x_BD, qkvg_4HKD, f_a_RD):
@@ -110,16 +172,56 @@ def project(x_BD, qkvg_4HKD, f_a_RD):
     return qkvg, common.dot("...d,rd->...r", x_BD, f_a_RD.astype(dtype)).astype(dtype)
 
 
-def kda_decode_x(x_BD, qkvg_4HKD, f_a_RD, f_b_RHK, b_HD, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-                 dt_bias_HK, o_norm_w_K, active_B=None, *, eps=1e-5):
+def kda_decode_x(
+    x_BD,
+    qkvg_4HKD,
+    f_a_RD,
+    f_b_RHK,
+    b_HD,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    active_B=None,
+    *,
+    eps=1e-5,
+):
     """kda_decode_gates from the layer's normed input x and its projection weights (see project)."""
     qkvg_B4HK, fa_BR = project(x_BD, qkvg_4HKD, f_a_RD)
-    return kda_decode_gates(qkvg_B4HK[:, :3], fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK[:, 3], state_BHKV, conv_B3WHK,
-                            conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, active_B, eps=eps)
+    return kda_decode_gates(
+        qkvg_B4HK[:, :3],
+        fa_BR,
+        f_b_RHK,
+        x_BD,
+        b_HD,
+        qkvg_B4HK[:, 3],
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW,
+        A_log_H,
+        dt_bias_HK,
+        o_norm_w_K,
+        active_B,
+        eps=eps,
+    )
 
 
-def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H,
-               dt_bias_HK, o_norm_w_K, *, eps=1e-5):
+def kda_verify(
+    qkv_BT3HK,
+    f_BTHK,
+    beta_BTH,
+    gate_BTHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    *,
+    eps=1e-5,
+):
     """Speculative verify: outputs for all T new tokens, state untouched.
 
     commit_data keeps per token only k̂, decay, beta and the correction delta = v - (decayed S)ᵀ k̂ (plus the
@@ -130,13 +232,23 @@ def kda_verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, c
     state, conv = state_BHKV, conv_B3WHK
     ys, parts = [], []
     for t in range(T):  # T <= 8: unrolled, XLA fuses the state chain
-        y, state, conv, part = _step(qkv_BT3HK[:, t], f_BTHK[:, t], beta_BTH[:, t], gate_BTHK[:, t], state,
-                                     conv, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K, eps)
+        y, state, conv, part = _step(
+            qkv_BT3HK[:, t],
+            f_BTHK[:, t],
+            beta_BTH[:, t],
+            gate_BTHK[:, t],
+            state,
+            conv,
+            conv_w_3HKW,
+            A_log_H,
+            dt_bias_HK,
+            o_norm_w_K,
+            eps,
+        )
         ys.append(y)
         parts.append(part)
     kn, decay, beta, delta = (jnp.stack(p, axis=1) for p in zip(*parts, strict=True))
-    commit_data = dict(kn_BTHK=kn, decay_BTHK=decay, beta_BTH=beta, delta_BTHV=delta,
-                       new_inputs_BT3HK=qkv_BT3HK)
+    commit_data = dict(kn_BTHK=kn, decay_BTHK=decay, beta_BTH=beta, delta_BTHV=delta, new_inputs_BT3HK=qkv_BT3HK)
     return jnp.stack(ys, axis=1), commit_data
 
 
@@ -145,8 +257,13 @@ def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B):
     T = commit_data["kn_BTHK"].shape[1]
     state = state_BHKV
     for t in range(T):
-        stepped = _advance(state, commit_data["kn_BTHK"][:, t], commit_data["decay_BTHK"][:, t],
-                           commit_data["beta_BTH"][:, t], commit_data["delta_BTHV"][:, t])
+        stepped = _advance(
+            state,
+            commit_data["kn_BTHK"][:, t],
+            commit_data["decay_BTHK"][:, t],
+            commit_data["beta_BTH"][:, t],
+            commit_data["delta_BTHV"][:, t],
+        )
         state = jnp.where((t < accepted_B)[:, None, None, None], stepped, state)
     W = conv_B3WHK.shape[2]
     window_B3LHK = jnp.concatenate([conv_B3WHK, jnp.moveaxis(commit_data["new_inputs_BT3HK"], 1, 2)], axis=2)

@@ -73,16 +73,20 @@ def _tile_reader(state_ref_KV, tma_scratch, tile_layout, v_chunk):
     if tma_scratch:
         tile_smem, tile_bar = tma_scratch
         plgpu.copy_gmem_to_smem(state_ref_KV, tile_smem, tile_bar)
-        return (lambda c: plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout),
-                lambda: plgpu.barrier_wait(tile_bar))
-    return (lambda c: plgpu.load(state_ref_KV.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout,
-                                 optimized=False),
-            lambda: None)
+        return (
+            lambda c: plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout),
+            lambda: plgpu.barrier_wait(tile_bar),
+        )
+    return (
+        lambda c: plgpu.load(state_ref_KV.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout, optimized=False),
+        lambda: None,
+    )
 
 
 def _bcaster(tile_layout, K, v_chunk):
     def bcast(vec, dim):  # layout_cast tells the lowering which tile layout the broadcast must produce
         return plgpu.layout_cast(lax.broadcast_in_dim(vec, (K, v_chunk), (dim,)), tile_layout)
+
     return bcast
 
 
@@ -119,8 +123,10 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # vectors below, y) waits for that store, as far as the compiler knows, so per-token loads would cost one
     # HBM round trip per token twice over.
     taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
-    inputs = [[conv_ref.at[b, i, j, h][...] for j in range(_W)] + [qkv_ref.at[b, t, i, h][...] for t in range(T)]
-              for i in range(3)]  # per stream: the cached window, oldest first, then the T new tokens
+    inputs = [
+        [conv_ref.at[b, i, j, h][...] for j in range(_W)] + [qkv_ref.at[b, t, i, h][...] for t in range(T)]
+        for i in range(3)
+    ]  # per stream: the cached window, oldest first, then the T new tokens
     f_T = [f_ref.at[b, t, h][...] for t in range(T)]
     beta_T = [beta_ref[b, t, h] for t in range(T)]
     gate_T = [gate_ref.at[b, t, h][...] for t in range(T)]
@@ -130,21 +136,19 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     if k_rows:
         tile_smem, tile_bar = tma_scratch
         for c in range(K // k_rows):  # one TMA per row slice: contiguous in GMEM and SMEM alike
-            plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c],
-                                    tile_bar.at[c])
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c], tile_bar.at[c])
     else:
-        load_state, wait_state = _tile_reader(state_ref.at[b, h, :, pl.ds(col0, Vs)], tma_scratch, tile_layout,
-                                              v_chunk)
+        load_state, wait_state = _tile_reader(state_ref.at[b, h, :, pl.ds(col0, Vs)], tma_scratch, tile_layout, v_chunk)
         S_next = None if tma_scratch else load_state(0)  # the first ld.global read hides behind the prologue
     for t in range(T):
         x = []
         for i in range(3):
-            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t:t + _CONV_TAPS], strict=True))
+            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t : t + _CONV_TAPS], strict=True))
             x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
         q, k, v = x
         g = -5.0 * _sigmoid(jnp.exp(a_log) * (f_T[t].astype(F32) + dt_bias))
         beta = _sigmoid(beta_T[t].astype(F32))
-        qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K ** -0.5)
+        qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K**-0.5)
         kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
         decay = jnp.exp(g)
 
@@ -260,9 +264,11 @@ def _tma_scratch(tma, K, V, k_chunk=32):
 def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=128, k_chunk=32):
     if tma == "rows":
         if v_split > 1 or V != 128 or K % k_chunk:
-            raise NotImplementedError(f"tma='rows' takes one CTA per tile, a thread per state column (V = 128) "
-                                      f"and k_chunk dividing K: v_split={v_split}, V={V}, K={K}, "
-                                      f"k_chunk={k_chunk}")
+            raise NotImplementedError(
+                f"tma='rows' takes one CTA per tile, a thread per state column (V = 128) "
+                f"and k_chunk dividing K: v_split={v_split}, V={V}, K={K}, "
+                f"k_chunk={k_chunk}"
+            )
         return
     if V % v_split or (V // v_split) % v_chunk or v_chunk % (32 if tma else 8):
         raise NotImplementedError(f"v_chunk={v_chunk}, v_split={v_split} do not tile V={V} (tma={tma})")
@@ -270,11 +276,30 @@ def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=12
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather",
-                                             "interpret", "k_chunk"))
-def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK,
-           o_norm_w_K, *, eps, tile_layout, v_chunk=32, tma=False, v_split=1, gather="gmem", interpret=None,
-           k_chunk=32):
+@functools.partial(
+    jax.jit, static_argnames=("eps", "tile_layout", "v_chunk", "tma", "v_split", "gather", "interpret", "k_chunk")
+)
+def verify(
+    qkv_BT3HK,
+    f_BTHK,
+    beta_BTH,
+    gate_BTHK,
+    state_BHKV,
+    conv_B3WHK,
+    conv_w_3HKW,
+    A_log_H,
+    dt_bias_HK,
+    o_norm_w_K,
+    *,
+    eps,
+    tile_layout,
+    v_chunk=32,
+    tma=False,
+    v_split=1,
+    gather="gmem",
+    interpret=None,
+    k_chunk=32,
+):
     """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
     cluster split of V (the T steps on a CTA's columns are the serial chain it shortens). tma="rows": the tile
     by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows)."""
@@ -282,9 +307,13 @@ def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_
     V = state_BHKV.shape[-1]
     _check_chunk(V, v_chunk, tma, v_split, gather, interpret, K, k_chunk)
     dtype = qkv_BT3HK.dtype
-    out_type = [jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
-                jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
-                jax.ShapeDtypeStruct((B, T, H, V), F32)]
+    out_type = [
+        jax.ShapeDtypeStruct((B, T, H, K), dtype),
+        jax.ShapeDtypeStruct((B, T, H, K), F32),
+        jax.ShapeDtypeStruct((B, T, H, K), F32),
+        jax.ShapeDtypeStruct((B, T, H), F32),
+        jax.ShapeDtypeStruct((B, T, H, V), F32),
+    ]
     scratch = [plgpu.SMEM((T, 7, K), F32), plgpu.SMEM((T,), F32)]
     cluster = {}
     if v_split > 1:
@@ -293,22 +322,57 @@ def verify(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_
         scratch.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1))
         cluster = dict(cluster=(v_split,), cluster_names=("s",))
     kernel_fn = plgpu.kernel(
-        functools.partial(_verify_body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype,
-                          v_split=v_split, gather=gather, fences=interpret is None,
-                          k_rows=k_chunk if tma == "rows" else 0),
+        functools.partial(
+            _verify_body,
+            tile_layout=tile_layout,
+            v_chunk=v_chunk,
+            eps=eps,
+            dtype=dtype,
+            v_split=v_split,
+            gather=gather,
+            fences=interpret is None,
+            k_rows=k_chunk if tma == "rows" else 0,
+        ),
         out_type=tuple(out_type),
         scratch_types=[*scratch, *_tma_scratch(tma, K, V // v_split, k_chunk)],
-        grid=(B, H), grid_names=("b", "h"), **cluster,
-        compiler_params=_LANE, interpret=interpret,
+        grid=(B, H),
+        grid_names=("b", "h"),
+        **cluster,
+        compiler_params=_LANE,
+        interpret=interpret,
     )
-    y, kn, decay, beta, delta, *_ = kernel_fn(qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK,
-                                          conv_w_3HKW.astype(F32), A_log_H.astype(F32),
-                                          dt_bias_HK.astype(F32), o_norm_w_K.astype(F32))
+    y, kn, decay, beta, delta, *_ = kernel_fn(
+        qkv_BT3HK,
+        f_BTHK,
+        beta_BTH,
+        gate_BTHK,
+        state_BHKV,
+        conv_B3WHK,
+        conv_w_3HKW.astype(F32),
+        A_log_H.astype(F32),
+        dt_bias_HK.astype(F32),
+        o_norm_w_K.astype(F32),
+    )
     return y, dict(kn_BTHK=kn, decay_BTHK=decay, beta_BTH=beta, delta_BTHV=delta, new_inputs_BT3HK=qkv_BT3HK)
 
 
-def _commit_body(accepted_ref, state_ref, conv_ref, qkv_ref, kn_ref, decay_ref, beta_ref, delta_ref,
-                 new_state_ref, new_conv_ref, vec_smem, window_smem, *tma_scratch, tile_layout, v_chunk):
+def _commit_body(
+    accepted_ref,
+    state_ref,
+    conv_ref,
+    qkv_ref,
+    kn_ref,
+    decay_ref,
+    beta_ref,
+    delta_ref,
+    new_state_ref,
+    new_conv_ref,
+    vec_smem,
+    window_smem,
+    *tma_scratch,
+    tile_layout,
+    v_chunk,
+):
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     T, _, K = vec_smem.shape
@@ -363,8 +427,7 @@ def _commit_body(accepted_ref, state_ref, conv_ref, qkv_ref, kn_ref, decay_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "tma", "interpret"))
-def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, tma=False,
-           interpret=None):
+def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, tma=False, interpret=None):
     """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens."""
     qkv_BT3HK = commit_data["new_inputs_BT3HK"]
     B, T, _, H, K = qkv_BT3HK.shape
@@ -374,13 +437,27 @@ def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_ch
     _check_chunk(V, v_chunk, tma)
     kernel_fn = plgpu.kernel(
         functools.partial(_commit_body, tile_layout=tile_layout, v_chunk=v_chunk),
-        out_type=(jax.ShapeDtypeStruct(state_BHKV.shape, F32),
-                  jax.ShapeDtypeStruct(conv_B3WHK.shape, conv_B3WHK.dtype)),
-        scratch_types=[plgpu.SMEM((T, 3, K), F32), plgpu.SMEM((3, _W + T, K), conv_B3WHK.dtype),
-                       *_tma_scratch(tma, K, V)],
-        grid=(B, H), grid_names=("b", "h"),
-        compiler_params=_LANE, interpret=interpret,
+        out_type=(
+            jax.ShapeDtypeStruct(state_BHKV.shape, F32),
+            jax.ShapeDtypeStruct(conv_B3WHK.shape, conv_B3WHK.dtype),
+        ),
+        scratch_types=[
+            plgpu.SMEM((T, 3, K), F32),
+            plgpu.SMEM((3, _W + T, K), conv_B3WHK.dtype),
+            *_tma_scratch(tma, K, V),
+        ],
+        grid=(B, H),
+        grid_names=("b", "h"),
+        compiler_params=_LANE,
+        interpret=interpret,
     )
-    return kernel_fn(accepted_B.astype(jnp.int32), state_BHKV, conv_B3WHK, qkv_BT3HK.astype(conv_B3WHK.dtype),
-                     commit_data["kn_BTHK"], commit_data["decay_BTHK"], commit_data["beta_BTH"],
-                     commit_data["delta_BTHV"])
+    return kernel_fn(
+        accepted_B.astype(jnp.int32),
+        state_BHKV,
+        conv_B3WHK,
+        qkv_BT3HK.astype(conv_B3WHK.dtype),
+        commit_data["kn_BTHK"],
+        commit_data["decay_BTHK"],
+        commit_data["beta_BTH"],
+        commit_data["delta_BTHV"],
+    )
