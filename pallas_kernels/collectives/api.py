@@ -1,8 +1,8 @@
 """All-reduce entry points, called inside `jax.shard_map` (with check_vma=False for the Pallas backend).
 
-backend="xla": jax.lax.psum (NCCL). backend="latency_specialized": Pallas Mosaic GPU one-shot or two-shot
-kernel chosen by message size; it falls back to the XLA reference (logged once per reason) on CPU, for
-an axis of size 1, or for a shape/dtype the kernels do not take. Mesh device order must be row-major
+Decode backend auto: jax.lax.psum (NCCL). latency_specialized: Pallas Mosaic GPU one-shot or two-shot kernel
+chosen by message size (the policy's collectives tuning); the XLA reference on CPU, for an axis of size 1,
+or for a shape/dtype the kernels do not take. Mesh device order must be row-major
 (`jax.make_mesh`), as Mosaic GPU collectives require.
 
 Fused entry points: all_reduce_mix_norm (a layer boundary: all-reduce + AttnRes prefix update + AttnRes mix +
@@ -11,34 +11,26 @@ RMSNorm) and proj_all_reduce (the row-parallel GEMM before the all-reduce; opt-i
 """
 
 import dataclasses
-import functools
 import logging
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import policy as policy_lib
 from pallas_kernels.collectives import reference
+from pallas_kernels.policy import XLA, DecodePolicy
 
 log = logging.getLogger(__name__)
 
 LANES = 128
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 values per thread in BF16)
-# Choices from bench/results/collectives.md (2 x H200, bf16 messages, steady state), by axis size:
-# - psum (NCCL) below PSUM_BELOW_BYTES: 5.5-6.6 us up to 224 KB against the best Pallas one-shot's 6.8-8.5,
-#   of which XLA's cross-device barrier + semaphore memset alone are ~4.2 us; from 448 KB the TMA one-shot
-#   wins (9.4 vs 10.4 us at 448 KB, 10.7 vs 11.5 at 896 KB). Axis sizes not listed (not measured) use Pallas.
-# - plain-store one-shot up to ST_MAX_BYTES (6.8 vs 7.3 us at 14 KB, 7.6 vs 8.0 at 112 KB), TMA one-shot above
-#   (8.5 vs 9.5 at 224 KB, 10.7 vs 14.3 at 896 KB). 4 KB blocks gained nothing over 16 KB (within +-0.2 us
-#   up to 112 KB, 0.7-0.8 us slower at 896 KB).
-# - two-shot: never faster at 2 ranks up to 896 KB (same bytes per link in two round trips); kept for larger
-#   axes, which 2 GPUs could not measure.
-PSUM_BELOW_BYTES = {2: 256 * 1024}
-ST_MAX_BYTES = 128 * 1024
-TWO_SHOT_MIN_BYTES = {2: math.inf}
+# The all-reduce kernel choice by message size is data: the policy's "collectives" tuning (tuning.json, from
+# bench/results/collectives.md on 2 x H200): psum (NCCL) below ~256 KB at 2 ranks (5.5-6.6 us up to 224 KB
+# against the best Pallas one-shot's 6.8-8.5, of which XLA's cross-device barrier + semaphore memset alone are
+# ~4.2 us), the plain-store one-shot up to 128 KB, the TMA one-shot above; the two-shot was never faster at 2
+# ranks (same bytes per link in two round trips) and is kept for larger axes, which 2 GPUs could not measure.
 MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
 
 
@@ -47,11 +39,6 @@ class Plan:
     algorithm: str  # "one_shot" | "two_shot" | "xla"
     block_rows: int = 0
     reason: str = ""
-
-
-@functools.cache
-def _log_fallback_once(reason):
-    log.warning("pallas all-reduce falls back to psum: %s", reason)
 
 
 def _largest_divisor_at_most(m, cap):
@@ -68,8 +55,11 @@ def _common_reason(dtype, n, platform):
     return ""
 
 
-def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None):
-    """Which kernel (and block size) all_reduce uses for a per-rank array; pure, so it is tested on CPU."""
+def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None, tuning=None):
+    """Which kernel (and block size) all_reduce uses for a per-rank array; pure, so it is tested on CPU.
+    tuning: the policy's "collectives" table (default: tuning.json)."""
+    t = tuning or XLA.table("collectives")
+    psum_below = t["psum_below_bytes"].get(str(n), 0)
     size = math.prod(shape)
     reason = _common_reason(dtype, n, platform)
     if not reason and (size == 0 or size % LANES):
@@ -79,15 +69,15 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None)
     m = size // LANES
     itemsize = jnp.dtype(dtype).itemsize
     nbytes = size * itemsize
-    cap_rows = max(1, (block_bytes or BLOCK_BYTES) // (LANES * itemsize))
+    cap_rows = max(1, (block_bytes or t["block_bytes"]) // (LANES * itemsize))
     if algorithm is None:
-        if nbytes < PSUM_BELOW_BYTES.get(n, 0):
-            return Plan("xla", reason=f"psum measured faster below {PSUM_BELOW_BYTES[n] // 1024} KB at {n} ranks")
+        if nbytes < psum_below:
+            return Plan("xla", reason=f"psum measured faster below {psum_below // 1024} KB at {n} ranks")
         algorithm = (
             "two_shot"
-            if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf)
+            if nbytes >= t["two_shot_min_bytes"].get(str(n), math.inf)
             else "one_shot_st"
-            if nbytes <= ST_MAX_BYTES
+            if nbytes <= t["one_shot_st_max_bytes"]
             else "one_shot"
         )
     if algorithm == "two_shot":
@@ -96,7 +86,7 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None)
         while r > 1 and (m // r) % n:
             r = _largest_divisor_at_most(m, r - 1)
         if (m // r) % n:
-            return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes)
+            return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes, t)
         return Plan("two_shot", r)
     if algorithm not in ("one_shot", "one_shot_st"):
         raise ValueError(f"unknown algorithm {algorithm}")
@@ -120,57 +110,76 @@ def _platform():
     return jax.default_backend()
 
 
-def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=None, skip_barrier=False):
+def _run(plan, kernel):
+    """kernel(plan) for a Pallas plan; a plan of "xla" refuses (the reason is what dispatch logs)."""
+    if plan.algorithm == "xla":
+        raise NotImplementedError(plan.reason)
+    return kernel(plan)
+
+
+def all_reduce(x, axis_name="tp", *, policy: DecodePolicy = XLA, algorithm=None, block_bytes=None, skip_barrier=False):
     """Sum of x over `axis_name`, same shape and dtype on every rank.
 
     algorithm ("one_shot" | "one_shot_st" | "two_shot"), block_bytes and skip_barrier are for benchmarks and
     tests; skip_barrier=True is unsafe in jax 0.11.2 (see kernels.py).
     """
-    if backend == "xla":
-        return reference.all_reduce(x, axis_name)
-    if backend != "latency_specialized":
-        raise ValueError(f"unknown backend {backend}")
-    n = lax.axis_size(axis_name)
-    plan = plan_all_reduce(x.shape, x.dtype, n, _platform(), algorithm, block_bytes)
-    if plan.algorithm == "xla":
-        _log_fallback_once(plan.reason)
-        return reference.all_reduce(x, axis_name)
-    from pallas_kernels.collectives import kernels  # GPU-only imports stay off the CPU path
 
-    y = kernels.KERNELS[plan.algorithm](
-        x.reshape(-1, LANES), axis_name=axis_name, n=n, block_rows=plan.block_rows, skip_barrier=skip_barrier
+    def kernel(plan):
+        from pallas_kernels.collectives import kernels  # GPU-only imports stay off the CPU path
+
+        y = kernels.KERNELS[plan.algorithm](
+            x.reshape(-1, LANES),
+            axis_name=axis_name,
+            n=lax.axis_size(axis_name),
+            block_rows=plan.block_rows,
+            skip_barrier=skip_barrier,
+        )
+        return y.reshape(x.shape)
+
+    plan = lambda: plan_all_reduce(  # noqa: E731
+        x.shape, x.dtype, lax.axis_size(axis_name), _platform(), algorithm, block_bytes, policy.table("collectives")
     )
-    return y.reshape(x.shape)
+    return policy_lib.dispatch(
+        "all_reduce", policy, lambda: _run(plan(), kernel), lambda: reference.all_reduce(x, axis_name)
+    )
 
 
-def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, backend="xla", skip_barrier=False):
+def all_reduce_add_rmsnorm(
+    x_partial, residual, norm_w, eps, axis_name="tp", *, policy: DecodePolicy = XLA, skip_barrier=False
+):
     """(new_residual, normed): new_residual = residual + allreduce(x_partial) rounded to residual's dtype,
     normed = RMSNorm(new_residual) * norm_w (K3_SPEC rounding order), over the last axis."""
-    if backend == "xla":
-        return reference.all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name)
-    if backend != "latency_specialized":
-        raise ValueError(f"unknown backend {backend}")
-    n = lax.axis_size(axis_name)
-    plan = plan_add_rmsnorm(
-        x_partial.shape, x_partial.dtype, residual.shape, residual.dtype, norm_w.shape, n, _platform()
-    )
-    if plan.algorithm == "xla":
-        _log_fallback_once(plan.reason)
-        return reference.all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name)
-    from pallas_kernels.collectives import kernels
 
-    q = plan.block_rows
-    shape = x_partial.shape
-    new, normed = kernels.one_shot_add_rmsnorm(
-        x_partial.reshape(-1, q, LANES),
-        residual.reshape(-1, q, LANES),
-        norm_w.reshape(q, LANES),
-        eps,
-        axis_name=axis_name,
-        n=n,
-        skip_barrier=skip_barrier,
+    def kernel(plan):
+        from pallas_kernels.collectives import kernels
+
+        q, shape = plan.block_rows, x_partial.shape
+        new, normed = kernels.one_shot_add_rmsnorm(
+            x_partial.reshape(-1, q, LANES),
+            residual.reshape(-1, q, LANES),
+            norm_w.reshape(q, LANES),
+            eps,
+            axis_name=axis_name,
+            n=lax.axis_size(axis_name),
+            skip_barrier=skip_barrier,
+        )
+        return new.reshape(shape), normed.reshape(shape)
+
+    plan = lambda: plan_add_rmsnorm(  # noqa: E731
+        x_partial.shape,
+        x_partial.dtype,
+        residual.shape,
+        residual.dtype,
+        norm_w.shape,
+        lax.axis_size(axis_name),
+        _platform(),
     )
-    return new.reshape(shape), normed.reshape(shape)
+    return policy_lib.dispatch(
+        "all_reduce_add_rmsnorm",
+        policy,
+        lambda: _run(plan(), kernel),
+        lambda: reference.all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name),
+    )
 
 
 # --------------------------------------------------------- layer boundary: all-reduce + AttnRes + RMSNorm
@@ -202,49 +211,64 @@ def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform):
 
 
 def all_reduce_mix_norm(
-    x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp", *, backend="xla", skip_barrier=False
+    x_partial,
+    prefix,
+    blocks,
+    res_norm_w,
+    res_proj_w,
+    norm_w,
+    eps,
+    axis_name="tp",
+    *,
+    policy: DecodePolicy = XLA,
+    skip_barrier=False,
 ):
     """A layer boundary in one launch: (P', normed) with a = allreduce(x_partial), P' = a or round(prefix + a),
     normed = RMSNorm(AttnRes(blocks + [P'])) * norm_w (reference.mix_norm has the exact maths). prefix None:
     a block boundary; blocks: the stored blocks, a sequence of arrays shaped like x_partial (each its own kernel
     operand: no stacked copy per boundary); empty or None: no AttnRes (res_norm_w / res_proj_w unused), e.g.
     routed_expert_norm."""
-    if backend not in ("xla", "latency_specialized"):
-        raise ValueError(f"unknown backend {backend}")
     blocks = tuple(blocks or ())
-    plan = Plan("xla", reason="backend xla")
-    if backend == "latency_specialized":
-        plan = plan_mix_norm(
-            x_partial.shape,
-            x_partial.dtype,
-            None if prefix is None else prefix.shape,
-            [b.shape for b in blocks],
-            lax.axis_size(axis_name),
-            _platform(),
-        )
-        if plan.algorithm == "xla":
-            _log_fallback_once(plan.reason)
-    if plan.algorithm == "xla":
-        return reference.all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name)
-    from pallas_kernels.collectives import mix_norm
 
-    q, shape, dtype = plan.block_rows, x_partial.shape, x_partial.dtype
-    tile = lambda a: None if a is None else a.reshape(*a.shape[: a.ndim - len(shape)], -1, q, LANES)  # noqa: E731
-    mix_q = (
-        res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32) if blocks else jnp.ones(shape[-1], jnp.float32)
+    def kernel(plan):
+        from pallas_kernels.collectives import mix_norm
+
+        q, shape, dtype = plan.block_rows, x_partial.shape, x_partial.dtype
+        tile = lambda a: None if a is None else a.reshape(*a.shape[: a.ndim - len(shape)], -1, q, LANES)  # noqa: E731
+        mix_q = (
+            res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
+            if blocks
+            else jnp.ones(shape[-1], jnp.float32)
+        )
+        new, normed = mix_norm.mix_norm(
+            tile(x_partial),
+            tile(prefix),
+            [tile(b) for b in blocks],
+            mix_q.reshape(q, LANES),
+            norm_w.astype(dtype).reshape(q, LANES),
+            eps,
+            axis_name=axis_name,
+            n=lax.axis_size(axis_name),
+            skip_barrier=skip_barrier,
+        )
+        return new.reshape(shape), normed.reshape(shape)
+
+    plan = lambda: plan_mix_norm(  # noqa: E731
+        x_partial.shape,
+        x_partial.dtype,
+        None if prefix is None else prefix.shape,
+        [b.shape for b in blocks],
+        lax.axis_size(axis_name),
+        _platform(),
     )
-    new, normed = mix_norm.mix_norm(
-        tile(x_partial),
-        tile(prefix),
-        [tile(b) for b in blocks],
-        mix_q.reshape(q, LANES),
-        norm_w.astype(dtype).reshape(q, LANES),
-        eps,
-        axis_name=axis_name,
-        n=lax.axis_size(axis_name),
-        skip_barrier=skip_barrier,
+    return policy_lib.dispatch(
+        "all_reduce_mix_norm",
+        policy,
+        lambda: _run(plan(), kernel),
+        lambda: reference.all_reduce_mix_norm(
+            x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name
+        ),
     )
-    return new.reshape(shape), normed.reshape(shape)
 
 
 # ------------------------------------------------------------------ projection fused with its all-reduce
@@ -256,12 +280,7 @@ PROJ_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA; the rest for barriers an
 # it measured 12.5 vs 11.2 us against XLA's dot + psum at B = 1 (K 768, D 7168) and 16.7 vs 15.9 at B = 64;
 # it won only at K 1536, B 64 (19.2 vs 22.5). The model's row-parallel sublayers hand their partials to the
 # layer-boundary kernel instead (all_reduce_mix_norm).
-FUSED_PROJECTION_ENV = "K3JAX_FUSED_PROJECTION"
 H100_SMS = 132
-
-
-def fused_projection_enabled() -> bool:
-    return os.environ.get(FUSED_PROJECTION_ENV, "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,60 +351,66 @@ def plan_proj_all_reduce(
 
 
 def proj_all_reduce(
-    x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xla", tile_d=None, max_stages=None, skip_barrier=False
+    x_BK,
+    w_KD,
+    residual_BD=None,
+    axis_name="tp",
+    *,
+    policy: DecodePolicy = XLA,
+    tile_d=None,
+    max_stages=None,
+    skip_barrier=False,
 ):
     """sum over `axis_name` of x_BK @ w_KD (FP32 accumulation and sum) + residual_BD, rounded once.
 
     Row-parallel projection: x_BK is this rank's slice of the activation (..., K), w_KD this rank's rows of
     the weight (K, D); the result (..., D) is the same on every rank, in residual_BD's dtype (x's without
-    one). backend="latency_specialized" runs the fused Pallas kernel (fused_projection.py) when eligible and
-    the XLA reference (dot + psum + add) otherwise, logging the reason once.
+    one). Under a policy asking for kernels and with policy.fused_projection it runs the fused Pallas kernel
+    (fused_projection.py) when eligible, the XLA reference (dot + psum + add) otherwise.
     """
-    if backend == "xla":
-        return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
-    if backend != "latency_specialized":
-        raise ValueError(f"unknown backend {backend}")
-    from pallas_kernels import common
 
-    n = lax.axis_size(axis_name)
-    plan = plan_proj_all_reduce(
-        x_BK.shape,
-        x_BK.dtype,
-        w_KD.shape,
-        w_KD.dtype,
-        None if residual_BD is None else residual_BD.shape,
-        None if residual_BD is None else residual_BD.dtype,
-        n,
-        _platform(),
-        common.gpu_arch(),
-        _num_sms(),
-        tile_d,
-        max_stages,
-    )
-    if plan.algorithm != "xla" and not fused_projection_enabled():
-        plan = ProjPlan(
-            "xla",
-            reason=f"fused projection is opt-in ({FUSED_PROJECTION_ENV}=1): measured slower "
-            "than XLA's dot + psum on H200, see bench/NOTES.md",
+    def kernel():
+        from pallas_kernels import common
+        from pallas_kernels.collectives import fused_projection as fp
+
+        plan = plan_proj_all_reduce(
+            x_BK.shape,
+            x_BK.dtype,
+            w_KD.shape,
+            w_KD.dtype,
+            None if residual_BD is None else residual_BD.shape,
+            None if residual_BD is None else residual_BD.dtype,
+            lax.axis_size(axis_name),
+            _platform(),
+            common.gpu_arch(),
+            _num_sms(),
+            tile_d,
+            max_stages,
         )
-    if plan.algorithm == "xla":
-        common.log_once("proj_all_reduce", plan.reason)
-        return reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
-    from pallas_kernels.collectives import fused_projection as fp
+        if plan.algorithm == "xla":
+            raise NotImplementedError(plan.reason)
+        if not policy.fused_projection:
+            raise NotImplementedError(
+                "the fused projection is opt-in (DecodePolicy(fused_projection=True)): measured slower "
+                "than XLA's dot + psum on H200, see bench/NOTES.md"
+            )
+        lead, (K, D) = x_BK.shape[:-1], w_KD.shape
+        res = None if residual_BD is None else residual_BD.reshape(-1, D)
+        y = fp.proj_all_reduce(
+            x_BK.reshape(-1, K),
+            w_KD,
+            res,
+            axis_name=axis_name,
+            n=lax.axis_size(axis_name),
+            tile_d=plan.tile_d,
+            max_stages=plan.stages,
+            skip_barrier=skip_barrier,
+        )
+        return y.reshape(*lead, D)
 
-    lead, (K, D) = x_BK.shape[:-1], w_KD.shape
-    res = None if residual_BD is None else residual_BD.reshape(-1, D)
-    y = fp.proj_all_reduce(
-        x_BK.reshape(-1, K),
-        w_KD,
-        res,
-        axis_name=axis_name,
-        n=n,
-        tile_d=plan.tile_d,
-        max_stages=plan.stages,
-        skip_barrier=skip_barrier,
+    return policy_lib.dispatch(
+        "proj_all_reduce", policy, kernel, lambda: reference.proj_all_reduce(x_BK, w_KD, residual_BD, axis_name)
     )
-    return y.reshape(*lead, D)
 
 
 def _num_sms():

@@ -27,8 +27,8 @@ kernel a global-semaphore grid barrier (possible: the grid is one resident wave)
 up in the profile.
 
 Status: right on 2 H200s at every real and random shape and in 300 back-to-back stress steps (the "bug" of
-earlier sessions was the stress test's oracle, see bench/NOTES.md); opt-in (K3JAX_FUSED_PROJECTION=1) because
-it measured slower than XLA's dot + psum at most decode shapes (api.py).
+earlier sessions was the stress test's oracle, see bench/NOTES.md); opt-in (DecodePolicy(fused_projection=True))
+because it measured slower than XLA's dot + psum at most decode shapes (api.py).
 """
 
 import jax

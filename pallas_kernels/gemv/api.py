@@ -1,25 +1,18 @@
-"""Dispatch for the decode GEMV: the Hopper kernel where it applies (backend="latency_specialized", sm90,
-bf16, a batch that tuning.json has a launch for: <= 64), the XLA reference otherwise, the reason logged once
-(logger "k3jax.backends")."""
-
-import json
-import pathlib
+"""Dispatch for the decode GEMV: the Hopper kernel where the decode policy asks for kernels and it applies
+(sm90, bf16, a batch that the policy's gemv tuning has a launch for: <= 64), the XLA reference otherwise
+(pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends")."""
 
 from pallas_kernels import common
+from pallas_kernels import policy as policy_lib
 from pallas_kernels.gemv import reference
-
-BACKENDS = ("xla", "latency_specialized")
-
-
-def tuning() -> dict:
-    return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())
+from pallas_kernels.policy import XLA, DecodePolicy
 
 
-def pick_launch(B, D, table="launch") -> dict:
+def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
     """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream): the first
     entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B;
     NotImplementedError where none does."""
-    entries = tuning()["sm90"].get(table, [])
+    entries = policy.table("gemv")["sm90"].get(table, [])
     entry = next((e for e in entries if e.get("min_batch", 1) <= B <= e["max_batch"]), None)
     if entry is None:
         raise NotImplementedError(
@@ -37,25 +30,23 @@ def pick_launch(B, D, table="launch") -> dict:
     )
 
 
-def _kernel(x_BD, ws_ND, table="launch"):
+def _kernel(x_BD, ws_ND, table, policy):
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
     from pallas_kernels.gemv import kernel
 
-    launch = pick_launch(*x_BD.shape, table=table)
+    launch = pick_launch(*x_BD.shape, table=table, policy=policy)
     kernel.check_supported(x_BD, ws_ND, **launch)
     return kernel.gemv(x_BD, tuple(ws_ND), **launch)
 
 
-def gemv(x_BD, ws_ND, *, backend="xla", table="launch"):
+def gemv(x_BD, ws_ND, *, policy: DecodePolicy = XLA, table="launch"):
     """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype, fp32 sums. table: the
     tuning's launch list to pick from (pick_launch)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "latency_specialized":
-        try:
-            return _kernel(x_BD, ws_ND, table)
-        except NotImplementedError as e:
-            common.log_once(f"gemv {table}", str(e))
-    return reference.gemv(x_BD, ws_ND)
+    return policy_lib.dispatch(
+        f"gemv {table}",
+        policy,
+        lambda: _kernel(x_BD, ws_ND, table, policy),
+        lambda: reference.gemv(x_BD, ws_ND),
+    )

@@ -1,42 +1,38 @@
-"""Dispatch for the KDA decode step, speculative verify and commit: Pallas Mosaic GPU body by compute
-capability, XLA reference otherwise.
+"""Dispatch for the KDA decode step, speculative verify and commit: the Pallas Mosaic GPU body for the compute
+capability where the decode policy asks for kernels, the XLA reference otherwise.
 
-A body raises NotImplementedError for what it does not handle (no GPU, shape, dtype); the api then runs the
-reference and logs the reason once on logger "k3jax.backends".
+A body raises NotImplementedError for what it does not handle (no GPU, shape, dtype); pallas_kernels.policy.dispatch
+then runs the reference, logs the reason once on logger "k3jax.backends" and records what ran.
 """
 
 from pallas_kernels import common
+from pallas_kernels import policy as policy_lib
 from pallas_kernels.kda_decode import reference
+from pallas_kernels.policy import XLA, DecodePolicy
 
-BACKENDS = ("xla", "latency_specialized")
 
-
-def _kernel_body():
-    """The sm90 or sm100 body module for the GPU we compile for."""
+def body_ops(policy: DecodePolicy):
+    """The sm90 or sm100 body's ops for the GPU we compile for, launched by the policy's kda_decode tuning."""
     arch = common.gpu_arch()
     if arch is None:
         raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
     if arch[0] == 9:
-        from pallas_kernels.kda_decode import sm90
-
-        return sm90
-    if arch[0] == 10:
-        from pallas_kernels.kda_decode import sm100
-
-        return sm100
-    raise NotImplementedError(f"no KDA decode body for compute capability {arch}")
+        from pallas_kernels.kda_decode import sm90 as body
+    elif arch[0] == 10:
+        from pallas_kernels.kda_decode import sm100 as body
+    else:
+        raise NotImplementedError(f"no KDA decode body for compute capability {arch}")
+    return body.ops(policy)
 
 
-def _dispatch(op, backend, args, kwargs):
-    """The body's `op` for backend="latency_specialized" where it handles the call, else the reference."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "latency_specialized":
-        try:
-            return getattr(_kernel_body(), op)(*args, **kwargs)
-        except NotImplementedError as e:
-            common.log_once(op, str(e))
-    return getattr(reference, op)(*args, **kwargs)
+def _dispatch(op, policy, args, kwargs):
+    """The body's `op` where the policy asks for kernels and the body takes the call, else the reference."""
+    return policy_lib.dispatch(
+        op,
+        policy,
+        lambda: getattr(body_ops(policy), op)(*args, **kwargs),
+        lambda: getattr(reference, op)(*args, **kwargs),
+    )
 
 
 def _check_qkv(qkv_B3HK):
@@ -70,7 +66,7 @@ def kda_decode(
     active_B=None,
     *,
     eps=1e-5,
-    backend="xla",
+    policy: DecodePolicy = XLA,
 ):
     """One KDA decode step -> (y_BHK, new_state_BHKV, new_conv_B3WHK). See reference.py for the maths.
     active_B (int [B], None = all): sequences whose entry is 0 (idle slots) keep state and conv window (value
@@ -80,7 +76,7 @@ def kda_decode(
     _check_active(active_B, state_BHKV)
     return _dispatch(
         "kda_decode",
-        backend,
+        policy,
         (
             qkv_B3HK,
             f_BHK,
@@ -114,7 +110,7 @@ def kda_decode_gates(
     active_B=None,
     *,
     eps=1e-5,
-    backend="xla",
+    policy: DecodePolicy = XLA,
 ):
     """kda_decode from the gate projections' inputs: f = fa @ f_b, beta logits = x @ b (fa = x @ f_a). A body
     computes them in the decode kernel up to its tuning's "fuse_gates_max_batch" (two fewer launches per KDA
@@ -123,7 +119,7 @@ def kda_decode_gates(
     _check_active(active_B, state_BHKV)
     return _dispatch(
         "kda_decode_gates",
-        backend,
+        policy,
         (
             qkv_B3HK,
             fa_BR,
@@ -158,7 +154,7 @@ def kda_decode_x(
     active_B=None,
     *,
     eps=1e-5,
-    backend="xla",
+    policy: DecodePolicy = XLA,
 ):
     """The step from the layer's normed input x and its out-major projection weights (qkvg [4, H, K, D],
     f_a [R, D]): the projections, then kda_decode_gates. A body may run the projections as its own GEMV whose
@@ -166,7 +162,7 @@ def kda_decode_x(
     _check_active(active_B, state_BHKV)
     return _dispatch(
         "kda_decode_x",
-        backend,
+        policy,
         (
             x_BD,
             qkvg_4HKD,
@@ -198,7 +194,7 @@ def kda_verify(
     o_norm_w_K,
     *,
     eps=1e-5,
-    backend="xla",
+    policy: DecodePolicy = XLA,
 ):
     """Speculative verify of T new tokens -> (y_BTHK, commit_data); the state is left untouched.
 
@@ -206,16 +202,16 @@ def kda_verify(
     """
     return _dispatch(
         "kda_verify",
-        backend,
+        policy,
         (qkv_BT3HK, f_BTHK, beta_BTH, gate_BTHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K),
         dict(eps=eps),
     )
 
 
-def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, backend="xla"):
+def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, policy: DecodePolicy = XLA):
     """Advance state and conv window by accepted_B[b] in [0, T] tokens -> (new_state, new_conv).
 
     A body refuses the commit where its tuning.json says "commit": "xla" (on the H200 XLA's one fused commit
     kernel measured 2.7-4.1 us against the Pallas commit's 9.4-14.5 us, at B <= 8, H = 6).
     """
-    return _dispatch("kda_commit", backend, (state_BHKV, conv_B3WHK, commit_data, accepted_B), {})
+    return _dispatch("kda_commit", policy, (state_BHKV, conv_B3WHK, commit_data, accepted_B), {})

@@ -15,6 +15,7 @@ from pallas_kernels import common
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.gemv import kernel as gemv
 from pallas_kernels.kda_decode import kernel, reference, verify_kernel
+from pallas_kernels.policy import XLA, DecodePolicy
 
 
 class Ops(NamedTuple):
@@ -40,8 +41,8 @@ def _launch(launch: dict, interpret) -> dict:
     return launch
 
 
-def entry_points(tuning: dict) -> Ops:
-    """The body's ops, launched by its tuning."""
+def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
+    """The body's ops, launched by its tuning (the policy's gemv tuning for the projections it runs)."""
 
     def fuses_gates(B, H):  # tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any)
         return B <= tuning.get("fuse_gates_max_batch", 0) and H <= tuning.get("fuse_gates_max_heads", H)
@@ -171,7 +172,7 @@ def entry_points(tuning: dict) -> Ops:
                 f"{B} x {H}: the GEMV projections are tuned at <= {tuning['fuse_gates_max_heads']} heads"
             )
         ws = (qkvg_4HKD.reshape(-1, D), f_a_RD)
-        g = gemv_api.pick_launch(B, D)
+        g = gemv_api.pick_launch(B, D, policy=policy)
         gemv.check_supported(x_BD, ws, **g)
         qkv_B3HK = jax.ShapeDtypeStruct((B, 3, H, K), x_BD.dtype)  # what the kernel checks and tiles by
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
