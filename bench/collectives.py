@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.collectives import api, reference  # noqa: E402
+from pallas_kernels.policy import SPECIALIZED  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 EPS = 1e-5
@@ -106,9 +107,7 @@ def check(mesh, rng):
     for b, d in cases:
         x = (rng.standard_normal((n, b, d)) * 10.0 ** rng.uniform(-2, 2)).astype(BF16)
         for alg in ("one_shot", "one_shot_st", "two_shot"):
-            f, put = sharded(
-                mesh, lambda v, alg=alg: api.all_reduce(v, "tp", backend="latency_specialized", algorithm=alg), 1
-            )
+            f, put = sharded(mesh, lambda v, alg=alg: api.all_reduce(v, "tp", policy=SPECIALIZED, algorithm=alg), 1)
             y = np.asarray(f(*put(x)))
             bad, rel = sum_errors(y, x)
             rows.append(dict(op=alg, shape=[b, d], ok=not bool(bad), max_rel_err=rel))
@@ -117,7 +116,7 @@ def check(mesh, rng):
             res = np.broadcast_to(rng.standard_normal((b, d)).astype(BF16), (n, b, d)).copy()
             w = np.broadcast_to((1 + 0.1 * rng.standard_normal(d)).astype(BF16), (n, d)).copy()
             f, put = sharded(
-                mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, EPS, "tp", backend="latency_specialized"), 3
+                mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, EPS, "tp", policy=SPECIALIZED), 3
             )
             new, normed = (np.asarray(a) for a in f(*put(x, res, w)))
             rn, rnorm = np_add_rmsnorm(x, res[0], w[0])
@@ -157,10 +156,10 @@ def stress(mesh, steps=2000, seed=0):
     def loop(xa, xb, xc, xd, res, w):
         def body(i, out):
             ya, yb, new, normed, yd = out
-            a = api.all_reduce(xa[i], "tp", backend="latency_specialized", algorithm="one_shot")
-            b = api.all_reduce(xb[i], "tp", backend="latency_specialized", algorithm="two_shot")
-            c, d = api.all_reduce_add_rmsnorm(xc[i], res[i], w, EPS, "tp", backend="latency_specialized")
-            e = api.all_reduce(xd[i], "tp", backend="latency_specialized", algorithm="one_shot_st")
+            a = api.all_reduce(xa[i], "tp", policy=SPECIALIZED, algorithm="one_shot")
+            b = api.all_reduce(xb[i], "tp", policy=SPECIALIZED, algorithm="two_shot")
+            c, d = api.all_reduce_add_rmsnorm(xc[i], res[i], w, EPS, "tp", policy=SPECIALIZED)
+            e = api.all_reduce(xd[i], "tp", policy=SPECIALIZED, algorithm="one_shot_st")
             return ya.at[i].set(a), yb.at[i].set(b), new.at[i].set(c), normed.at[i].set(d), yd.at[i].set(e)
 
         init = tuple(jnp.zeros_like(v) for v in (xa, xb, xc, xc, xd))
@@ -195,16 +194,21 @@ def stress(mesh, steps=2000, seed=0):
 
 # ----------------------------------------------------------------------------------------- timing
 def variants():
-    ls = "latency_specialized"
     return {
         "psum": (1, lambda x: jax.lax.psum(x, "tp")),
-        "one_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot")),
-        "two_shot": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="two_shot")),
-        "one_shot_st": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot_st")),
-        "one_shot@4k": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot", block_bytes=4096)),
-        "one_shot_st@4k": (1, lambda x: api.all_reduce(x, "tp", backend=ls, algorithm="one_shot_st", block_bytes=4096)),
+        "one_shot": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot")),
+        "two_shot": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="two_shot")),
+        "one_shot_st": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot_st")),
+        "one_shot@4k": (
+            1,
+            lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot", block_bytes=4096),
+        ),
+        "one_shot_st@4k": (
+            1,
+            lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot_st", block_bytes=4096),
+        ),
         "psum_add_rmsnorm": (3, lambda x, r, w: reference.all_reduce_add_rmsnorm(x, r, w, EPS, "tp")),
-        "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", backend=ls)),
+        "one_shot_add_rmsnorm": (3, lambda x, r, w: api.all_reduce_add_rmsnorm(x, r, w, EPS, "tp", policy=SPECIALIZED)),
         # a layer boundary: all-reduce + prefix update + AttnRes over MIX_BLOCKS stored blocks (each its own
         # operand, as the model holds them) + RMSNorm
         "psum_mix_norm": (
@@ -213,7 +217,7 @@ def variants():
         ),
         "mix_norm": (
             3 + MIX_BLOCKS,
-            lambda x, p, w, *blk: api.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp", backend=ls),
+            lambda x, p, w, *blk: api.all_reduce_mix_norm(x, p, blk, w, w, w, EPS, "tp", policy=SPECIALIZED),
         ),
     }
 

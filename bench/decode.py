@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from pallas_kernels.policy import BACKEND_ALIASES, BACKENDS, DecodePolicy
+
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 SPECULATIVE = ("off", "dspark", "ngram", "synthetic")
 
@@ -120,6 +122,7 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
                 "step_us": 1e6 * res.decode_s / n_steps if n_steps else None,
                 "tokens_per_s": res.decode_tokens_per_s,
                 "timing": "wall (on-device decode loop)",
+                "decode_ops": eng.decode_ops(),  # which implementation ran each op, and why not the kernel
             }
         )
         log(f"batch {B}: ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tokens_per_s:.1f} tok/s")
@@ -162,7 +165,7 @@ def speculative_row(args, cfg, params, mesh, prompts, drafter, draft_params) -> 
         K,
         N,
         acceptance_length=args.acceptance_length if args.speculative == "synthetic" else None,
-        backend="latency_specialized" if args.backend == "latency_specialized" else "xla",
+        policy=DecodePolicy(args.backend),
         cache_dtype="fp8",
         mesh=mesh,
     )  # bf16 compute, fp8 MLA cache: as the Engine rows
@@ -403,7 +406,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--backend", default="auto", help="decode_backend: auto | xla | latency_specialized")
+    p.add_argument("--backend", default="auto", choices=BACKENDS + tuple(BACKEND_ALIASES), help="decode backend")
     p.add_argument("--speculative", default="off", choices=SPECULATIVE)
     p.add_argument(
         "--acceptance-length",

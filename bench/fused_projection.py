@@ -28,10 +28,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.collectives import barrier_us, sharded, steady_us, two_gpu_run  # noqa: E402
 from pallas_kernels.collectives import api, reference  # noqa: E402
+from pallas_kernels.policy import XLA, DecodePolicy  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 CHAIN = 8
 LS = "latency_specialized"
+# this bench measures the (opt-in) fused kernel itself
+FUSED = DecodePolicy(LS, fused_projection=True)
+POLICIES = {LS: FUSED, "xla": XLA}
 # FP32 accumulation error allowance, relative to sum |x||w| over all ranks: any summation order of K * n
 # products stays far below it, a missing or stale peer tile is orders of magnitude above it.
 ACC_TOL = 2.0**-14
@@ -65,14 +69,14 @@ def max_rel_err(y, ref):
     return float(np.max(np.abs(np.asarray(y, np.float64) - ref) / (np.abs(ref) + 1e-3)))
 
 
-def run_proj(mesh, x_nBK, w_nKD, res_BD=None, backend=LS, **kw):
+def run_proj(mesh, x_nBK, w_nKD, res_BD=None, policy=FUSED, **kw):
     """Every rank's result of api.proj_all_reduce on per-rank operands (residual replicated)."""
     n = mesh.size
     if res_BD is None:
-        f, put = sharded(mesh, lambda x, w: api.proj_all_reduce(x, w, None, "tp", backend=backend, **kw), 2)
+        f, put = sharded(mesh, lambda x, w: api.proj_all_reduce(x, w, None, "tp", policy=policy, **kw), 2)
         return np.asarray(f(*put(x_nBK, w_nKD)))
     res_n = np.ascontiguousarray(np.broadcast_to(res_BD, (n, *res_BD.shape)))
-    f, put = sharded(mesh, lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", backend=backend, **kw), 3)
+    f, put = sharded(mesh, lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", policy=policy, **kw), 3)
     return np.asarray(f(*put(x_nBK, w_nKD, res_n)))
 
 
@@ -103,7 +107,7 @@ def check(mesh, rng):
         ref, scale = oracle(x, w, r)
         row = dict(shape=[b, k, d], residual=res)
         for backend in (LS, "xla"):
-            y = run_proj(mesh, x, w, r, backend=backend)
+            y = run_proj(mesh, x, w, r, policy=POLICIES[backend])
             row[backend] = dict(ok=not bool(proj_bad(y, ref, scale)), max_rel_err=max_rel_err(y[0], ref))
         row["ok"] = row[LS]["ok"] and row["xla"]["ok"]
         rows.append(row)
@@ -143,7 +147,7 @@ def stress(mesh, steps=300, seed=0, calls=PAIR):
                 kx, kw = jax.random.split(jax.random.fold_in(k_me, me))
                 x, w = normal(kx, (b, k), 1.0), normal(kw, (k, d), (k * n) ** -0.5)
                 r = normal(kr, (b, d), 1.0) if has_res else None  # same key on every rank: a replicated residual
-                y = api.proj_all_reduce(x, w, r, "tp", backend=LS)
+                y = api.proj_all_reduce(x, w, r, "tp", policy=FUSED)
                 f32 = lambda a, b: jnp.dot(
                     a.astype(jnp.float32),
                     b.astype(jnp.float32),  # noqa: E731
@@ -190,10 +194,10 @@ def variants():
     return {
         "xla_f32": lambda x, w, r: reference.proj_all_reduce(x, w, r, "tp"),
         "xla_bf16": lambda x, w, r: r + jax.lax.psum(bf16(x, w), "tp"),
-        "dot+ar": lambda x, w, r: r + api.all_reduce(bf16(x, w), "tp", backend=LS),
-        "fused": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", backend=LS),
-        "fused@d128": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", backend=LS, tile_d=128),
-        "fused@s4": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", backend=LS, max_stages=4),
+        "dot+ar": lambda x, w, r: r + api.all_reduce(bf16(x, w), "tp", policy=FUSED),
+        "fused": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", policy=FUSED),
+        "fused@d128": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", policy=FUSED, tile_d=128),
+        "fused@s4": lambda x, w, r: api.proj_all_reduce(x, w, r, "tp", policy=FUSED, max_stages=4),
         "dot_only": lambda x, w, r: (r.astype(jnp.float32) + f32(x, w)).astype(r.dtype),
     }
 
@@ -336,7 +340,6 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--deadline-s", type=int, default=540)
     a = ap.parse_args()
-    os.environ[api.FUSED_PROJECTION_ENV] = "1"  # this bench measures the (opt-in) fused kernel itself
     mesh, results, save = two_gpu_run(a.out, "fused_projection", write_md, a.deadline_s)
     if a.check:
         results["check"] = check(mesh, np.random.default_rng())

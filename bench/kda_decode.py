@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.device_time import ITERS, device_us, kernel_names, time_variants
 from pallas_kernels.kda_decode import api, kernel, reference
+from pallas_kernels.policy import SPECIALIZED
 
 HBM_PEAK = 4.8e12  # H200 datasheet
 SHAPES = [(1, 6), (1, 12), (1, 96), (8, 6), (8, 12), (8, 96), (64, 6), (64, 12), (64, 96)]
@@ -257,7 +258,7 @@ def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg"
     OUT/<name>.json."""
     ref = jax.jit(reference.kda_decode)
     fns = {
-        "api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")),
+        "api": jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED)),
         "xla": ref,
         **{variant_name(*v): variant_fn(*v) for v in variants},
         **(extra or {}),
@@ -409,7 +410,7 @@ def main(out_dir, fla_from=None):
     dev = jax.devices()[0]
     print(dev, dev.device_kind, dev.compute_capability)
     ref = jax.jit(reference.kda_decode)
-    fused = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))
+    fused = jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED))
     variants = {variant_name(*v): variant_fn(*v) for v in VARIANTS}
     results = dict(
         device=f"{dev.device_kind} (cc {dev.compute_capability})",
@@ -662,7 +663,7 @@ def main_split(out_dir):
     where one CTA's serial chain is the time, CUPTI: a short GPU call. Writes OUT/kda_split.json.
     (The chunked-TMA quick run of the fourth session is results/kda_chunked.json.)"""
     ref = jax.jit(reference.kda_decode)
-    base = {"api": jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized")), "xla": ref}
+    base = {"api": jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED)), "xla": ref}
     ok = split_gathers()
     latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS if _gather(v) in ok})
     bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS if _gather(v) in ok})
@@ -707,7 +708,7 @@ def main_cold(out_dir, shapes=SHAPES):
     """The api path (tuning.json's launch) and the XLA reference with a cold L2: per call, CUPTI device time of
     n calls on n distinct input sets / n. The default benches repeat one call on the same inputs, which keeps
     a small step's state (0.9 MB at 1 x 6) in L2. Writes OUT/kda_decode_cold.json."""
-    fns = {"api": lambda *a: api.kda_decode(*a, backend="latency_specialized"), "xla": reference.kda_decode}
+    fns = {"api": lambda *a: api.kda_decode(*a, policy=SPECIALIZED), "xla": reference.kda_decode}
     dev = jax.devices()[0]
     results = dict(
         device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",

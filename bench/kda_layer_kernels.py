@@ -25,6 +25,7 @@ from bench.kda_layer import layer_inputs  # noqa: E402
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
+from pallas_kernels.policy import DecodePolicy  # noqa: E402
 
 
 def gemv_rows(D, N, B, key):
@@ -57,7 +58,9 @@ def main(out_dir):
         p = init_local_params(cfg, tp)["layers"][0]["attn"]
         x, state, window = layer_inputs(lcfg, B)
         for backend in ("xla", "latency_specialized"):
-            f = jax.jit(lambda p, x, s, w, backend=backend, c=lcfg: kda.kda_decode(p, x, c, s, w, backend))
+            f = jax.jit(
+                lambda p, x, s, w, backend=backend, c=lcfg: kda.kda_decode(p, x, c, s, w, DecodePolicy(backend))
+            )
             ks = per_kernel_us(f, p, x, state, window)
             row = dict(
                 tp=tp,

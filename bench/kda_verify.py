@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.device_time import device_us, kernel_names, time_variants
 from pallas_kernels.kda_decode import api, reference, verify_kernel
+from pallas_kernels.policy import SPECIALIZED
 
 HBM_PEAK = 4.8e12  # H200 datasheet
 SHAPES = [(B, H, T) for B in (1, 8, 64) for H in (6, 12) for T in (4, 8)]
@@ -110,7 +111,7 @@ def main_split(opts):
     """Verify alone: the cluster split of V (kernel.decode's v_split, 4 CTAs per tile) where one CTA's serial
     T-step chains are the time. CUPTI, median of opts.iters."""
     ref_v = jax.jit(reference.kda_verify)
-    fns = {"api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")), "xla": ref_v}
+    fns = {"api": jax.jit(functools.partial(api.kda_verify, policy=SPECIALIZED)), "xla": ref_v}
     for tma in (False, True):
         for gather in os.environ.get("K3JAX_SPLIT_GATHERS", "gmem dsmem").split():  # those the canary passed
             fns[f"{'tma' if tma else 'ldg'} split4 {gather}"] = jax.jit(
@@ -152,7 +153,7 @@ def main_rows(opts):
     (kda_verify_rows_wg2.json); both were dropped."""
     ref_v = jax.jit(reference.kda_verify)
     fns = {
-        "api": jax.jit(functools.partial(api.kda_verify, backend="latency_specialized")),
+        "api": jax.jit(functools.partial(api.kda_verify, policy=SPECIALIZED)),
         "xla": ref_v,
         "rows k32": jax.jit(
             functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows")
@@ -193,8 +194,8 @@ def main(opts):
     dev = jax.devices()[0]
     print(dev, dev.device_kind, dev.compute_capability, flush=True)
     ref_v, ref_c = jax.jit(reference.kda_verify), jax.jit(reference.kda_commit)
-    ker_v = jax.jit(functools.partial(api.kda_verify, backend="latency_specialized"))
-    ker_c = jax.jit(functools.partial(api.kda_commit, backend="latency_specialized"))
+    ker_v = jax.jit(functools.partial(api.kda_verify, policy=SPECIALIZED))
+    ker_c = jax.jit(functools.partial(api.kda_commit, policy=SPECIALIZED))
     ref_pair, ker_pair = pair(ref_v, ref_c), pair(ker_v, ker_c)
     layout = plgpu.Layout.WGMMA if dev.compute_capability.startswith("9") else plgpu.Layout.TCGEN05
     variants = {

@@ -46,6 +46,7 @@ from k3jax import sharding as sh
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
 from k3jax.layers import moe
+from pallas_kernels.policy import DecodePolicy
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -186,14 +187,14 @@ def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat
     return jax.jit(make)()
 
 
-def make_step(cfg: K3Config, backend: str, comm: Comm, dtype=jnp.bfloat16):
+def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
     """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache). Every
     sequence is active, but as the engine's step sees it: n_new is data (here from the tokens), not a constant
     XLA could fold away with the idle-slot handling it costs."""
 
     def step(params, tokens_B, cache):
         n_new_B = (tokens_B >= 0).astype(jnp.int32)
-        logits, cache, _ = model.extend(params, tokens_B[:, None], n_new_B, cache, cfg, dtype, backend, comm=comm)
+        logits, cache, _ = model.extend(params, tokens_B[:, None], n_new_B, cache, cfg, dtype, comm=comm)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     return jax.jit(step, donate_argnums=(2,))
@@ -403,8 +404,8 @@ def summarize(rows, cfg: K3Config) -> dict:
 
 def collective_calls(cfg: K3Config, tp: int, backend: str, batch: int, context: int) -> list:
     """The collectives one decode step issues (traced abstractly, nothing runs)."""
-    comm = StubComm("tp", backend, tp=tp)
-    step = make_step(cfg, backend, comm)
+    comm = StubComm("tp", DecodePolicy(backend), tp=tp)
+    step = make_step(cfg, comm)
     cache = jax.eval_shape(lambda: new_cache(cfg, tp, batch, context))
     jax.eval_shape(step, abstract_local_params(cfg, tp), jax.ShapeDtypeStruct((batch,), jnp.int32), cache)
     return comm.log
@@ -468,8 +469,8 @@ def run(args, log=print) -> dict:
     # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", backend, tp=tp)
-        step = make_step(c, backend, comm)
+        comm = StubComm("tp", DecodePolicy(backend), tp=tp)
+        step = make_step(c, comm)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
         exe = step.lower(abstract_local_params(c, tp), jax.ShapeDtypeStruct((B,), jnp.int32), cache).compile()

@@ -4,7 +4,7 @@
 
 Model: preset('k3') cut to 4 layers (layer 0 dense KDA, 1-2 MoE KDA, 3 MoE MLA; ~52 GB with MXFP4 experts),
 random weights drawn on GPU 0 (rbg PRNG: one cheap HLO per tensor instead of threefry's slow compiles), then
-copied into the TP2 layout, so both runs see the same weights. Decode runs through Engine._extend (the
+copied into the TP2 layout, so both runs see the same weights. Decode runs through Engine.step_fn (the
 shard_map'd model.extend with k3jax.comm's explicit collectives, XLA backend), not donated, so the same
 arguments can be replayed under CUPTI.
 
@@ -148,7 +148,7 @@ def main():
     res["init_s"] = time.time() - T0
     print(f"weights ready {res['init_s']:.0f}s", flush=True)
     engines = {tp: engine(cfg, p, tp, jnp.bfloat16) for tp, p in ((1, p1), (2, p2))}
-    steps = {tp: jax.jit(e._extend) for tp, e in engines.items()}
+    steps = {tp: jax.jit(e.step_fn) for tp, e in engines.items()}
     out = {tp: feed_logits(engines[tp], steps[tp], 8, 1) for tp in (1, 2)}
     res["numerics"]["bf16"] = rel(out[2], out[1])
     print("bf16", res["numerics"]["bf16"], flush=True)
@@ -163,7 +163,7 @@ def main():
         cast = jax.jit(partial(params_lib.cast_params, dtype=jnp.float32))
         del engines, steps
         e32 = {tp: engine(cfg, cast(p), tp, jnp.float32) for tp, p in ((1, p1), (2, p2))}
-        out = {tp: feed_logits(e, jax.jit(e._extend), 8, 2) for tp, e in e32.items()}
+        out = {tp: feed_logits(e, jax.jit(e.step_fn), 8, 2) for tp, e in e32.items()}
         res["numerics"]["float32"] = rel(out[2], out[1])
         print("float32", res["numerics"]["float32"], flush=True)
     else:
@@ -183,7 +183,7 @@ def extra(out_dir):
     res = {}
     e2 = engine(cfg, p2, 2, jnp.bfloat16)
     cache = {**e2.new_cache(1), "lengths": jnp.full((1,), CONTEXT, jnp.int32)}
-    _, run = profiler.measure(jax.jit(e2._extend), aggregate=False)(
+    _, run = profiler.measure(jax.jit(e2.step_fn), aggregate=False)(
         p2, jnp.ones((1, 1), jnp.int32), jnp.ones(1, jnp.int32), cache
     )
     res["tp2_b1_kernels"] = [(n[:100], t * 1e3) for n, t in run]
@@ -192,7 +192,7 @@ def extra(out_dir):
     del e2, cache
     cast = jax.jit(partial(params_lib.cast_params, dtype=jnp.float32))
     e32 = {tp: engine(cfg, cast(p), tp, jnp.float32) for tp, p in ((1, p1), (2, p2))}
-    out = {tp: feed_logits(e, jax.jit(e._extend), 2, 2) for tp, e in e32.items()}
+    out = {tp: feed_logits(e, jax.jit(e.step_fn), 2, 2) for tp, e in e32.items()}
     res["float32_b2"] = rel(out[2], out[1])
     print("float32", res["float32_b2"], flush=True)
     with open(os.path.join(out_dir, "tp2_h200_extra.json"), "w") as f:
@@ -201,7 +201,7 @@ def extra(out_dir):
 
 def forced_logits(eng, tokens_SB, step=None):
     """Logits [S, B, V] of single-token extends fed tokens_SB (teacher forcing), from an empty cache."""
-    step = step or jax.jit(eng._extend)
+    step = step or jax.jit(eng.step_fn)
     cache = eng.new_cache(tokens_SB.shape[1])
     out = []
     for t in tokens_SB:
@@ -212,7 +212,7 @@ def forced_logits(eng, tokens_SB, step=None):
 
 def greedy_logits(eng, first_B, steps):
     """Greedy single-token extends from an empty cache -> (tokens [steps + 1, B], logits [steps, B, V])."""
-    step, cache, toks, out = jax.jit(eng._extend), eng.new_cache(len(first_B)), [first_B], []
+    step, cache, toks, out = jax.jit(eng.step_fn), eng.new_cache(len(first_B)), [first_B], []
     for _ in range(steps):
         lg, cache = step(
             eng.params, jnp.asarray(toks[-1][:, None], jnp.int32), jnp.ones(len(first_B), jnp.int32), cache

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.policy import XLA, DecodePolicy
+
 
 @dataclass(frozen=True)
 class Comm:
     axis: str | None = None  # mesh axis name inside shard_map, None when unsharded
-    backend: str = "xla"  # "latency_specialized" routes all-reduces to pallas_kernels.collectives
+    policy: DecodePolicy = XLA  # one asking for kernels routes all-reduces to pallas_kernels.collectives
     counts: Counter = field(default_factory=Counter, compare=False, hash=False)
 
     @property
@@ -30,17 +32,15 @@ class Comm:
     @property
     def fuses_boundaries(self) -> bool:
         """Layer boundaries (all-reduce + AttnRes + RMSNorm, k3jax/layers/boundary.py) as one Pallas launch."""
-        return self.sharded and self.backend == "latency_specialized"
+        return self.sharded and self.policy.kernels
 
     def all_reduce(self, x, what: str = "all_reduce"):
         if not self.sharded:
             return x
         self.counts[what] += 1
-        if self.backend == "latency_specialized":
-            from pallas_kernels.collectives import api
+        from pallas_kernels.collectives import api
 
-            return api.all_reduce(x, self.axis, backend=self.backend)
-        return jax.lax.psum(x, self.axis)
+        return api.all_reduce(x, self.axis, policy=self.policy)
 
     def all_gather(self, x, axis: int, what: str = "all_gather"):
         if not self.sharded:

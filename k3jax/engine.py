@@ -25,6 +25,8 @@ from k3jax.comm import Comm
 from k3jax.config import K3Config
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams, sample
+from pallas_kernels import policy as policy_lib
+from pallas_kernels.policy import DecodePolicy, DispatchLog
 
 MAX_BATCH = 64
 GREEDY = SamplingParams()
@@ -56,23 +58,38 @@ class Engine:
     max_batch: int = 8
     dtype: jnp.dtype = jnp.bfloat16
     cache_dtype: str = "fp8"
-    backend: str = "auto"  # auto | xla | latency_specialized
+    backend: str = "auto"  # auto (stock XLA) | latency_specialized: the decode policy's backend
     mesh: jax.sharding.Mesh | None = None
     prefill_chunk: int = 256
     steps_per_call: int = 16
+    moe_impl: str = "packed"  # how the XLA routed experts read MXFP4 (pallas_kernels.policy.MOE_IMPLS)
+    policy: DecodePolicy | None = None  # the whole decode policy (tuning tables too); else built from the two above
 
     def __post_init__(self):
-        if self.backend not in ("auto", "xla", "latency_specialized"):
-            raise GenerationError(f"decode_backend must be auto, xla or latency_specialized, got {self.backend!r}")
+        if self.policy is None:
+            try:
+                self.policy = DecodePolicy(self.backend, self.moe_impl)
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
+        elif (self.backend, self.moe_impl) != ("auto", "packed"):
+            raise GenerationError("give either policy= or backend= / moe_impl=, not both")
+        self.backend, self.moe_impl = self.policy.backend, self.policy.moe_impl
+        # what ran, per step kind ("decode": one token per sequence, "extend": prefill chunks and verify blocks),
+        # recorded while each step is traced (pallas_kernels.policy.dispatch)
+        self.dispatch_logs: dict[str, DispatchLog] = {"decode": DispatchLog(), "extend": DispatchLog()}
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise GenerationError(f"max_batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.max_len > self.cfg.max_position_embeddings:
             raise GenerationError(
                 f"max_len {self.max_len} exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}"
             )
-        kernel_backend = "latency_specialized" if self.backend == "latency_specialized" else "xla"
-        self.comm = Comm(sh.AXIS if self.mesh is not None else None, kernel_backend)
-        ext = partial(model.extend, cfg=self.cfg, dtype=self.dtype, backend=kernel_backend, comm=self.comm)
+        self.comm = Comm(sh.AXIS if self.mesh is not None else None, self.policy)
+        extend = partial(model.extend, cfg=self.cfg, dtype=self.dtype, comm=self.comm)
+
+        def ext(params, tokens, n_new, cache):
+            with policy_lib.recording(self.dispatch_logs["decode" if tokens.shape[1] == 1 else "extend"]):
+                return extend(params, tokens, n_new, cache)
+
         if self.mesh is not None:
             sh.validate_tp(self.cfg, self.mesh.shape[sh.AXIS])
             abstract = jax.eval_shape(lambda: cache_lib.init_cache(self.cfg, 1, 1, self.dtype, self.cache_dtype))
@@ -82,12 +99,12 @@ class Engine:
                 logits, cache, _ = ext(params, tokens, n_new, cache)
                 return logits, cache
 
-            self._extend = jax.shard_map(
+            self.step_fn = jax.shard_map(
                 body, mesh=self.mesh, in_specs=(pspec, P(), P(), cspec), out_specs=(P(), cspec), check_vma=False
             )
         else:
-            self._extend = lambda params, tokens, n_new, cache: ext(params, tokens, n_new, cache)[:2]
-        self._prefill = jax.jit(self._extend, donate_argnums=(3,))
+            self.step_fn = lambda params, tokens, n_new, cache: ext(params, tokens, n_new, cache)[:2]
+        self._step = jax.jit(self.step_fn, donate_argnums=(3,))
         self._reset = jax.jit(cache_lib.reset_slots, donate_argnums=(0,))
         self._decode = jax.jit(self._decode_steps, static_argnames=("sp", "steps"), donate_argnames=("cache",))
 
@@ -99,12 +116,26 @@ class Engine:
         shardings = sh.cache_shardings(jax.eval_shape(make), self.mesh)
         return jax.jit(make, out_shardings=shardings)()
 
+    # ---- the step ------------------------------------------------------------------------------------
+    # step_fn(params, tokens_BT, n_new_B, cache) -> (logits [B, V] at each sequence's last new token, cache):
+    # the model's step (sharded over the mesh), pure, to compose into your own jit (benchmarks, tests).
+    def step(self, tokens_BT, n_new_B, cache):
+        """Append tokens_BT (right-padded; n_new_B real ones per sequence, 0 = leave it) to the decode state:
+        one jitted, cache-donating call of step_fn with the engine's params -> (logits [B, V], cache)."""
+        return self._step(self.params, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(n_new_B, jnp.int32), cache)
+
+    def decode_ops(self) -> dict[str, dict]:
+        """Which implementation ran each op of the decode step and, where a kernel was refused, why:
+        {op: {"impl": "pallas" | "xla", "reason": str | None}}, as recorded when the step was traced (empty
+        before the first decode step)."""
+        return dict(self.dispatch_logs["decode"].ops)
+
     # ---- device programs -----------------------------------------------------------------------------
     def _decode_steps(self, params, cache, last_B, done_B, n_gen_B, max_new_B, key, stop_ids, *, sp, steps):
         def step(carry, _):
             cache, last, done, n_gen, key = carry
             key, sub = jax.random.split(key)
-            logits, cache = self._extend(params, last[:, None], (~done).astype(jnp.int32), cache)
+            logits, cache = self.step_fn(params, last[:, None], (~done).astype(jnp.int32), cache)
             tok = jnp.where(done, self.cfg.pad_token_id, sample(logits, sub, sp))
             emitted = ~done
             n_gen = n_gen + emitted
@@ -132,7 +163,7 @@ class Engine:
             n_new = np.clip(lens - off, 0, T).astype(np.int32)
             for b, p in enumerate(prompts):
                 toks[b, : n_new[b]] = p[off : off + n_new[b]]
-            logits, cache = self._prefill(self.params, jnp.asarray(toks), jnp.asarray(n_new), cache)
+            logits, cache = self.step(toks, n_new, cache)
             ends_here = jnp.asarray((n_new > 0) & (off + n_new == lens))
             last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
         return last, cache

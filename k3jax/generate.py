@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from pallas_kernels import policy as policy_lib
+
 DEMO_SEED = 0
 
 
@@ -67,9 +69,16 @@ def parse_args(argv=None):
     ap.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8", help="MLA latent cache dtype")
     ap.add_argument(
         "--decode-backend",
-        choices=("auto", "xla", "latency_specialized"),
+        choices=policy_lib.BACKENDS + tuple(policy_lib.BACKEND_ALIASES),
         default="auto",
-        help="auto/xla: plain XLA; latency_specialized: Pallas GPU kernels where they apply",
+        help="auto (xla is the same): stock XLA; latency_specialized: Pallas GPU kernels where they apply "
+        "(each refusal logged once; --json reports what ran)",
+    )
+    ap.add_argument(
+        "--moe-impl",
+        choices=policy_lib.MOE_IMPLS,
+        default="packed",
+        help="how the XLA routed experts read MXFP4: straight from the packed codes (default) or via a bf16 copy",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices across all processes)")
     ap.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
@@ -185,6 +194,7 @@ def _run(args) -> int:
             text = "the quick brown fox"
             log(f"[demo] no prompt given; using {text!r}")
     _check_spec_flags(args)
+    policy = policy_lib.DecodePolicy(args.decode_backend, args.moe_impl)  # the one decode policy of this run
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1 (1 = one device), got {args.tp}")
     if args.coordinator or args.num_processes or args.process_id is not None:  # any of them: a multi-host start
@@ -253,7 +263,9 @@ def _run(args) -> int:
     )
     stop = tok.stop_ids if tok is not None else (cfg.eos_token_id,)
     if args.spec != "none":
-        res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len)
+        with policy_lib.recording(policy_lib.DispatchLog()) as ran:  # the speculative prefill and step, traced
+            res = _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len, policy)
+        decode_ops = ran.ops
     else:
         eng = Engine(
             cfg,
@@ -262,12 +274,13 @@ def _run(args) -> int:
             max_batch=args.batch,
             dtype=dtype,
             cache_dtype=args.cache_dtype,
-            backend=args.decode_backend,
+            policy=policy,
             mesh=mesh,
         )
         progress = _progress(args, log, tok)
         res = eng.generate(prompts, args.max_new_tokens, sp, stop_ids=stop, on_tokens=progress)
         progress.bar.close()
+        decode_ops = eng.decode_ops()
     out = {
         "prompt_ids": ids,
         "generated_ids": res.tokens,
@@ -276,7 +289,9 @@ def _run(args) -> int:
         "decode_tokens_per_s": res.decode_tokens_per_s,
         "decode_tokens": res.decode_tokens,
         "batch": args.batch,
-        "decode_backend": args.decode_backend,
+        "decode_backend": policy.backend,
+        "moe_impl": policy.moe_impl,
+        "decode_ops": decode_ops,  # op -> {"impl": "pallas" | "xla", "reason": why not the kernel}
         "tp": args.tp,
         "spec": args.spec,
         **({"spec_stats": res.stats} if res.stats else {}),
@@ -296,7 +311,7 @@ def _run(args) -> int:
     return 0
 
 
-def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len):
+def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len, policy):
     """Speculative generation (k3jax.speculative): the whole loop runs on device (sharded over `mesh`)."""
     import jax
     import numpy as np
@@ -329,7 +344,7 @@ def _speculative(args, cfg, params, prompts, sp, stop, dtype, mesh, max_len):
         acceptance_length=args.acceptance_length if args.spec == "synthetic" else None,
         seed=sp.seed,
         dtype=dtype,
-        backend="xla" if args.decode_backend == "auto" else args.decode_backend,
+        policy=policy,
         stop_ids=stop,
         cache_dtype=args.cache_dtype,
         max_len=max_len,

@@ -123,7 +123,6 @@ def extend(
     cache: dict,
     cfg: K3Config,
     dtype=jnp.bfloat16,
-    backend: str = "xla",
     all_logits: bool = False,
     taps: tuple[int, ...] = (),
     comm: Comm = LOCAL,
@@ -131,7 +130,8 @@ def extend(
     """Append tokens (right-padded; n_new_B real ones per sequence) to the decode state.
 
     Returns (logits [B, V] at each sequence's last new token, or [B, T, V] if all_logits; new cache; taps).
-    Sequences with n_new == 0 are left exactly as they were.
+    Sequences with n_new == 0 are left exactly as they were. Which kernels run is comm's decode policy:
+    `Comm(axis, policy)`, or `Comm(policy=...)` unsharded.
     """
     B, T = tokens_BT.shape
     start_B = cache["lengths"]
@@ -149,7 +149,7 @@ def extend(
             return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
         if T == 1:
             out, state, conv = kda.kda_decode(
-                p, x[:, 0], cfg, entry["state"], entry["conv"], backend, active_B=n_new_B
+                p, x[:, 0], cfg, entry["state"], entry["conv"], comm.policy, active_B=n_new_B
             )  # idle slots keep their state
             out = out[:, None]
         else:

@@ -39,6 +39,7 @@ from k3jax.layers import kda, mla
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
+from pallas_kernels.policy import XLA, DecodePolicy, as_policy
 
 # ---- 1. verify: one target forward over [anchor + K drafts] ------------------------------------------------
 
@@ -49,7 +50,6 @@ def verify(
     cache: dict,
     cfg: K3Config,
     dtype=jnp.bfloat16,
-    backend: str = "xla",
     taps: tuple[int, ...] = (),
     comm: Comm = LOCAL,
 ):
@@ -86,7 +86,7 @@ def verify(
             p["dt_bias"],
             p["o_norm"],
             eps=cfg.rms_norm_eps,
-            backend=backend,
+            policy=comm.policy,
         )
         return kda.o_proj(y, p["o"])
 
@@ -96,11 +96,11 @@ def verify(
     return logits, pending, tapped
 
 
-def commit(pending: dict, n_commit_B, backend: str = "xla") -> dict:
+def commit(pending: dict, n_commit_B, policy: DecodePolicy = XLA) -> dict:
     """Advance every sequence by n_commit_B[b] block tokens (anchor + accepted drafts; 0 = unchanged)."""
     layers = list(pending["layers"])
     for L, data in pending["kda_commit"].items():
-        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B, backend=backend)
+        state, conv = kda_api.kda_commit(layers[L]["state"], layers[L]["conv"], data, n_commit_B, policy=policy)
         layers[L] = {"state": state, "conv": conv}
     return {"lengths": pending["lengths"] + n_commit_B, "layers": layers}
 
@@ -197,14 +197,14 @@ class SpecConfig(NamedTuple):
     sampling: SamplingParams = SamplingParams()  # the target's: temperature / top-k / top-p
     acceptance_length: float | None = None  # synthetic acceptance (benchmarks) when set
     dtype: object = jnp.bfloat16
-    backend: str = "xla"
+    policy: DecodePolicy = XLA  # which kernels run (pallas_kernels.policy)
     stop_ids: tuple[int, ...] = ()  # a sequence is done once it emits any of these (e.g. EOS and <|im_end|>)
     cache_dtype: str = "bf16"  # the target's MLA cache: "bf16" (the compute dtype) or "fp8"
     mesh: Mesh | None = None  # tensor parallelism over its "tp" axis (params sharded as k3jax.sharding)
 
     @property
     def comm(self) -> Comm:
-        return Comm(sh.AXIS if self.mesh is not None else None, self.backend)
+        return Comm(sh.AXIS if self.mesh is not None else None, self.policy)
 
 
 class SpecState(NamedTuple):
@@ -226,7 +226,7 @@ def _is_stop(spec: SpecConfig, tokens):
 def _prefill(spec: SpecConfig, params, draft_params, prompt_BT, n_prompt_B, key, cache, dstate) -> SpecState:
     cfg, K, B = spec.cfg, spec.num_draft, prompt_BT.shape[0]
     logits, cache, taps = model.extend(
-        params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, spec.backend, taps=spec.drafter.taps, comm=spec.comm
+        params, prompt_BT, n_prompt_B, cache, cfg, spec.dtype, taps=spec.drafter.taps, comm=spec.comm
     )
     key, k_tok = jax.random.split(key)
     anchor = sampling_lib.sample(logits, k_tok, spec.sampling)
@@ -257,11 +257,11 @@ def _step(spec: SpecConfig, params, draft_params, st: SpecState) -> SpecState:
     )
     drafts = prop.drafts_BK.astype(jnp.int32)
     block = jnp.concatenate([st.anchor_B[:, None], drafts], axis=1)
-    logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.backend, spec.drafter.taps, comm)
+    logits, pending, taps = verify(params, block, st.cache, spec.cfg, spec.dtype, spec.drafter.taps, comm)
     n_acc, nxt = accept(k_acc, logits, drafts, prop.q_BKV, spec.sampling, spec.acceptance_length)
     active = (st.n_out_B < spec.max_new_tokens) & ~st.done_B
     n_commit = jnp.where(active, n_acc + 1, 0)
-    cache = commit(pending, n_commit, spec.backend)
+    cache = commit(pending, n_commit, spec.policy)
     dstate = spec.drafter.observe(draft_params, params, st.draft_state, block, n_commit, start_B, taps, comm=comm)
 
     i = jnp.arange(K + 1)[None]
@@ -364,7 +364,7 @@ def generate(
     acceptance_length: float | None = None,
     seed: int = 0,
     dtype=jnp.bfloat16,
-    backend: str = "xla",
+    policy: DecodePolicy | str = XLA,
     stop_ids=(),
     cache_dtype: str = "bf16",
     max_len: int | None = None,
@@ -392,7 +392,7 @@ def generate(
         sp,
         acceptance_length,
         dtype,
-        backend,
+        as_policy(policy),
         tuple(int(t) for t in stop_ids),
         cache_dtype,
         mesh,

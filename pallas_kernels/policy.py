@@ -18,8 +18,6 @@ import json
 import pathlib
 from collections.abc import Callable, Iterator
 
-from pallas_kernels import common
-
 BACKENDS = ("auto", "latency_specialized")  # auto = stock XLA everywhere (the default, as in vLLM)
 BACKEND_ALIASES = {"xla": "auto"}
 MOE_IMPLS = ("packed", "gather")  # how the XLA routed experts read MXFP4: straight from the codes, or a bf16 copy
@@ -137,6 +135,8 @@ def dispatch(op: str, policy: DecodePolicy, kernel: Callable[[], object], refere
         try:
             out = kernel()
         except NotImplementedError as e:
+            from pallas_kernels import common  # jax: kept off the import of this module (the CLI's --help)
+
             common.log_once(op, str(e))
             record(op, "xla", str(e))
         else:

@@ -42,7 +42,7 @@ def forced_logits(cfg, params, tp, dtype, backend, tokens_SB):
     if mesh is not None:
         params = jax.device_put(params, sh.param_shardings(cfg, mesh))
     eng = Engine(cfg, params, max_len=64, max_batch=BATCH, dtype=dtype, mesh=mesh, backend=backend)
-    step, cache, out = jax.jit(eng._extend), eng.new_cache(BATCH), []
+    step, cache, out = jax.jit(eng.step_fn), eng.new_cache(BATCH), []
     for t in tokens_SB:
         logits, cache = step(eng.params, jnp.asarray(t[:, None], jnp.int32), jnp.ones(BATCH, jnp.int32), cache)
         out.append(np.asarray(logits.astype(jnp.float32)).reshape(BATCH, -1))

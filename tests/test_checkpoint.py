@@ -19,8 +19,9 @@ from convert.fake_hf import write_fake_hf
 from k3jax import load, model, mxfp4, sharding
 from k3jax import params as P
 from k3jax.checkpoint import CheckpointError
+from k3jax.comm import Comm
 from k3jax.config import preset
-from k3jax.layers import moe
+from pallas_kernels.policy import DecodePolicy
 
 QUIET = Options(progress=False)
 TP2 = preset("tiny").replace(name="tiny-tp2", moe_intermediate_size=64)  # every TP-split axis even
@@ -47,7 +48,7 @@ def test_load_onto_mesh(ckpt, seed):
         assert np.array_equal(np.asarray(got).view(np.uint8), ref.view(np.uint8)), s.key
 
 
-def test_experts_bf16_and_fp32_trunk_same_logits(ckpt, tmp_path, rng, monkeypatch):
+def test_experts_bf16_and_fp32_trunk_same_logits(ckpt, tmp_path, rng):
     """Experts converted to dense (dequantized on conversion) give the packed checkpoint's logits: the same
     maths as its "gather" path (1e-6), and as its default "packed" path up to fp32 summation order (1e-5)."""
     b = str(tmp_path / "bf")
@@ -61,8 +62,8 @@ def test_experts_bf16_and_fp32_trunk_same_logits(ckpt, tmp_path, rng, monkeypatc
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(1, int(rng.integers(4, 12)))))
     lb = np.asarray(jax.jit(model.forward, static_argnums=(2, 3))(pb, tokens, cfg, jnp.float32))
     for impl, tol in (("gather", 1e-6), ("packed", 1e-5)):
-        monkeypatch.setenv(moe.MOE_IMPL_ENV, impl)  # read at trace time: a fresh jit each
-        la = np.asarray(jax.jit(model.forward, static_argnums=(2, 3))(pa, tokens, cfg, jnp.float32))
+        comm = Comm(policy=DecodePolicy(moe_impl=impl))
+        la = np.asarray(jax.jit(model.forward, static_argnums=(2, 3, 4))(pa, tokens, cfg, jnp.float32, comm))
         assert np.sqrt(np.mean((la - lb) ** 2) / np.mean(la**2)) < tol, impl
 
 

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.collectives import api
+from pallas_kernels.policy import SPECIALIZED, DecodePolicy
 
 BF16 = ml_dtypes.bfloat16
 N_GPUS = sum(d.platform == "gpu" for d in jax.devices())
@@ -138,7 +139,7 @@ def test_plan_blocks_tile_the_message(rng):
 def test_fallback_all_reduce_matches_sum(rng, backend, n):
     mesh = _mesh(n)
     x = rng.standard_normal((n, 3, 7168)).astype(BF16)
-    f = _sharded(mesh, lambda v: api.all_reduce(v, "tp", backend=backend), 1, 1)
+    f = _sharded(mesh, lambda v: api.all_reduce(v, "tp", policy=DecodePolicy(backend)), 1, 1)
     y = np.asarray(f(x))
     assert y.dtype == x.dtype and y.shape == x.shape
     _assert_sum_close(y, x, jnp.bfloat16)
@@ -151,7 +152,9 @@ def test_fallback_add_rmsnorm_matches_numpy(rng, backend):
     x = rng.standard_normal((n, b, d)).astype(BF16)
     res = np.broadcast_to(rng.standard_normal((b, d)).astype(BF16), (n, b, d))
     w = np.broadcast_to((1 + 0.1 * rng.standard_normal(d)).astype(BF16), (n, d))
-    f = _sharded(mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, 1e-5, "tp", backend=backend), 3, 2)
+    f = _sharded(
+        mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, 1e-5, "tp", policy=DecodePolicy(backend)), 3, 2
+    )
     new, normed = (np.asarray(a) for a in f(x, np.ascontiguousarray(res), np.ascontiguousarray(w)))
     ref_new, ref_normed = _np_add_rmsnorm(x, res[0], w[0], 1e-5)
     for r in range(n):
@@ -201,7 +204,7 @@ def _mix_call(mesh, x, p, blocks, weights, backend):
         rest = list(rest)
         pv = rest.pop(0) if p is not None else None
         bv = tuple(rest.pop(0)) if blocks is not None else None  # [N, ...] -> N blocks, as the model holds them
-        return api.all_reduce_mix_norm(v, pv, bv, *rest, 1e-5, "tp", backend=backend)
+        return api.all_reduce_mix_norm(v, pv, bv, *rest, 1e-5, "tp", policy=DecodePolicy(backend))
 
     return _sharded(mesh, per_rank, len(operands), 2), operands
 
@@ -324,7 +327,7 @@ def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_bloc
         rest = [a[0] for a in rest]
         pv = rest.pop(0) if prefix else None
         bv = [rest.pop(0) for _ in range(n_blocks)]
-        new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", backend="latency_specialized")
+        new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", policy=SPECIALIZED)
         return new[None], normed[None]
 
     # x, prefix, each block, weights
@@ -347,7 +350,7 @@ def test_model_boundary_is_one_kernel(monkeypatch, backend, n_blocks):
     def per_rank(part, prefix, *rest):
         rest = [a[0] for a in rest]
         blocks, (rn, rp, w) = rest[:n_blocks], rest[n_blocks:]
-        comm = Comm("tp", backend)
+        comm = Comm("tp", DecodePolicy(backend))
         new, normed = boundary.join(comm, part[0], w, 1e-5, "attn_out", prefix[0], blocks, {"norm": rn, "proj": rp})
         assert comm.counts == {"attn_out": 1}
         return new[None], normed[None]
@@ -368,7 +371,7 @@ def test_model_boundary_is_one_kernel(monkeypatch, backend, n_blocks):
 def test_pallas_all_reduce_real_shapes(rng, algorithm, shape):
     mesh = _mesh(2)
     x = rng.standard_normal((2, *shape)).astype(BF16)
-    f = _sharded(mesh, lambda v: api.all_reduce(v, "tp", backend="latency_specialized", algorithm=algorithm), 1, 1)
+    f = _sharded(mesh, lambda v: api.all_reduce(v, "tp", policy=SPECIALIZED, algorithm=algorithm), 1, 1)
     _assert_sum_close(np.asarray(f(x)), x, jnp.bfloat16)
 
 
@@ -381,9 +384,7 @@ def test_pallas_all_reduce_random_sizes(rng):
         x = (rng.standard_normal((2, *shape)) * 10.0 ** rng.uniform(-3, 3)).astype(BF16)
         # a random kernel: the size-based choice sends most decode sizes to psum at 2 ranks
         alg = str(rng.choice(["one_shot", "one_shot_st", "two_shot"]))
-        f = _sharded(
-            mesh, lambda v, alg=alg: api.all_reduce(v, "tp", backend="latency_specialized", algorithm=alg), 1, 1
-        )
+        f = _sharded(mesh, lambda v, alg=alg: api.all_reduce(v, "tp", policy=SPECIALIZED, algorithm=alg), 1, 1)
         _assert_sum_close(np.asarray(f(x)), x, jnp.bfloat16)
 
 
@@ -396,9 +397,7 @@ def test_pallas_add_rmsnorm(rng, shape):
     x = rng.standard_normal((2, b, d)).astype(BF16)
     res = np.ascontiguousarray(np.broadcast_to(rng.standard_normal((b, d)).astype(BF16), (2, b, d)))
     w = np.ascontiguousarray(np.broadcast_to((1 + 0.1 * rng.standard_normal(d)).astype(BF16), (2, d)))
-    f = _sharded(
-        mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, 1e-5, "tp", backend="latency_specialized"), 3, 2
-    )
+    f = _sharded(mesh, lambda v, r, g: api.all_reduce_add_rmsnorm(v, r, g, 1e-5, "tp", policy=SPECIALIZED), 3, 2)
     new, normed = (np.asarray(a) for a in f(x, res, w))
     ref_new, ref_normed = _np_add_rmsnorm(x, res[0], w[0], 1e-5)
     _assert_fused_close(new[0], normed[0], ref_new, ref_normed)
@@ -449,9 +448,9 @@ def test_pallas_mix_norm_back_to_back(rng):
     def loop(x, p, blocks, rn, rp, w, xl, wl):
         def body(i, out):
             new, normed = api.all_reduce_mix_norm(
-                x[i], p[i], tuple(blocks[i]), rn, rp, w, 1e-5, "tp", backend="latency_specialized"
+                x[i], p[i], tuple(blocks[i]), rn, rp, w, 1e-5, "tp", policy=SPECIALIZED
             )
-            lat = api.all_reduce_mix_norm(xl[i], None, None, wl, wl, wl, 1e-5, "tp", backend="latency_specialized")
+            lat = api.all_reduce_mix_norm(xl[i], None, None, wl, wl, wl, 1e-5, "tp", policy=SPECIALIZED)
             return tuple(o.at[i].set(v) for o, v in zip(out, (new, normed, *lat), strict=True))
 
         init = (jnp.zeros_like(x), jnp.zeros_like(x), jnp.zeros_like(xl), jnp.zeros_like(xl))

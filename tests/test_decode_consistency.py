@@ -32,7 +32,7 @@ def params():
     return P.cast_params(P.init_params(CFG, seed=int(np.random.default_rng().integers(1 << 30))), jnp.float32)
 
 
-EXTEND = jax.jit(model.extend, static_argnames=("cfg", "dtype", "backend", "all_logits", "taps"))
+EXTEND = jax.jit(model.extend, static_argnames=("cfg", "dtype", "all_logits", "taps"))
 
 
 def _prefill(params, seqs, lens, cache_dtype, all_logits=False):

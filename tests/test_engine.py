@@ -105,8 +105,8 @@ def test_max_new_tokens(run, rng):
 def test_seeds_and_one_compilation_for_all_seeds(run, rng):
     eng = run.eng
     traces = []
-    inner = eng._extend
-    eng._extend = lambda *a: traces.append(1) or inner(*a)  # called once per trace of the decode loop
+    inner = eng.step_fn
+    eng.step_fn = lambda *a: traces.append(1) or inner(*a)  # called once per trace of the decode loop
     try:
         s = int(rng.integers(1 << 20))
         sp = lambda seed: SamplingParams(temperature=1.5, top_p=0.95, seed=seed)  # noqa: E731
@@ -115,7 +115,7 @@ def test_seeds_and_one_compilation_for_all_seeds(run, rng):
         b = eng.generate(run.prompts, N_NEW, sp(s), stop_ids=NO_STOP).tokens
         c = eng.generate(run.prompts, N_NEW, sp(s + 1), stop_ids=NO_STOP).tokens
     finally:
-        eng._extend = inner
+        eng.step_fn = inner
     assert a == b and a != c
     assert n_traces == 1 and len(traces) == 1, "a new seed recompiled the decode loop"
 
@@ -152,7 +152,7 @@ def test_latency_specialized_fallback_is_the_xla_backend(run, rng):
     logits, fed = {}, []
     for backend in ("xla", "latency_specialized"):
         eng = Engine(run.cfg, params, max_len=24, max_batch=2, dtype=jnp.bfloat16, backend=backend)
-        step, rows = jax.jit(eng._extend), []
+        step, rows = jax.jit(eng.step_fn), []
         first, cache = eng.prefill(eng.new_cache(2), prompts)
         rows.append(np.asarray(first.astype(jnp.float32)))
         for t in range(6):  # both backends are fed the xla backend's greedy tokens: the same inputs every step

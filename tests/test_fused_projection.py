@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from bench import fused_projection as bench_fp
 from bench.fused_projection import draw, oracle, proj_bad, run_proj, stress
 from pallas_kernels.collectives import api, fused_projection, reference
+from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy
 
 BF16 = ml_dtypes.bfloat16
 N_GPUS = sum(d.platform == "gpu" for d in jax.devices())
@@ -25,10 +26,8 @@ H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform
 SM90 = (9, 0)
 
 
-@pytest.fixture(autouse=True)
-def _opt_in(monkeypatch):
-    """This file tests the kernel itself, which the api only dispatches to when opted in (see api.py)."""
-    monkeypatch.setenv(api.FUSED_PROJECTION_ENV, "1")
+# This file tests the kernel itself, which the api only dispatches to when the policy opts in (see api.py).
+FUSED = DecodePolicy("latency_specialized", fused_projection=True)
 
 
 def _mesh(n):
@@ -51,7 +50,7 @@ def test_reference_matches_float64(rng, backend, n, residual):
     """On CPU both backends run the XLA reference: psum of FP32 partials, one rounding, ranks identical."""
     b, k, d = int(rng.integers(1, 9)), 64 * int(rng.integers(1, 6)), 128 * int(rng.integers(1, 5))
     x, w, r = draw(rng, n, b, k, d, residual)
-    y = run_proj(_mesh(n), x, w, r, backend=backend)
+    y = run_proj(_mesh(n), x, w, r, policy=FUSED if backend == "latency_specialized" else XLA)
     assert y.shape == (n, b, d) and y.dtype == BF16
     ref, scale = oracle(x, w, r)
     assert not proj_bad(y, ref, scale)
@@ -152,7 +151,7 @@ def test_plan_random_shapes_fit(rng):
 
 def test_unknown_backend_raises():
     with pytest.raises(ValueError):
-        api.proj_all_reduce(jnp.ones((1, 64)), jnp.ones((64, 64)), backend="nccl")
+        api.proj_all_reduce(jnp.ones((1, 64)), jnp.ones((64, 64)), policy=DecodePolicy("nccl"))
 
 
 # ------------------------------------------------------------ CPU: the kernel in interpret mode, one rank
@@ -215,9 +214,9 @@ def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, n, b, k, d, residual):
         args.append(jax.ShapeDtypeStruct((n, b, d), residual, sharding=spec))
 
     def per_rank(*a):
-        return api.proj_all_reduce(
-            *(v[0] for v in a), *(() if residual is not None else (None,)), "tp", backend="latency_specialized"
-        )[None]
+        return api.proj_all_reduce(*(v[0] for v in a), *(() if residual is not None else (None,)), "tp", policy=FUSED)[
+            None
+        ]
 
     f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=P("tp"), check_vma=False))
     with jax.sharding.use_abstract_mesh(mesh):
@@ -227,12 +226,11 @@ def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, n, b, k, d, residual):
 
 @cpu_only
 def test_fused_kernel_is_opt_in(monkeypatch, caplog):
-    """Without K3JAX_FUSED_PROJECTION=1 an eligible GPU call lowers to GEMM + XLA all-reduce and says why."""
+    """Without the policy's fused_projection an eligible GPU call lowers to GEMM + XLA all-reduce and says why."""
     import logging
 
     from pallas_kernels import common
 
-    monkeypatch.delenv(api.FUSED_PROJECTION_ENV)
     monkeypatch.setattr(api, "_platform", lambda: "gpu")
     monkeypatch.setattr(common, "gpu_arch", lambda: SM90)
     mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=H100)
@@ -241,13 +239,13 @@ def test_fused_kernel_is_opt_in(monkeypatch, caplog):
         jax.ShapeDtypeStruct((2, 8, 768), jnp.bfloat16, sharding=spec),
         jax.ShapeDtypeStruct((2, 768, 7168), jnp.bfloat16, sharding=spec),
     ]
-    per_rank = lambda x, w: api.proj_all_reduce(x[0], w[0], None, "tp", backend="latency_specialized")[None]  # noqa: E731
+    per_rank = lambda x, w: api.proj_all_reduce(x[0], w[0], None, "tp", policy=SPECIALIZED)[None]  # noqa: E731
     f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("tp"),) * 2, out_specs=P("tp"), check_vma=False))
     common.log_once.cache_clear()  # the reason may have been logged by an earlier test
     with caplog.at_level(logging.WARNING), jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" not in text and "all_reduce" in text
-    assert any(api.FUSED_PROJECTION_ENV in r.getMessage() for r in caplog.records)
+    assert any("fused_projection=True" in r.getMessage() for r in caplog.records)
 
 
 @cpu_only
@@ -306,7 +304,7 @@ def _assert_kernel_path(mesh, x, w, r):
     args = [x, w] + ([] if r is None else [np.ascontiguousarray(np.broadcast_to(r, (mesh.size, *r.shape)))])
     f, put = sharded(
         mesh,
-        lambda a, b, *c: api.proj_all_reduce(a, b, *(c or (None,)), "tp", backend="latency_specialized"),
+        lambda a, b, *c: api.proj_all_reduce(a, b, *(c or (None,)), "tp", policy=FUSED),
         len(args),
     )
     text = f.lower(*put(*args)).as_text()
@@ -327,7 +325,7 @@ def test_pallas_real_shapes(rng, b, k, d, residual):
     ref, scale = oracle(x, w, r)
     y = run_proj(mesh, x, w, r)
     assert not proj_bad(y, ref, scale)
-    assert not proj_bad(run_proj(mesh, x, w, r, backend="xla"), ref, scale)
+    assert not proj_bad(run_proj(mesh, x, w, r, policy=XLA), ref, scale)
 
 
 @gpu2
@@ -371,11 +369,11 @@ def test_pallas_back_to_back_stress(rng):
 
 
 def test_reference_is_what_api_xla_runs(rng):
-    """backend="xla" is the reference, bit for bit (the oracle for the GPU tests above)."""
+    """policy=XLA is the reference, bit for bit (the oracle for the GPU tests above)."""
     n = 2
     x, w, r = draw(rng, n, 3, 128, 256)
     mesh = _mesh(n)
-    got = run_proj(mesh, x, w, r, backend="xla")
+    got = run_proj(mesh, x, w, r, policy=XLA)
     from bench.collectives import sharded
 
     f, put = sharded(mesh, lambda a, b, c: reference.proj_all_reduce(a, b, c, "tp"), 3)

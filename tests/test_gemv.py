@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gemv import api, kernel, reference
+from pallas_kernels.policy import SPECIALIZED, DecodePolicy
 from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 
 STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")  # tokens on M: a 64-row x tile
@@ -164,10 +165,10 @@ def test_o_proj_launches_cover_what_they_claim():
 
 def test_api_falls_back_to_the_reference_off_hopper(caplog):
     x, ws = _inputs(rng(), 2, 256, (64,))
-    got = api.gemv(x, ws, backend="latency_specialized")  # CPU: no sm90, the reference runs
+    got = api.gemv(x, ws, policy=SPECIALIZED)  # CPU: no sm90, the reference runs
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(reference.gemv(x, ws)[0], np.float32))
     with pytest.raises(ValueError):
-        api.gemv(x, ws, backend="fast")
+        api.gemv(x, ws, policy=DecodePolicy("fast"))
 
 
 @gpu_only

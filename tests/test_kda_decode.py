@@ -12,6 +12,7 @@ import pytest
 from kernel_testbase import ON_GPU, abstract_gpu, assert_close, cpu_only, gpu_only, rng
 
 from pallas_kernels.kda_decode import api, reference
+from pallas_kernels.policy import SPECIALIZED, DecodePolicy
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 # bf16: one bf16 rounding of q/k/v/o may land on the other side in float64 -> allow a few bf16 ulps.
@@ -94,13 +95,13 @@ def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
     want = reference.kda_decode(*args_of(x))
     with caplog.at_level(logging.WARNING, logger="k3jax.backends"):
         for _ in range(2):
-            got = api.kda_decode(*args_of(x), backend="latency_specialized")
+            got = api.kda_decode(*args_of(x), policy=SPECIALIZED)
     for a, b in zip(got, want, strict=True):
         assert_close(a, b, atol=0, rtol=0)
     if not ON_GPU:  # K=16 is refused by the kernel too, so a GPU logs a (different) reason once as well
         assert sum("kda_decode" in r.message for r in caplog.records) <= 1
     with pytest.raises(ValueError):
-        api.kda_decode(*args_of(x), backend="cuda")
+        api.kda_decode(*args_of(x), policy=DecodePolicy("cuda"))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -423,7 +424,7 @@ def test_api_refuses_a_malformed_idle_mask(bad):
     """One integer or bool per sequence: anything else is refused with the shape it needs."""
     x = make_inputs(rng(), 5, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match=r"shape \(5,\)"):
-        api.kda_decode(*args_of(x), jnp.asarray(bad), backend="latency_specialized")
+        api.kda_decode(*args_of(x), jnp.asarray(bad), policy=SPECIALIZED)
 
 
 def test_api_refuses_qkv_without_three_streams():
@@ -433,7 +434,7 @@ def test_api_refuses_qkv_without_three_streams():
     qkvg = jnp.concatenate([x["qkv"], x["gate"][:, None]], axis=1)
     for backend in ("xla", "latency_specialized"):
         with pytest.raises(ValueError, match=r"\[B, 3, H, K\]"):
-            api.kda_decode(qkvg, *args_of(x)[1:], backend=backend)
+            api.kda_decode(qkvg, *args_of(x)[1:], policy=DecodePolicy(backend))
 
 
 @cpu_only
@@ -704,7 +705,7 @@ def test_kernel_refuses_unsupported_shapes():
 def test_kernel_on_gpu_matches_reference(B, H, dtype):
     x = make_inputs(rng(), B, H, 128, DTYPES[dtype])
     want = jax.jit(reference.kda_decode)(*args_of(x))
-    got = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))(*args_of(x))
+    got = jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
 
@@ -778,7 +779,7 @@ def test_idle_sequences_on_gpu(B, H, dtype):
     x = make_inputs(r, B, H, 128, DTYPES[dtype])
     active = idle_mask(r, B)
     want = jax.jit(reference.kda_decode)(*args_of(x), active)
-    got = jax.jit(lambda *a: api.kda_decode(*a, backend="latency_specialized"))(*args_of(x), active)
+    got = jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED))(*args_of(x), active)
     assert_idle_kept(got, want, x, active, TOL[dtype])
 
 

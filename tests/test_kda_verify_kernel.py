@@ -13,6 +13,7 @@ from kernel_testbase import abstract_gpu, assert_close, cpu_only, gpu_only, rng
 from test_kda_decode import DTYPES, TOL, args_of, make_inputs, numpy_decode
 
 from pallas_kernels.kda_decode import api, reference
+from pallas_kernels.policy import SPECIALIZED, DecodePolicy
 
 COMMIT_KEYS = ("kn_BTHK", "decay_BTHK", "beta_BTH", "delta_BTHV", "new_inputs_BT3HK")
 
@@ -215,7 +216,7 @@ def test_api_commit_follows_the_tuning(caplog):
     _, data = reference.kda_verify(*args_of(x))
     accepted = jnp.asarray(r.integers(0, 4, 2), jnp.int32)
     with caplog.at_level(logging.WARNING, logger="k3jax.backends"), abstract_gpu("sm90"):
-        got = api.kda_commit(x["state"], x["conv"], data, accepted, backend="latency_specialized")
+        got = api.kda_commit(x["state"], x["conv"], data, accepted, policy=SPECIALIZED)
     for a, b in zip(got, reference.kda_commit(x["state"], x["conv"], data, accepted), strict=True):
         assert_close(a, b, atol=0, rtol=0)
     assert any("kda_commit" in m and "tuning.json" in m for m in caplog.messages), caplog.messages
@@ -231,8 +232,8 @@ def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
     y_want, data_want = reference.kda_verify(*args_of(x))
     with caplog.at_level(logging.WARNING, logger="k3jax.backends"):
         for _ in range(2):
-            y, data = api.kda_verify(*args_of(x), backend="latency_specialized")
-            got = api.kda_commit(x["state"], x["conv"], data, accepted, backend="latency_specialized")
+            y, data = api.kda_verify(*args_of(x), policy=SPECIALIZED)
+            got = api.kda_commit(x["state"], x["conv"], data, accepted, policy=SPECIALIZED)
     assert_close(y, y_want, atol=0, rtol=0)
     for name in COMMIT_KEYS:
         assert_close(data[name], data_want[name], atol=0, rtol=0, what=name)
@@ -242,7 +243,7 @@ def test_api_falls_back_once_and_rejects_unknown_backend(caplog):
         assert sum(m.startswith(op) for m in caplog.messages) == 1, caplog.messages
     for f, args in ((api.kda_verify, args_of(x)), (api.kda_commit, (x["state"], x["conv"], data, accepted))):
         with pytest.raises(ValueError):
-            f(*args, backend="cuda")
+            f(*args, policy=DecodePolicy("cuda"))
 
 
 @gpu_only
@@ -257,11 +258,11 @@ def test_kernels_on_gpu_match_reference(B, H, T, dtype):
     accepted[:2] = [T, 0][:B]  # all and none accepted, the rest at random
     accepted = jnp.asarray(accepted, jnp.int32)
     y_want, data_want = jax.jit(reference.kda_verify)(*args_of(x))
-    y, data = jax.jit(lambda *a: api.kda_verify(*a, backend="latency_specialized"))(*args_of(x))
+    y, data = jax.jit(lambda *a: api.kda_verify(*a, policy=SPECIALIZED))(*args_of(x))
     assert_close(y, y_want, **TOL[dtype], what="y")
     assert_commit_data_close(data, data_want, dtype)
     want = jax.jit(reference.kda_commit)(x["state"], x["conv"], data_want, accepted)
-    got = jax.jit(lambda *a: api.kda_commit(*a, backend="latency_specialized"))(x["state"], x["conv"], data, accepted)
+    got = jax.jit(lambda *a: api.kda_commit(*a, policy=SPECIALIZED))(x["state"], x["conv"], data, accepted)
     for name, a, b in zip(("state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
     # the commit kernel itself, with sm90's launch (its body refuses the commit: tuning.json "commit")

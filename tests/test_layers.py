@@ -14,9 +14,11 @@ from helpers import rel_rms
 
 from k3jax import model, transforms
 from k3jax import params as P
+from k3jax.comm import Comm
 from k3jax.config import preset
 from k3jax.layers import common, kda, mla, moe
 from pallas_kernels.collectives import reference
+from pallas_kernels.policy import DecodePolicy
 
 F32 = jnp.float32
 TOL = 1e-5  # relative RMS error of one layer, fp32 vs float64 (worst of 40 seeds per test: 2.2e-6, median 3e-7)
@@ -194,26 +196,21 @@ def test_moe(rng, tiny):
     _check(got, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}")
 
 
-def test_moe_packed_impl(rng, tiny, monkeypatch):
-    """K3JAX_MOE_IMPL=packed (contract straight from the packed codes) against the oracle and the gather path."""
+def test_moe_packed_impl(rng, tiny):
+    """moe_impl packed (contract straight from the packed codes) against the oracle and the gather path."""
     cfg, params, hf, tc = tiny
     L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L)]))
     x = _x(rng, int(rng.integers(3, 20)), cfg.hidden_size)
-    monkeypatch.setenv(moe.MOE_IMPL_ENV, "gather")
-    gather = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
+    gather = moe.moe(params["layers"][L]["ffn"], F32(x), cfg, comm=Comm(policy=DecodePolicy(moe_impl="gather")))
     _check(gather, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}, gather")
-    monkeypatch.setenv(moe.MOE_IMPL_ENV, "packed")
-    packed = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)
+    packed = moe.moe(params["layers"][L]["ffn"], F32(x), cfg)  # the default policy's
     _check(packed, ref.moe(hf, L, tc, x.astype(np.float32)), f"moe layer {L}, packed")
     _check(packed, np.asarray(gather), f"moe layer {L}, packed vs gather", tol=1e-6)
 
 
-def test_moe_impl_refuses_an_unknown_name(rng, tiny, monkeypatch):
-    cfg, params, _, _ = tiny
-    L = next(L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L))
-    monkeypatch.setenv(moe.MOE_IMPL_ENV, "dense")
-    with pytest.raises(ValueError, match="K3JAX_MOE_IMPL"):
-        moe.moe(params["layers"][L]["ffn"], F32(_x(rng, 3, cfg.hidden_size)), cfg)
+def test_moe_impl_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="moe_impl"):
+        DecodePolicy(moe_impl="dense")
 
 
 def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):

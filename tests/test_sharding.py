@@ -90,7 +90,7 @@ def _prefill_decode(eng, prompts, feed):
     logits, cache = eng.prefill(eng.new_cache(len(prompts)), prompts)
     out = [np.asarray(logits)]
     for tok in feed:  # T == 1 through the engine's (sharded) extend: the decode path
-        logits, cache = eng._prefill(eng.params, jnp.asarray(tok[:, None]), jnp.ones(len(prompts), jnp.int32), cache)
+        logits, cache = eng.step(tok[:, None], np.ones(len(prompts)), cache)
         out.append(np.asarray(logits))
     tokens = eng.generate(prompts, max_new_tokens=5, stop_ids=[-1]).tokens
     return out, tokens
@@ -136,7 +136,7 @@ def test_collectives_per_decode_step(name, backend):
     )
     eng = Engine(cfg, abstract, max_len=16, max_batch=2, dtype=F32, cache_dtype="bf16", mesh=mesh, backend=backend)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 2, 16, F32, "bf16"))
-    hlo = jax.jit(eng._extend).lower(abstract, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32), cache).as_text()
+    hlo = jax.jit(eng.step_fn).lower(abstract, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32), cache).as_text()
     want = expected_collectives(cfg)
     assert dict(eng.comm.counts) == want
     # and nothing else communicates: the lowered program holds exactly these collectives

@@ -2,7 +2,7 @@
 
 Every row-parallel sublayer (KDA/MLA o_proj, dense FFN down, MoE latent_up + shared experts) returns this rank's
 partial sum. `join` all-reduces it, adds it to the running prefix P, mixes the stored blocks and P with AttnRes
-and applies the next RMSNorm: what the next sublayer reads. Under tp with decode_backend="latency_specialized"
+and applies the next RMSNorm: what the next sublayer reads. Under tp with a decode policy asking for kernels
 that is one Pallas launch (pallas_kernels.collectives.mix_norm) instead of an all-reduce and 3-4 XLA kernels;
 otherwise (and when AttnRes weights are recorded) it is the all-reduce of `Comm` and the same maths in XLA
 (pallas_kernels.collectives.reference.mix_norm, also the kernel's fallback and oracle).
@@ -22,7 +22,7 @@ def join(comm: Comm, part, norm_w, eps, what: str, prefix=None, blocks=(), mix=N
 
         comm.counts[what] += 1
         return api.all_reduce_mix_norm(
-            part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis, backend=comm.backend
+            part, prefix, blocks, res_norm, res_proj, norm_w, eps, comm.axis, policy=comm.policy
         )
     a = comm.all_reduce(part, what)
     if record is None:

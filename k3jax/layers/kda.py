@@ -12,6 +12,7 @@ from k3jax.layers.common import F32, linear
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.kda_decode import api as kda_api
 from pallas_kernels.kda_decode import reference as kda_ref
+from pallas_kernels.policy import XLA, DecodePolicy
 
 CHUNK = 16  # 16 steps of log-decay >= -5 span <= 80 nats: factors exp(+-40) around the chunk's middle (§4.5)
 
@@ -24,13 +25,13 @@ def project(p, x_BTD):
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
 
 
-def o_proj(y_HK, w_DHK, backend="xla"):
+def o_proj(y_HK, w_DHK, policy: DecodePolicy = XLA):
     """This rank's o_proj partial: y [..., H, K] against the out-major w [D, H, K], heads x head dim contracted
     as one axis (the caller all-reduces it, layers/boundary.py). A decode step under latency_specialized runs
     the decode GEMV where its tuning has an o_proj launch for the batch (else the same maths by XLA)."""
     y, w = y_HK.reshape(*y_HK.shape[:-2], -1), w_DHK.reshape(w_DHK.shape[0], -1)
-    if backend == "latency_specialized" and y.ndim == 2:
-        return gemv_api.gemv(y, (w,), backend=backend, table="o_proj_launch")[0]
+    if y.ndim == 2:  # a decode step: the GEMV op (its reference is this same GEMM)
+        return gemv_api.gemv(y, (w,), policy=policy, table="o_proj_launch")[0]
     return linear(y, w, "...c,dc->...d")
 
 
@@ -140,7 +141,7 @@ def kda_prefill(p, x_BTD, cfg: K3Config, lengths_B, state_BHKV, window_B3WHK, ch
     return o_proj(y, p["o"]), state, new_window
 
 
-def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", active_B=None):
+def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, policy: DecodePolicy = XLA, active_B=None):
     """One token per sequence: projections here, the fused step in pallas_kernels.kda_decode.
     Returns (this rank's o_proj partial [B,D], new state, new window). Sequences with active_B == 0 (idle
     slots; None = none idle) keep state and window: the op does it, in the kernel's own pass over
@@ -163,6 +164,6 @@ def kda_decode(p, x_BD, cfg: K3Config, state_BHKV, window_B3WHK, backend="xla", 
         p["o_norm"],
         active_B,
         eps=cfg.rms_norm_eps,
-        backend=backend,
+        policy=policy,
     )
-    return o_proj(y, p["o"], backend), state, window
+    return o_proj(y, p["o"], policy), state, window

@@ -5,7 +5,6 @@ XLA reference path: gather each token's selected expert weights (dequantising MX
 """
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.boundary import join
 from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
+from pallas_kernels.policy import MOE_IMPLS
 
 
 def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
@@ -54,21 +54,17 @@ def gather_token_chunk(experts, k: int, dtype, max_chunk: int = 64) -> int:
     return max(1, min(max_chunk, GATHER_BUDGET_BYTES // per_token))
 
 
-# How the XLA path runs MXFP4 experts: "packed" (the default) contracts straight from the gathered packed
-# bytes (mxfp4.matvec), so no bf16 copy is asked for; "gather" dequantises each token's experts to a bf16 copy
-# and runs dots. Same maths (only the fp32 summation order differs). H200, 24-layer TP16 rank slice (CUPTI,
-# bench/results/rank_slice_packed.md vs rank_slice.md): step 4.03 vs 6.18 ms at batch 1, 76.9 vs 184.3 ms at
-# batch 64.
-MOE_IMPL_ENV = "K3JAX_MOE_IMPL"
-MOE_IMPLS = ("packed", "gather")
-
-
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int | None = None):
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, impl: str = "packed", token_chunk: int | None = None):
     """Weighted sum over each token's experts in the latent width, fp32 combine rounded once. Tokens are
-    processed in chunks (lax.map) so the gathered weights stay within GATHER_BUDGET_BYTES."""
-    impl = os.environ.get(MOE_IMPL_ENV, MOE_IMPLS[0])
+    processed in chunks (lax.map) so the gathered weights stay within GATHER_BUDGET_BYTES.
+
+    impl (the decode policy's moe_impl) is how MXFP4 experts are read: "packed" (the default) contracts straight
+    from the gathered packed bytes (mxfp4.matvec), so no bf16 copy is asked for; "gather" dequantises each
+    token's experts to a bf16 copy and runs dots. Same maths (only the fp32 summation order differs). H200,
+    24-layer TP16 rank slice (CUPTI, bench/results/rank_slice_packed.md vs rank_slice.md): step 4.03 vs 6.18 ms
+    at batch 1, 76.9 vs 184.3 ms at batch 64."""
     if impl not in MOE_IMPLS:
-        raise ValueError(f"{MOE_IMPL_ENV}={impl!r}: use one of {MOE_IMPLS}")
+        raise ValueError(f"moe_impl {impl!r}: use one of {MOE_IMPLS}")
     packed = "w1_codes" in experts and impl == "packed"
 
     def run(args):
@@ -125,7 +121,7 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
     """
     sel, w = route(p, x_TD, cfg, comm)
     z = comm.all_gather(linear(x_TD, p["latent_down"], "td,dl->tl"), axis=-1, what="latent_z")
-    y_lat = routed_experts(p["experts"], z, sel, w, cfg)
+    y_lat = routed_experts(p["experts"], z, sel, w, cfg, comm.policy.moe_impl)
     if cfg.latent_moe_use_norm:
         _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")
     else:

@@ -11,7 +11,6 @@ RMSNorm) and proj_all_reduce (the row-parallel GEMM before the all-reduce; opt-i
 """
 
 import dataclasses
-import logging
 import math
 
 import jax
@@ -21,8 +20,6 @@ from jax import lax
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.collectives import reference
 from pallas_kernels.policy import XLA, DecodePolicy
-
-log = logging.getLogger(__name__)
 
 LANES = 128
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
