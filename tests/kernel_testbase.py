@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 ON_GPU = jax.devices()[0].platform == "gpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the device machine)")
+
+
+def gpu_only(test):
+    """Marks a one-GPU test `gpu` (the device machine runs `pytest -m "gpu and not gpu2"`) and skips it on CPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the device machine)")(test))
+
+
 cpu_only = pytest.mark.skipif(ON_GPU, reason="interpret-mode test, CPU only")
 
 DEVICE_KINDS = {"sm90": "NVIDIA H100 80GB HBM3", "sm100": "NVIDIA B200"}

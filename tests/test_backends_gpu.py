@@ -18,7 +18,7 @@ from k3jax import sharding as sh
 from k3jax.config import preset
 from k3jax.engine import Engine
 
-pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the device machine)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the device machine)")]
 STEPS, BATCH = 6, 4
 
 
@@ -92,6 +92,7 @@ def test_kda_kernel_float32_same_logits_and_tokens(model):
     assert_float32_backends_agree(model, 1)
 
 
+@pytest.mark.gpu2
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
 def test_tp2_pallas_collectives_bf16_as_accurate_as_xla(model):
     """TP2, bf16: the Pallas all-reduce sums in fp32 and rounds once (XLA's psum adds in bf16), so the two
@@ -111,6 +112,7 @@ def test_tp2_pallas_collectives_bf16_as_accurate_as_xla(model):
     assert agree >= 0.75, agree
 
 
+@pytest.mark.gpu2
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
 def test_tp2_pallas_collectives_float32_same_logits(model):
     """TP2, float32: the Pallas layer boundaries (fp32 sums in rank order) and KDA kernel against XLA's psum +

@@ -151,7 +151,7 @@ def _fake_rank_slice(rng):
 
 def test_rank_slice_report_and_projection(tmp_path, rng):
     res, calls = _fake_rank_slice(rng)
-    assert {c[1] for c in calls} >= {"attn_out", "router", "latent_z", "latent_sum", "moe_out", "logits", "embed"}
+    assert {c[1] for c in calls} >= {"attn_out", "routing", "latent_sum", "moe_out", "logits", "embed"}
     path = tmp_path / "rank_slice.json"
     path.write_text(json.dumps(res))
     decode.run(decode.parse_args(["--rank-slice", str(path), "--out", str(tmp_path), "--tag", "t"]))

@@ -365,7 +365,7 @@ def test_model_boundary_is_one_kernel(monkeypatch, backend, n_blocks):
 
 # --------------------------------------------------------------------------------- GPU: the kernels
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 @pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_st", "two_shot"])
 @pytest.mark.parametrize("shape", [(1, 7168), (8, 7168), (64, 7168), (1, 3584), (64, 3584), (3, 1280)])
 def test_pallas_all_reduce_real_shapes(rng, algorithm, shape):
@@ -376,7 +376,7 @@ def test_pallas_all_reduce_real_shapes(rng, algorithm, shape):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_all_reduce_random_sizes(rng):
     mesh = _mesh(2)
     for _ in range(4):
@@ -389,7 +389,7 @@ def test_pallas_all_reduce_random_sizes(rng):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 @pytest.mark.parametrize("shape", [(1, 7168), (64, 7168), (8, 3584)])
 def test_pallas_add_rmsnorm(rng, shape):
     mesh = _mesh(2)
@@ -405,7 +405,7 @@ def test_pallas_add_rmsnorm(rng, shape):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_back_to_back_stress(rng):
     """500 loop steps, each four different all-reduce kernels back to back on fresh data, all checked."""
     from bench.collectives import stress  # the same loop the benchmark runs with 2000 steps
@@ -415,7 +415,7 @@ def test_pallas_back_to_back_stress(rng):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 @pytest.mark.parametrize(
     "b, d, prefix, n_blocks",
     [(1, 7168, True, 8), (64, 7168, True, 3), (8, 7168, False, 1), (1, 3584, False, 0), (64, 3584, False, 0)],
@@ -434,7 +434,7 @@ def test_pallas_mix_norm(rng, b, d, prefix, n_blocks):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_mix_norm_back_to_back(rng):
     """300 loop steps, each a layer-boundary call and a latent call back to back on fresh data, all checked."""
     mesh, steps, b, d = _mesh(2), 300, 2, 7168

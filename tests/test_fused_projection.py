@@ -312,7 +312,7 @@ def _assert_kernel_path(mesh, x, w, r):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("k, d", [(768, 7168), (1536, 7168), (1792, 3584)])
 @pytest.mark.parametrize("b", [1, 8, 64])
@@ -329,7 +329,7 @@ def test_pallas_real_shapes(rng, b, k, d, residual):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_random_sizes(rng):
     mesh = _mesh(2)
     for _ in range(6):
@@ -340,7 +340,7 @@ def test_pallas_random_sizes(rng):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 @pytest.mark.parametrize("tile_d, max_stages", [(128, 8), (64, 2)])
 def test_pallas_other_tiles(rng, tile_d, max_stages):
     mesh = _mesh(2)
@@ -350,7 +350,7 @@ def test_pallas_other_tiles(rng, tile_d, max_stages):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_fp32_residual(rng):
     mesh = _mesh(2)
     x, w, r = draw(rng, 2, 8, 768, 7168, res_dtype=np.float32)
@@ -361,7 +361,7 @@ def test_pallas_fp32_residual(rng):
 
 
 @gpu2
-@pytest.mark.gpu
+@pytest.mark.gpu2
 def test_pallas_back_to_back_stress(rng):
     """300 loop steps x 2 different fused calls back to back on fresh device-drawn data, all checked."""
     report = stress(_mesh(2), steps=300, seed=int(rng.integers(2**31)))

@@ -17,18 +17,39 @@ from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
 from pallas_kernels.policy import MOE_IMPLS
 
 
-def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
-    """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them.
-    The router is split by expert over tp: gather the (scores, biased scores) pair in one collective."""
+def router_scores(p, x_TD):
+    """This rank's experts: (sigmoid scores, scores + selection bias), fp32 [T, E_local]."""
     logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
-    scores, biased = both[0], both[1]
-    _, sel = jax.lax.top_k(biased, cfg.num_experts_per_token)
-    w = jnp.take_along_axis(scores, sel, axis=-1)
+    return scores, scores + p["router_bias"]
+
+
+def select(scores_TE, biased_TE, cfg: K3Config):
+    """-> (expert ids [T,k], fp32 weights [T,k]): top-k of the biased scores (the bias picks experts but does
+    not weight them), weights from the unbiased scores, renormalised and scaled."""
+    _, sel = jax.lax.top_k(biased_TE, cfg.num_experts_per_token)
+    w = jnp.take_along_axis(scores_TE, sel, axis=-1)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return sel, w * cfg.routed_scaling_factor
+
+
+def gather_routing(comm: Comm, scores_TE, biased_TE, z_TL):
+    """The router (split by expert) and latent_down (split by output) results of every rank, in ONE all-gather:
+    each rank's [scores | biased | z] row (z widened to fp32, exactly) goes out as one block."""
+    E_l, L_l = scores_TE.shape[-1], z_TL.shape[-1]
+    both = comm.all_gather(jnp.concatenate([scores_TE, biased_TE, z_TL.astype(F32)], -1), axis=-1, what="routing")
+    blocks = both.reshape(*both.shape[:-1], -1, 2 * E_l + L_l)  # [T, ranks, 2 E_l + L_l]
+
+    def part(lo, n):
+        return blocks[..., lo : lo + n].reshape(*both.shape[:-1], -1)
+
+    return part(0, E_l), part(E_l, E_l), part(2 * E_l, L_l).astype(z_TL.dtype)
+
+
+def route(p, x_TD, cfg: K3Config):
+    """-> (expert ids [T,k], fp32 weights [T,k]) for the normed x, unsharded (moe() gathers under tp)."""
+    return select(*router_scores(p, x_TD), cfg)
 
 
 def _expert_weight(experts, name, sel, dtype):
@@ -115,12 +136,13 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
     """x is the normed MLP input [T, D] (flatten batch and time first). Returns this rank's partial of the
     output (the trunk all-reduces it; unsharded it is the output).
 
-    Under tp: experts are split along their intermediate (partial latent sums -> all-reduce fused with the
-    routed_expert_norm), latent_down by its output (all-gather z), latent_up by its input (its partial output
+    Under tp: the router is split by expert and latent_down by its output (one all-gather brings both),
+    experts are split along their intermediate (partial latent sums -> all-reduce fused with the
+    routed_expert_norm), latent_up by its input (its partial output
     joins the shared experts' partial in the layer's final all-reduce).
     """
-    sel, w = route(p, x_TD, cfg, comm)
-    z = comm.all_gather(linear(x_TD, p["latent_down"], "td,dl->tl"), axis=-1, what="latent_z")
+    scores, biased, z = gather_routing(comm, *router_scores(p, x_TD), linear(x_TD, p["latent_down"], "td,dl->tl"))
+    sel, w = select(scores, biased, cfg)
     y_lat = routed_experts(p["experts"], z, sel, w, cfg, comm.policy.moe_impl)
     if cfg.latent_moe_use_norm:
         _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")

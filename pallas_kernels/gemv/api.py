@@ -30,7 +30,7 @@ def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
     )
 
 
-def _kernel(x_BD, ws_ND, table, policy):
+def _kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA):
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
