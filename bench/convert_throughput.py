@@ -21,7 +21,7 @@ import time
 from convert.core import Options, convert
 from convert.fake_hf import fake_config, write_fake_hf
 
-RELEASE_BYTES = 1.42e12  # K3_SPEC §7.1
+RELEASE_BYTES = 1.42e12  # docs/model.md §7.1
 RELEASE_TENSORS = 497_220
 
 

@@ -18,7 +18,7 @@ import os
 
 HBM_H200, HBM_GB300 = 4.8e12, 8.0e12
 LINK_BW = 450e9  # NVLink per direction, as in bench/NOTES.md's collective floor
-ANCHORS = [  # ROOFLINE.md, published, TP16 on 16 x GB300 unless noted
+ANCHORS = [  # docs/roofline.md §6, published, TP16 on 16 x GB300 unless noted
     ("vLLM stock (day 0)", 1, 118.0),
     ("vLLM stock (later)", 1, 136.0),
     ("vLLM latency_specialized", 1, 256.4),
@@ -112,7 +112,7 @@ def markdown(rows: list[dict]) -> str:
         )
     lines += [
         "",
-        "Published anchors (ROOFLINE.md; measured by their authors on 16 x GB300 / 16 x TPU v7):",
+        "Published anchors (docs/roofline.md §6; measured by their authors on 16 x GB300 / 16 x TPU v7):",
         "",
         "| system | batch | tok/s |",
         "|---|---|---|",

@@ -1,4 +1,4 @@
-"""Write a tiny DSpark drafter checkpoint (config.json + model.safetensors, §9.2 names) matching a target.
+"""Write a tiny DSpark drafter checkpoint (config.json + model.safetensors, docs/model.md §9.2 names) matching a target.
 
 The drafter's hidden and vocab sizes are the target's (it shares the target's embedding and lm_head); its
 RoPE width is the target's qk_rope_head_dim; the tap ids are spread over the target's layers the way the

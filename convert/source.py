@@ -1,7 +1,7 @@
 """The HF side: open a K3 checkpoint directory, read every shard header, validate it against the tensor table.
 
 Everything here is metadata only (no tensor data is read), so every error is raised before any output exists.
-Liberal where the release format is UNCERTAIN (K3_SPEC §7.3/§7.4): small float tensors may be BF16, F16 or
+Liberal where the release format is UNCERTAIN (docs/model.md §7.3/§7.4): small float tensors may be BF16, F16 or
 F32; A_log may be [128], [H] or any shape with those many entries (e.g. (1, 1, 128, 1)); [1, D] AttnRes
 projections and [d, 1, 4] conv weights may come without their unit axes; a single `model.safetensors` without
 an index; a bare `kimi_linear` config and checkpoint without the `language_model.` prefix.

@@ -1,4 +1,4 @@
-"""K3Config: every `text_config` field of the released Kimi K3 (K3_SPEC §1), presets, derived facts.
+"""K3Config: every `text_config` field of the released Kimi K3 (docs/model.md §1), presets, derived facts.
 
 The config is a frozen dataclass so it can be a static argument under `jax.jit`. Every field carries its HF key
 (`_HF_KEYS`); `from_hf` reads the released nesting (top-level `kimi_k3` wrapper -> `text_config`, with the
@@ -20,8 +20,8 @@ class ConfigError(ValueError):
     """A config that K3 code cannot run; the message names the offending field."""
 
 
-MXFP4_GROUP = 32  # elements per E8M0 scale along the input axis (K3_SPEC §7.2)
-MLA_LOWRANK_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (K3_SPEC §1.4: the HF reference default)
+MXFP4_GROUP = 32  # elements per E8M0 scale along the input axis (docs/model.md §7.2)
+MLA_LOWRANK_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (docs/model.md §1.4: the HF reference default)
 L2NORM_EPS = 1e-6  # KDA q/k L2 norm, inside the sqrt (FLA in-kernel form)
 MLA_FAMILY = ("kimi_linear",)
 WRAPPER_FAMILY = ("kimi_k3",)
@@ -86,7 +86,7 @@ class K3Config:
 
     # ---- derived facts (one place) -------------------------------------------------------------------
     def is_mla(self, layer: int) -> bool:
-        """K3_SPEC §1.3: layer L (0-based) is MLA iff L+1 is in full_attn_layers."""
+        """docs/model.md §1.3: layer L (0-based) is MLA iff L+1 is in full_attn_layers."""
         return (layer + 1) in self.full_attn_layers
 
     def is_moe(self, layer: int) -> bool:
@@ -109,7 +109,7 @@ class K3Config:
         return tuple(L for L in range(self.num_hidden_layers) if not self.is_mla(L))
 
     def is_block_boundary(self, layer: int) -> bool:
-        """AttnRes: the entering prefix is snapshotted as a block at L % block_size == 0 (K3_SPEC §2.3)."""
+        """AttnRes: the entering prefix is snapshotted as a block at L % block_size == 0 (docs/model.md §2.3)."""
         return layer % self.attn_res_block_size == 0
 
     @property
@@ -118,7 +118,7 @@ class K3Config:
         return math.ceil(self.num_hidden_layers / self.attn_res_block_size)
 
     def attn_res_sources(self, layer: int, site: str) -> int:
-        """Number of softmax sources at a mix site (K3_SPEC §2.4): site in {'attn', 'mlp', 'output'}."""
+        """Number of softmax sources at a mix site (docs/model.md §2.4): site in {'attn', 'mlp', 'output'}."""
         b = self.attn_res_block_size
         if site == "attn":
             return 1 if layer == 0 else math.ceil(layer / b) + 1
@@ -139,7 +139,7 @@ class K3Config:
 
     @property
     def kda_a_log_stored(self) -> int:
-        """HF stores A_log padded to a multiple of 128 entries (K3_SPEC §7.4)."""
+        """HF stores A_log padded to a multiple of 128 entries (docs/model.md §7.4)."""
         return math.ceil(self.kda_num_heads / 128) * 128
 
     @property
@@ -347,7 +347,7 @@ def validate(c: K3Config) -> None:
     need(c.hidden_act == "situ", "hidden_act", "only 'situ' (K3's SiTU-GLU) is supported")
     need(c.moe_router_activation_func == "sigmoid", "moe_router_activation_func", "only 'sigmoid' is supported")
     need(c.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "the decay-gate lower bound must be < 0")
-    need(c.kda_gate_lower_bound >= -5, "kda_gate_lower_bound", "must be >= -5 (bounded gate, K3_SPEC §4.3)")
+    need(c.kda_gate_lower_bound >= -5, "kda_gate_lower_bound", "must be >= -5 (bounded gate, docs/model.md §4.3)")
     need(c.mla_use_nope, "mla_use_nope", "K3 MLA is NoPE; rotary MLA is not implemented")
     need(
         c.mla_use_output_gate, "mla_use_output_gate", "K3 MLA has a sigmoid output gate; ungated MLA is not implemented"

@@ -33,7 +33,7 @@ class Proposal(NamedTuple):
 
 
 class Drafter(Protocol):
-    taps: tuple[int, ...]  # 0-based target layers whose P (K3_SPEC §2.6) the drafter reads; () for none
+    taps: tuple[int, ...]  # 0-based target layers whose P (docs/model.md §2.6) the drafter reads; () for none
 
     def init_state(self, batch: int, max_len: int, dtype) -> Any:
         """Empty per-sequence state for `batch` slots of up to `max_len` target positions."""
@@ -100,7 +100,7 @@ class NgramDrafter:
         return Proposal(jnp.where(best[:, None] >= 0, drafts, anchor_B[:, None]).astype(jnp.int32))
 
 
-# ---- DSpark (K3_SPEC §9) ----------------------------------------------------------------------------------
+# ---- DSpark (docs/model.md §9) ----------------------------------------------------------------------------
 
 
 def rope_interleaved(x, pos, c: DSparkConfig):

@@ -1,4 +1,4 @@
-"""The DSpark drafter (K3_SPEC §9): its config, its one tensor table, loading an HF drafter checkpoint.
+"""The DSpark drafter (docs/model.md §9): its config, its one tensor table, loading an HF drafter checkpoint.
 
 Same conventions as the target's table (k3jax.params): `[in, out]` matmul weights, head axes split out, MLA
 `kv_b` split into the absorbed layouts `w_uk` [H, nope, R] / `w_uv` [H, v, R]. HF names are those of §9.2,

@@ -1,4 +1,4 @@
-"""The K3 forward in plain JAX: the AttnRes decoder loop (K3_SPEC §2.3) around KDA/MLA and dense/MoE layers.
+"""The K3 forward in plain JAX: the AttnRes decoder loop (docs/model.md §2.3) around KDA/MLA and dense/MoE layers.
 
 - `forward`: full sequences, no cache (naive MLA, chunked KDA from a zero state): scoring and the reference.
 - `extend`: T new tokens per sequence on top of a decode state (prefill chunks when T > 1, decode when T == 1),

@@ -1,4 +1,4 @@
-"""MXFP4 (OCP microscaling FP4) as stored by compressed-tensors `mxfp4-pack-quantized` (K3_SPEC §7.2).
+"""MXFP4 (OCP microscaling FP4) as stored by compressed-tensors `mxfp4-pack-quantized` (docs/model.md §7.2).
 
 Logical weight W [..., out, in]; groups of 32 consecutive `in` elements share one E8M0 scale byte.
 - codes: uint8 [..., out, in/2]; byte j holds element 2j in its LOW nibble and 2j+1 in its HIGH nibble.

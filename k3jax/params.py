@@ -34,7 +34,7 @@ HF_PREFIX = "language_model."
 #   copy       same shape
 #   T          2-D [out, in] -> transpose -> reshape to the spec's shape (minus any stack axis)
 #   reshape    reshape to the spec's shape (e.g. [1, D] -> [D], [C, 1, 4] -> [H, K, 4], [H*K, D] -> [H, K, D])
-#   narrow     flatten, keep the first n entries (A_log: 128 stored -> H heads; K3_SPEC §7.4)
+#   narrow     flatten, keep the first n entries (A_log: 128 stored -> H heads; docs/model.md §7.4)
 #   kvb_k/kvb_v  kv_b [H*(nope+v), R] -> [H, nope+v, R] -> the k_nope or v rows
 #   dequant    MXFP4 pair (weight_packed, weight_scale) -> bf16 [out, in]
 

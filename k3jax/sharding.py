@@ -1,6 +1,6 @@
 """Tensor parallelism: one mesh axis "tp", rules from the tensor table's logical axes, TP validation.
 
-Activations are replicated; weights are split (DESIGN.md):
+Activations are replicated; weights are split (docs/design.md §5.2):
 - KDA and MLA heads (q/k/v/g, conv, A_log, dt_bias, f_b, b; MLA q_b, w_uk/w_uv, g; o_proj by rows);
 - the dense FFN, shared experts and routed experts along their intermediate (MXFP4 groups of 32 stay whole);
 - the router by expert, latent_down by its output, latent_up by its input; lm_head and the embedding by vocab.

@@ -1,4 +1,4 @@
-"""Speculative decoding (K3_SPEC §9.4): verify a drafted block in one target forward, accept, commit.
+"""Speculative decoding (docs/model.md §9.4): verify a drafted block in one target forward, accept, commit.
 
 One step, per sequence b with `len_b` tokens in the target cache and an `anchor_b` (sampled, not yet cached):
   1. the drafter proposes K tokens d_1..d_K following the anchor;

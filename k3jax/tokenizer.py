@@ -1,4 +1,4 @@
-"""The K3 tokenizer: tiktoken BPE from a checkpoint's `tiktoken.model` + `tokenizer_config.json` (K3_SPEC §8.2).
+"""The K3 tokenizer: tiktoken BPE from a checkpoint's `tiktoken.model` + `tokenizer_config.json` (docs/model.md §8.2).
 
 Special tokens come from `added_tokens_decoder` (unnamed slots above the BPE ranks become
 `<|reserved_token_{id}|>`). User text is always encoded with special tokens DISALLOWED as control tokens (a
@@ -16,7 +16,7 @@ import tiktoken
 
 FILES = ("tiktoken.model", "tokenizer_config.json")
 
-# Kimi's pre-tokeniser (K3_SPEC §8.2: 8 branches, Han runs first, cased words, 1-3 digits, punctuation, spaces)
+# Kimi's pre-tokeniser (docs/model.md §8.2: 8 branches, Han runs first, cased words, 1-3 digits, punctuation, spaces)
 PAT_STR = "|".join(
     [
         r"""[\p{Han}]+""",
@@ -81,7 +81,7 @@ class Tokenizer:
         return self.enc.decode([int(i) for i in ids if int(i) < self.enc.n_vocab], errors="replace")
 
     def chat_prompt(self, user_text: str, thinking: bool = False) -> list[int]:
-        """One user turn and the assistant generation prompt in K3's XTML markup (K3_SPEC §8.3)."""
+        """One user turn and the assistant generation prompt in K3's XTML markup (docs/model.md §8.3)."""
         o, c, s, eom = (self.special[t] for t in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
         ids = [
             o,

@@ -1,7 +1,7 @@
 """Shared pieces for kernel tests: fresh random inputs, tolerances per dtype, device markers.
 
 Every kernel test module draws its inputs here (a fresh seed per call) and compares against a float64
-NumPy implementation written from K3_SPEC, or a body against its XLA reference.
+NumPy implementation written from docs/model.md, or a body against its XLA reference.
 """
 
 import contextlib

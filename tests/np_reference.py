@@ -1,4 +1,4 @@
-"""Independent float64 NumPy oracle of the Kimi K3 text model, written only from K3_SPEC.md §1-§8.
+"""Independent float64 NumPy oracle of the Kimi K3 text model, written only from docs/model.md §1-§8.
 
 Everything is float64 with no bf16 rounding emulation: this is the exact maths the JAX code approximates.
 Weights come as an HF-format dict `hf` keyed by checkpoint names relative to `language_model.model.`

@@ -41,7 +41,8 @@ def _sharded(mesh, fn, n_in, n_out):
 
 
 def _np_add_rmsnorm(x_nBD, res_BD, w_D, eps):
-    """K3_SPEC RMSNorm after a residual add: fp32/64 maths, bf16 rounding of new, of x*r, and of the product."""
+    """docs/model.md §1.5 RMSNorm after a residual add: fp32/64 maths, bf16 rounding of new, of x*r, and of the
+    product."""
     s = x_nBD.astype(np.float64).sum(0)
     new = (res_BD.astype(np.float64) + s).astype(BF16)
     nf = new.astype(np.float64)
@@ -163,7 +164,7 @@ def test_fallback_add_rmsnorm_matches_numpy(rng, backend):
 
 # ------------------------------------------------- layer boundary: all-reduce + prefix + AttnRes + RMSNorm
 def _np_mix_norm(x_nBD, prefix_BD, blocks_NBD, res_norm_w, res_proj_w, w_D, eps):
-    """K3_SPEC §2.1-2.3 in float64 with the spec's bf16 roundings: the all-reduced a, P' = P + a, the AttnRes
+    """docs/model.md §2.1-2.3 in float64 with its bf16 roundings: the all-reduced a, P' = P + a, the AttnRes
     softmax over depth of RMS-scaled scores against q = norm * proj, mixing the RAW sources, then RMSNorm."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     rnd = lambda a: a.astype(BF16).astype(np.float64)  # noqa: E731

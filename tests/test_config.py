@@ -1,4 +1,4 @@
-"""K3Config: the released HF nesting, the layer pattern facts of K3_SPEC §1.3 / §2.4, and refusals that name
+"""K3Config: the released HF nesting, the layer pattern facts of docs/model.md §1.3 / §2.4, and refusals that name
 the offending field."""
 
 import copy
@@ -31,7 +31,7 @@ MXFP4_QUANT = {
 
 
 def published_config():
-    """Written by hand from K3_SPEC §1.1-§1.3 (not from to_hf): the kimi_k3 wrapper, text_config with
+    """Written by hand from docs/model.md §1.1-§1.3 (not from to_hf): the kimi_k3 wrapper, text_config with
     linear_attn_config and quantization_config inside it, token ids at the top level only, and the unused or
     unknown keys a real file carries."""
     full = [L for L in range(4, 93, 4)] + [93]
@@ -142,7 +142,7 @@ def test_eos_list_and_overrides():
     assert cfg.eos_token_id == 163586 and cfg.num_hidden_layers == 5 and cfg.mla_layers == (3, 4)
 
 
-# ---- layer pattern (K3_SPEC §1.3, §2.4) -------------------------------------------------------------------
+# ---- layer pattern (docs/model.md §1.3, §2.4) -------------------------------------------------------------
 def test_release_layer_pattern():
     c = preset("k3")
     mla = {3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 92}
@@ -168,7 +168,7 @@ def _simulated_sources(cfg):
 
 
 def test_release_source_counts_table():
-    """K3_SPEC §2.4 table, values written out."""
+    """docs/model.md §2.4 table, values written out."""
     c = preset("k3")
     assert c.attn_res_sources(0, "attn") == 1
     for lo, hi, n in [

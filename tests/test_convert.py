@@ -62,7 +62,7 @@ def test_roundtrip_exact(hf_tiny, seed, tmp_path, rng, block_bytes):
 
 
 def test_liberal_variants(tmp_path, seed):
-    """What other exporters may write (K3_SPEC §7.3 UNCERTAIN): bf16 small tensors, A_log (1,1,128,1),
+    """What other exporters may write (docs/model.md §7.3 UNCERTAIN): bf16 small tensors, A_log (1,1,128,1),
     one model.safetensors, a bare kimi_linear config without the language_model. prefix, eos as a list."""
     cfg = preset("tiny")
     hf = str(tmp_path / "hf")

@@ -1,4 +1,4 @@
-"""DSpark drafter (K3_SPEC §9) against an independent float64 NumPy transcription of §9.3 from the HF
+"""DSpark drafter (docs/model.md §9) against an independent float64 NumPy transcription of §9.3 from the HF
 tensors; config/table/checkpoint round trips; the drafter inside speculative decoding."""
 
 import math

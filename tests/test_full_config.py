@@ -1,5 +1,5 @@
 """The released 2.8T config on CPU without allocating: jax.eval_shape of forward and extend, parameter counts
-(K3_SPEC: ~2.78T total / ~104B active) and the HF tensor roster of K3_SPEC §7.3."""
+(docs/model.md §6: ~2.78T total / ~104B active) and the HF tensor roster of docs/model.md §7.3."""
 
 import re
 import resource
@@ -59,7 +59,7 @@ def test_release_parameter_counts():
 
 
 def _count_from_spec(cfg):
-    """Parameter counts written out from K3_SPEC §4-§7 shapes (independent of the tensor table).
+    """Parameter counts written out from docs/model.md §4-§7 shapes (independent of the tensor table).
     Active: the embedding row lookup is not counted, routed experts count top_k of E."""
     D, V, H, K, W = cfg.hidden_size, cfg.vocab_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
     Q, R, N, Pr, Vd, Hm = (
@@ -98,7 +98,7 @@ def test_release_hf_roster():
         for name in spec.hf_names:
             assert shapes.setdefault(name, spec.hf_shape) == spec.hf_shape, name  # kv_b is listed twice
     assert len(shapes) == 2460 + 92 * 896 * 6
-    roster = {  # K3_SPEC §7.3, relative to language_model.model. (name suffix regex -> shape)
+    roster = {  # docs/model.md §7.3, relative to language_model.model. (name suffix regex -> shape)
         r"embed_tokens\.weight": (163840, 7168),
         r"lm_head\.weight": (163840, 7168),
         r"(norm|output_attn_res_norm)\.weight": (7168,),

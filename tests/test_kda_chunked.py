@@ -1,4 +1,4 @@
-"""KDA chunked delta rule (K3_SPEC §4.5) against the recurrent definition (§4.4) in float64 (the oracle's).
+"""KDA chunked delta rule (docs/model.md §4.5) against the recurrent definition (§4.4) in float64 (the oracle's).
 
 Random lengths, including ones the chunk does not divide and ones shorter than a chunk, a non-zero initial
 state, V != K (catches axis mix-ups), and a gate pinned near the -5 lower bound for 64+ steps: there

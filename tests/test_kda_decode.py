@@ -1,4 +1,4 @@
-"""KDA decode step: reference vs float64 NumPy from K3_SPEC §4.2-4.6, verify/commit vs sequential decode,
+"""KDA decode step: reference vs float64 NumPy from docs/model.md §4.2-4.6, verify/commit vs sequential decode,
 kernel bodies (interpret mode on CPU, real shapes on the GPU) vs the reference."""
 
 import functools
@@ -56,7 +56,7 @@ def args_of(x):
 
 
 def numpy_decode(x, eps=1e-5):
-    """K3_SPEC §4.2-4.6 in float64, with the spec's roundings to the compute dtype."""
+    """docs/model.md §4.2-4.6 in float64, with its roundings to the compute dtype."""
     dt = np.dtype(ml_dtypes.bfloat16) if x["qkv"].dtype == jnp.bfloat16 else np.dtype(np.float32)
     rnd = lambda a: a.astype(dt).astype(np.float64)  # noqa: E731
     f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731

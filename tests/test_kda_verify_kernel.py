@@ -1,5 +1,5 @@
 """KDA speculative verify + commit kernels (pallas_kernels/kda_decode/verify_kernel.py): interpret mode on CPU
-against the XLA reference and against T' sequential float64 decode steps (K3_SPEC §4.2-4.6), the real CUDA
+against the XLA reference and against T' sequential float64 decode steps (docs/model.md §4.2-4.6), the real CUDA
 lowering at a real shape, and real shapes on the GPU."""
 
 import functools

@@ -1,4 +1,4 @@
-"""MXFP4 (K3_SPEC §7.2): bit-exact round trip, jnp == NumPy == the independent oracle, golden nibble order."""
+"""MXFP4 (docs/model.md §7.2): bit-exact round trip, jnp == NumPy == the independent oracle, golden nibble order."""
 
 import jax.numpy as jnp
 import np_reference as ref
@@ -101,7 +101,7 @@ def test_numpy_handles_the_smallest_scales_like_the_oracle(rng):
 
 
 def test_golden_nibble_order():
-    """Codes 0..15 pack two per byte, low nibble first: 0x10, 0x32, ..., 0xFE (K3_SPEC §7.2)."""
+    """Codes 0..15 pack two per byte, low nibble first: 0x10, 0x32, ..., 0xFE (docs/model.md §7.2)."""
     golden = np.array([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE] * 2, np.uint8)[None]
     values = np.tile(np.concatenate([GRID, -GRID]), 2)[None].astype(np.float32)  # = E2M1(0..15) twice
     codes, scales = mxfp4.quantize_np(values)

@@ -1,4 +1,4 @@
-"""Self-checks of the float64 NumPy oracle (tests/np_reference.py) against independently coded spec forms.
+"""Self-checks of the float64 NumPy oracle (tests/np_reference.py) against independently coded forms of docs/model.md.
 
 No k3jax here: these make sure the oracle itself is right before anything is tested against it.
 """

@@ -1,6 +1,6 @@
 """Tensor parallelism on 16 fake CPU devices: every valid TP size gives the one-device logits and tokens, the
 collectives are exactly the planned ones per layer, bad TP sizes are refused, and the planner's bytes per
-rank agree with ../shared/ROOFLINE.md."""
+rank agree with docs/roofline.md §1."""
 
 from functools import partial
 
@@ -164,7 +164,7 @@ def test_refusals():
         sh.param_shardings(demo, bad)
 
 
-# ROOFLINE.md: ~136.9 GB of weights read per decoded token (batch 1, whole model), "per rank" assuming every
+# docs/roofline.md §1: ~136.9 GB of weights read per decoded token (batch 1, whole model), "per rank" assuming every
 # matrix split over tp (8.56 GB at TP16). Our layout replicates the small MLA q_a/kv_a (+ norms), KDA f_a and
 # o_norm, and the norms / AttnRes vectors, so a rank reads those whole: at TP16 that adds ~0.81 GB (9.37 GB
 # per rank). The test removes exactly that replicated surplus, computed from the tensor table, and compares.
@@ -190,4 +190,4 @@ def test_planner_agrees_with_roofline(tp):
     assert total / tp < whole < total / tp * 1.02  # the replicated tensors are < 2% of a rank's slice
     if tp == 16:
         assert 9.2e9 < active < 9.5e9
-        assert 97e9 <= whole <= 99e9  # ROOFLINE / DESIGN: ~97 GB of weights on each of the 16 ranks
+        assert 97e9 <= whole <= 99e9  # docs/roofline.md §1: ~97 GB of weights on each of the 16 ranks

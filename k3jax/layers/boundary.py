@@ -1,4 +1,4 @@
-"""Where a sublayer's output joins the residual stream (K3_SPEC §2.3), and the all-reduce that precedes it.
+"""Where a sublayer's output joins the residual stream (docs/model.md §2.3), and the all-reduce that precedes it.
 
 Every row-parallel sublayer (KDA/MLA o_proj, dense FFN down, MoE latent_up + shared experts) returns this rank's
 partial sum. `join` all-reduces it, adds it to the running prefix P, mixes the stored blocks and P with AttnRes

@@ -1,4 +1,4 @@
-"""Shared pieces of the layers: linear (bf16 GEMM semantics), RMSNorm, SiTU-GLU (K3_SPEC §1, §3).
+"""Shared pieces of the layers: linear (bf16 GEMM semantics), RMSNorm, SiTU-GLU (docs/model.md §1, §3).
 
 Dtype rule: activations carry the compute dtype (bf16 serving, fp32 verification); every GEMM accumulates in
 fp32 and rounds its output to the compute dtype; nonlinearities upcast to fp32 and round once.
@@ -25,7 +25,7 @@ def rms_norm(x, w, eps):
 
 
 def situ_glu(g, u, beta1: float, beta2: float | None):
-    """SiTU(g) * cap(u) in fp32, rounded once (K3_SPEC §3). sigmoid takes the UNCAPPED g."""
+    """SiTU(g) * cap(u) in fp32, rounded once (docs/model.md §3). sigmoid takes the UNCAPPED g."""
     gf, uf = g.astype(F32), u.astype(F32)
     situ = beta1 * jnp.tanh(gf / beta1) * jax.nn.sigmoid(gf)
     cap = uf if beta2 is None else beta2 * jnp.tanh(uf / beta2)

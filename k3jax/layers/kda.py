@@ -1,4 +1,4 @@
-"""KDA, Kimi Delta Attention (K3_SPEC §4): projections, short conv, bounded decay gate, delta rule, gated norm.
+"""KDA, Kimi Delta Attention (docs/model.md §4): projections, short conv, bounded decay gate, delta rule, gated norm.
 
 Sequence (prefill/scoring) path here: chunked delta rule (§4.5), equal to the recurrent definition (§4.4).
 The single-token decode maths lives once, in pallas_kernels.kda_decode (its XLA reference is the fallback).

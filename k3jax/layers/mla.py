@@ -1,4 +1,4 @@
-"""MLA attention, NoPE with a sigmoid output gate (K3_SPEC §5).
+"""MLA attention, NoPE with a sigmoid output gate (docs/model.md §5).
 
 Two equal forms: `mla_full` is the naive expanded form over a whole sequence (the scoring reference), and
 `mla_cached` is the weight-absorbed form over the latent cache (prefill chunks, decode, speculative verify):

@@ -1,4 +1,4 @@
-"""Latent MoE (K3_SPEC §6): fp32 sigmoid router with selection-only bias, routed experts in the latent width,
+"""Latent MoE (docs/model.md §6): fp32 sigmoid router with selection-only bias, routed experts in the latent width,
 routed_expert_norm on the weighted latent sum, up projection, plus shared experts on the full hidden.
 
 XLA reference path: gather each token's selected expert weights (dequantising MXFP4 exactly) and run them.

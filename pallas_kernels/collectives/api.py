@@ -145,7 +145,7 @@ def all_reduce_add_rmsnorm(
     x_partial, residual, norm_w, eps, axis_name="tp", *, policy: DecodePolicy = XLA, skip_barrier=False
 ):
     """(new_residual, normed): new_residual = residual + allreduce(x_partial) rounded to residual's dtype,
-    normed = RMSNorm(new_residual) * norm_w (K3_SPEC rounding order), over the last axis."""
+    normed = RMSNorm(new_residual) * norm_w (docs/model.md §1.5 rounding order), over the last axis."""
 
     def kernel(plan):
         from pallas_kernels.collectives import kernels

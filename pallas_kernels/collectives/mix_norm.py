@@ -1,5 +1,5 @@
 """A layer boundary in one launch: all-reduce of a row-parallel partial, the AttnRes prefix update, the AttnRes
-mix over the stored blocks, and the next RMSNorm (K3_SPEC §2.1-2.3). Pallas Mosaic GPU, no multicast.
+mix over the stored blocks, and the next RMSNorm (docs/model.md §2.1-2.3). Pallas Mosaic GPU, no multicast.
 
 Per token (one CTA each, the token's D features as a (D/128, 128) tile; the partials move by plain loads and
 stores, the stored blocks, prefix and weights are staged in SMEM by TMA while they do):

@@ -31,7 +31,7 @@ def rms_norm(x, w, eps):
 
 
 def attn_res(sources, norm_w, proj_w, eps, return_weights=False):
-    """Attention Residuals (K3_SPEC §2.1): a softmax over depth of the sources (the stored blocks in storage
+    """Attention Residuals (docs/model.md §2.1): a softmax over depth of the sources (the stored blocks in storage
     order, then the live prefix P; a sequence, or an array stacked on its leading axis) with scores
     rsqrt(mean(v^2) + eps) * (v . q), q = norm_w * proj_w (only the product enters). fp32 end to end (no bf16
     round trip of the normalised keys), one rounding to the sources' dtype. -> mix (, weights [N, ...])."""
@@ -47,7 +47,7 @@ def attn_res(sources, norm_w, proj_w, eps, return_weights=False):
 
 
 def add_rmsnorm(s_f32, residual, norm_w, eps):
-    """new = round(residual + s); normed = RMSNorm(new) * w (K3_SPEC 1)."""
+    """new = round(residual + s); normed = RMSNorm(new) * w (docs/model.md §1.5)."""
     new = (residual.astype(F32) + s_f32).astype(residual.dtype)
     return new, rms_norm(new, norm_w, eps)
 
@@ -68,7 +68,7 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp"):
 
 
 def mix_norm(a, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, return_weights=False):
-    """A layer boundary after an all-reduce (K3_SPEC §2.1-2.3), with a = the all-reduced sublayer output:
+    """A layer boundary after an all-reduce (docs/model.md §2.1-2.3), with a = the all-reduced sublayer output:
     P' = a (no prefix: block boundary) or round(P + a); h = attn_res(blocks + [P']) (P' without blocks; blocks
     is a sequence of arrays shaped like a, or None); returns (P', rms_norm(h, w)), and the AttnRes weights
     (None without blocks) if return_weights."""

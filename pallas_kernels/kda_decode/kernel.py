@@ -394,8 +394,8 @@ def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
 
 
 def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True, active=True):
-    """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (§4.2), gate, beta, L2 norms
-    (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the conv window (where
+    """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (docs/model.md §4.2), gate,
+    beta, L2 norms (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the conv window (where
     write_conv: one CTA or warpgroup of a split): slid by one, or where not active (an idle sequence) as it
     was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S

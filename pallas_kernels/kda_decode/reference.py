@@ -1,4 +1,4 @@
-"""KDA decode in plain XLA (K3_SPEC §4.2-4.6): the fallback, the test oracle, the bar the kernel must beat.
+"""KDA decode in plain XLA (docs/model.md §4.2-4.6): the fallback, the test oracle, the bar the kernel must beat.
 
 Glossary: B batch, T new tokens (verify), H local heads, K key dim, V value dim (K = V = 128 in K3),
 W = 3 cached pre-conv inputs, "3" stacks q, k, v. Activations come in the compute dtype (bf16 serving,

@@ -117,7 +117,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     Vs = V // v_split
     col0 = s * Vs  # this CTA's first state column
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
-    # O(K) work of every token (§4.2, §4.3), thread t owning channel t. Token t convolves the 3 pre-conv
+    # O(K) work of every token (docs/model.md §4.2, §4.3), thread t owning channel t. Token t convolves the 3 pre-conv
     # inputs before it: the cached window, then the new tokens themselves.
     # Every GMEM load of every token first (the norm's too): a load written after a GMEM store (the commit
     # vectors below, y) waits for that store, as far as the compiler knows, so per-token loads would cost one
