@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gemv import api, kernel, reference
-from pallas_kernels.policy import SPECIALIZED, DecodePolicy
+from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy
 from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 
 STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")  # tokens on M: a 64-row x tile
@@ -137,7 +137,7 @@ def test_launches_cover_the_batches_they_claim():
     """tuning.json's launches fit every batch they cover (every batch the kernel takes) and the api refuses (so
     runs XLA) past the last one."""
     ws = (jax.ShapeDtypeStruct((3072, 7168), jnp.bfloat16),)
-    served = api.tuning()["sm90"]["launch"][-1]["max_batch"]
+    served = XLA.table("gemv")["sm90"]["launch"][-1]["max_batch"]
     assert served == kernel.MAX_TOKENS
     for B in range(1, served + 1):
         kernel.check_supported(jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16), ws, **api.pick_launch(B, 7168))
@@ -148,7 +148,7 @@ def test_launches_cover_the_batches_they_claim():
 def test_o_proj_launches_cover_what_they_claim():
     """o_proj's launches (its short D: 768 at TP16, 1536 at TP8) fit every batch they cover and write the output
     themselves (split 1, x streamed); outside them the api refuses, so the model's o_proj runs XLA."""
-    table = api.tuning()["sm90"]["o_proj_launch"]
+    table = XLA.table("gemv")["sm90"]["o_proj_launch"]
     for D in (768, 1536):
         for B in range(1, kernel.MAX_TOKENS + 1):
             if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
