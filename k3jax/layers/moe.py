@@ -15,20 +15,25 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.boundary import join
 from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
+from pallas_kernels import moe_route
 
 
-def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
+def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL, policy=None):
     """-> (expert ids [T,k], fp32 weights [T,k]). The correction bias picks experts but does not weight them.
-    The router is split by expert over tp: gather the (scores, biased scores) pair in one collective."""
+    The router is split by expert over tp: gather the (scores, biased scores) pair in one collective. The top-k
+    and weights are pallas_kernels.moe_route's (its Mosaic GPU kernel where the decode policy asks for kernels,
+    else the XLA code that was here)."""
     logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
     both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
-    scores, biased = both[0], both[1]
-    _, sel = jax.lax.top_k(biased, cfg.num_experts_per_token)
-    w = jnp.take_along_axis(scores, sel, axis=-1)
-    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return sel, w * cfg.routed_scaling_factor
+    return moe_route.route(
+        both[0],
+        both[1],
+        k=cfg.num_experts_per_token,
+        renormalize=cfg.moe_renormalize,
+        scaling=cfg.routed_scaling_factor,
+        policy=policy,
+    )
 
 
 def _expert_weight(experts, name, sel, dtype):
@@ -115,15 +120,16 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, token_chunk: int 
     return out.reshape(n * token_chunk, -1)[:T]
 
 
-def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL):
+def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL, policy=None):
     """x is the normed MLP input [T, D] (flatten batch and time first). Returns this rank's partial of the
     output (the trunk all-reduces it; unsharded it is the output).
 
     Under tp: experts are split along their intermediate (partial latent sums -> all-reduce fused with the
     routed_expert_norm), latent_down by its output (all-gather z), latent_up by its input (its partial output
-    joins the shared experts' partial in the layer's final all-reduce).
+    joins the shared experts' partial in the layer's final all-reduce). policy: the decode policy the router's
+    top-k dispatches on (None: XLA).
     """
-    sel, w = route(p, x_TD, cfg, comm)
+    sel, w = route(p, x_TD, cfg, comm, policy)
     z = comm.all_gather(linear(x_TD, p["latent_down"], "td,dl->tl"), axis=-1, what="latent_z")
     y_lat = routed_experts(p["experts"], z, sel, w, cfg)
     if cfg.latent_moe_use_norm:
