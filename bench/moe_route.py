@@ -89,13 +89,36 @@ def main(out_dir):
             rows.append(row)
             print(json.dumps(row), flush=True)
             pathlib.Path(out_dir, "moe_route.json").write_text(json.dumps(rows, indent=1))
+    rows.append(signed_zeros())
+    print(json.dumps(rows[-1]), flush=True)
+    pathlib.Path(out_dir, "moe_route.json").write_text(json.dumps(rows, indent=1))
     pathlib.Path(out_dir, "moe_route.md").write_text(markdown(rows))
+
+
+def signed_zeros():
+    """Whether the GPU's lax.top_k orders -0 below +0 (total order, as XLA on CPU and the kernel) or ties them
+    (XLA's GPU TopK kernel compares floats): biased scores of only +0, -0 and -1. Sigmoid scores never give -0,
+    so this only says which comparator the reference has."""
+    T = 8
+    b = np.full((T, E), -1.0, np.float32)
+    b[:, ::3], b[:, 1::3] = 0.0, -0.0
+    s, b = jnp.full((T, E), 0.5, jnp.float32), jnp.asarray(b)
+    want = jax.jit(lambda s, b: reference.route(s, b, k=K))(s, b)[0]
+    row = {"variant": "signed zeros", "xla_top_k_total_order": bool(np.all(np.asarray(want) % 3 == 0))}
+    try:
+        got = jax.jit(lambda s, b: kernel.route(s, b, k=K))(s, b)[0]
+        row["kernel_equals_xla"] = bool(np.array_equal(np.asarray(got), np.asarray(want)))
+    except Exception as e:  # noqa: BLE001
+        row["kernel_equals_xla"] = f"failed: {type(e).__name__}: {e}"[:300]
+    return row
 
 
 def markdown(rows):
     """One table: a row per variant, a column per T (device us, kernels launched)."""
     names = list(dict.fromkeys(r["variant"] if not r["variant"].startswith("route+") else "route+group" for r in rows))
-    cell = {}
+    cell, zeros = {}, [r for r in rows if r["variant"] == "signed zeros"]
+    rows = [r for r in rows if r["variant"] != "signed zeros"]
+    names = [n for n in names if n != "signed zeros"]
     for r in rows:
         name = "route+group" if r["variant"].startswith("route+") else r["variant"]
         us = r["us"]
@@ -107,6 +130,7 @@ def markdown(rows):
         "|---|" + "---|" * len(TOKENS),
     ]
     lines += [f"| {n} | " + " | ".join(cell.get((n, T), "") for T in TOKENS) + " |" for n in names]
+    lines += ["", f"signed zeros: {zeros[0]}"] if zeros else []
     return "\n".join(lines) + "\n"
 
 

@@ -8,11 +8,13 @@ because the biased scores are compared as order-preserving int32 keys (the float
 flipped for negatives), the index as E-1-index (the max of those is the lowest index among ties), and the
 unbiased score moves as its bits (one lane holds it, every other lane offers INT_MIN).
 
-The int32 keys order the floats as IEEE total order (-0 below +0, NaN above +inf), which is what XLA's top_k
-compares by (checked on CPU: `lax.top_k([-0., 0.], 1)` picks index 1); ties go to the lower index, like
-`lax.top_k`. So `sel` equals `lax.top_k(biased, k)[1]` exactly, in the same order (largest first). A removed
-entry becomes INT_MIN, the key of a negative NaN with every payload bit set; a score like that is not a
-router score (the scores are sigmoids).
+The int32 keys order the floats as IEEE total order (-0 below +0, NaN above +inf), which is what XLA's CPU
+top_k compares by (`lax.top_k([-0., 0.], 1)` picks index 1); ties go to the lower index, like `lax.top_k`.
+So `sel` equals `lax.top_k(biased, k)[1]` exactly, in the same order (largest first). Signed zeros and NaNs
+are the only values where comparators can disagree (XLA's GPU TopK kernel compares floats with == and >, so
+-0 == +0 there; bench/moe_route.py records what the GPU's top_k does), and neither arises from sigmoid
+scores plus a finite bias: s + b is -0 only if s is. A removed entry becomes INT_MIN, the key of a negative
+NaN with every payload bit set.
 
 Launch: a warpgroup per 4 tokens (one CTA each, so T = 512 fills 128 of the 132 SMs). T % 4 leftover tokens
 go to one CTA of 2 and/or 1 rows, whose warps hold a row each in pairs or all four (their reductions and
@@ -157,6 +159,7 @@ def route(scores_TE, biased_TE=None, bias_E=None, *, k, renormalize=True, scalin
         out_type=(jax.ShapeDtypeStruct((T, k), I32), jax.ShapeDtypeStruct((T, k), F32)),
         grid=(n_blocks,),
         grid_names=("blk",),
+        kernel_name="moe_route_topk",  # what CUPTI traces call it
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
