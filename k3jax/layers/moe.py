@@ -25,15 +25,16 @@ def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL, policy=None):
     else the XLA code that was here)."""
     logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
-    return moe_route.route(
-        both[0],
-        both[1],
+    choose = dict(
         k=cfg.num_experts_per_token,
         renormalize=cfg.moe_renormalize,
         scaling=cfg.routed_scaling_factor,
         policy=policy,
     )
+    if not comm.sharded:  # the bias as [E]: the kernel adds it itself, no stacked pair to copy apart
+        return moe_route.route(scores, bias_E=p["router_bias"].astype(F32), **choose)
+    both = comm.all_gather(jnp.stack([scores, scores + p["router_bias"]]), axis=-1, what="router")
+    return moe_route.route(both[0], both[1], **choose)
 
 
 def _expert_weight(experts, name, sel, dtype):
