@@ -18,8 +18,9 @@ NaN with every payload bit set.
 
 Launch: a warpgroup per 4 tokens (one CTA each, so T = 512 fills 128 of the 132 SMs). T % 4 leftover tokens
 go to one CTA of 2 and/or 1 rows, whose warps hold a row each in pairs or all four (their reductions and
-stores are the same, duplicated), so no row is computed or written twice and no padding is needed. sel and w
-are stored from registers straight to HBM, one column per round.
+stores are the same, duplicated), so no row is computed or written twice and no padding is needed. At the
+end each row's k ids and k weights are one vector per thread, stored from registers straight to HBM (64-byte
+rows at k = 16; the warp's lanes write the same addresses).
 
 No instruction here is Hopper-only (no WGMMA, no TMA), so the same body serves sm90 and sm100.
 """
