@@ -49,6 +49,8 @@
 #   bash bench/device_queue.sh moe           # nvidia-h200: rank slice with the packed MXFP4 experts
 #   bash bench/device_queue.sh kda_cold      # nvidia-h200: KDA decode (api, XLA) with a cold L2, ~3 min
 #   bash bench/device_queue.sh gemv          # nvidia-h200: decode GEMV kernel tests + bench vs XLA, ~4 min
+#   bash bench/device_queue.sh moe_route     # nvidia-h200: the router's top-k kernel and the grouping forms: GPU
+#                                            #   tests, then bench/moe_route.py (vs lax.top_k), ~3 min
 #   bash bench/device_queue.sh layer         # nvidia-h200: the KDA sublayer's projections computed other ways
 #                                            #   (bf16 result, out-major weights), ~2 min
 # Everything lands in $OUT/<group>.tar.gz (one file: the device tool returns few files).
@@ -305,6 +307,10 @@ case "${1:-}" in
     step pytest_gemv 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k on_gpu
     step bench_gemv 200 python3 bench/gemv.py "$work"
     ;;
+  moe_route)  # the router's top-k kernel: GPU tests, then against lax.top_k and the grouping's XLA forms
+    step pytest_moe_route 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_route.py -k on_gpu
+    step bench_moe_route 240 env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/moe_route.py "$work"
+    ;;
   kda_cold)
     step bench_cold 240 python3 bench/kda_decode.py --cold "$work"
     ;;
@@ -317,7 +323,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|next12|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|next12|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv|moe_route" >&2
     exit 2
     ;;
 esac

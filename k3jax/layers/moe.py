@@ -14,24 +14,28 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.boundary import join
 from k3jax.layers.common import F32, dot, ffn, linear, situ_glu
+from pallas_kernels import moe_route
 from pallas_kernels.policy import MOE_IMPLS
 
 
-def router_scores(p, x_TD):
-    """This rank's experts: (sigmoid scores, scores + selection bias), fp32 [T, E_local]."""
-    logits = jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
-    return scores, scores + p["router_bias"]
+def router_logits(p, x_TD):
+    """This rank's experts' router logits, fp32 [T, E_local] (the products of bf16 values are exact in fp32)."""
+    return jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
 
 
-def select(scores_TE, biased_TE, cfg: K3Config):
+def select(scores_TE, cfg: K3Config, comm: Comm, biased_TE=None, bias_E=None):
     """-> (expert ids [T,k], fp32 weights [T,k]): top-k of the biased scores (the bias picks experts but does
-    not weight them), weights from the unbiased scores, renormalised and scaled."""
-    _, sel = jax.lax.top_k(biased_TE, cfg.num_experts_per_token)
-    w = jnp.take_along_axis(scores_TE, sel, axis=-1)
-    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return sel, w * cfg.routed_scaling_factor
+    not weight them), weights from the unbiased scores, renormalised and scaled: pallas_kernels.moe_route's op
+    (its Mosaic GPU kernel where comm's decode policy asks for kernels, else XLA's top_k)."""
+    return moe_route.route(
+        scores_TE,
+        biased_TE,
+        bias_E=bias_E,
+        k=cfg.num_experts_per_token,
+        renormalize=cfg.moe_renormalize,
+        scaling=cfg.routed_scaling_factor,
+        policy=comm.policy,
+    )
 
 
 def gather_routing(comm: Comm, scores_TE, biased_TE, z_TL):
@@ -47,9 +51,9 @@ def gather_routing(comm: Comm, scores_TE, biased_TE, z_TL):
     return part(0, E_l), part(E_l, E_l), part(2 * E_l, L_l).astype(z_TL.dtype)
 
 
-def route(p, x_TD, cfg: K3Config):
+def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
     """-> (expert ids [T,k], fp32 weights [T,k]) for the normed x, unsharded (moe() gathers under tp)."""
-    return select(*router_scores(p, x_TD), cfg)
+    return select(jax.nn.sigmoid(router_logits(p, x_TD)), cfg, comm, bias_E=p["router_bias"].astype(F32))
 
 
 def _expert_weight(experts, name, sel, dtype):
@@ -138,11 +142,16 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
 
     Under tp: the router is split by expert and latent_down by its output (one all-gather brings both),
     experts are split along their intermediate (partial latent sums -> all-reduce fused with the
-    routed_expert_norm), latent_up by its input (its partial output
-    joins the shared experts' partial in the layer's final all-reduce).
+    routed_expert_norm), latent_up by its input (its partial output joins the shared experts' partial in the
+    layer's final all-reduce).
     """
-    scores, biased, z = gather_routing(comm, *router_scores(p, x_TD), linear(x_TD, p["latent_down"], "td,dl->tl"))
-    sel, w = select(scores, biased, cfg)
+    scores = jax.nn.sigmoid(router_logits(p, x_TD))
+    z = linear(x_TD, p["latent_down"], "td,dl->tl")
+    if comm.sharded:
+        scores, biased, z = gather_routing(comm, scores, scores + p["router_bias"], z)
+        sel, w = select(scores, cfg, comm, biased)
+    else:  # the bias as [E]: the routing kernel adds it itself
+        sel, w = select(scores, cfg, comm, bias_E=p["router_bias"].astype(F32))
     y_lat = routed_experts(p["experts"], z, sel, w, cfg, comm.policy.moe_impl)
     if cfg.latent_moe_use_norm:
         _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")

@@ -1,0 +1,296 @@
+"""The MoE routing step (pallas_kernels.moe_route, docs/model.md §6 after the sigmoid): the Mosaic GPU top-k kernel in
+interpret mode and the XLA reference against a NumPy oracle (exact sel, w within 1e-6), ties, token counts
+that are not whole 4s; the grouping by expert (reference and both sort-free forms) against a NumPy oracle;
+CUDA lowering at the real shapes; the api's dispatch and refusals; the real shapes on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import policy as policy_lib
+from pallas_kernels.moe_route import api, grouping, kernel, reference
+from tests.kernel_testbase import ON_GPU, abstract_gpu, cpu_only, gpu_only, rng
+
+F32 = jnp.float32
+
+
+def make_scores(r, T, E, *, ties=False):
+    """Sigmoid scores of fresh logits and a selection bias of the router's size; with ties, both on a 1/16 grid
+    so many biased scores are equal (and the bias alone decides nothing)."""
+    s = 1 / (1 + np.exp(-r.standard_normal((T, E)) * 2))
+    bias = r.standard_normal(E) * 0.3
+    if ties:
+        s, bias = np.clip(np.round(s * 16) / 16, 1 / 16, 1), np.round(bias * 16) / 16
+    return jnp.asarray(s, F32), jnp.asarray(bias, F32)
+
+
+def oracle_route(scores, biased, k, renormalize, scaling):
+    """docs/model.md §6 in NumPy: the k largest biased scores (equal ones by lower index: a stable sort), weights
+    from the unbiased scores in float64."""
+    b = np.asarray(biased)
+    sel = np.argsort(-b, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(np.asarray(scores, np.float64), sel, axis=-1)
+    if renormalize and k > 1:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return sel, w * scaling
+
+
+def check_route(got, want):
+    (sel, w), (sel_want, w_want) = got, want
+    assert sel.dtype == jnp.int32 and w.dtype == F32
+    np.testing.assert_array_equal(np.asarray(sel), sel_want)
+    np.testing.assert_allclose(np.asarray(w, np.float64), w_want, atol=1e-6, rtol=0)
+
+
+def interpret():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def assert_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    assert not get_races().races_found
+
+
+# ------------------------------------------------------------------------------------------------ the kernel
+@cpu_only
+@pytest.mark.parametrize(
+    "T, E, k, ties, bias_form",
+    [
+        (1, 16, 2, False, "biased"),
+        (5, 48, 4, True, "bias"),
+        (12, 64, 3, True, "biased"),
+        (64, 32, 4, False, "bias"),
+        (2, 128, 4, True, "bias"),
+        (3, 256, 8, False, "biased"),
+        (7, 896, 16, True, "biased"),
+        (5, 896, 16, False, "bias"),
+        (64, 896, 16, True, "bias"),
+    ],
+)
+def test_kernel_interpret_matches_numpy(T, E, k, ties, bias_form):
+    """A warp per token, rows in 4s with 2- and 1-row tails (T = 1, 2, 3, 5, 7, 12, 64), E padded to 128s or not,
+    the bias added by the caller or in the kernel; race-free."""
+    r = rng()
+    s, bias = make_scores(r, T, E, ties=ties)
+    biased = s + bias
+    extra = dict(biased_TE=biased) if bias_form == "biased" else dict(bias_E=bias)
+    with abstract_gpu("sm90"):
+        got = kernel.route(s, **extra, k=k, scaling=2.5, interpret=interpret())
+    assert_no_races()
+    check_route(got, oracle_route(s, biased, k, True, 2.5))
+
+
+@cpu_only
+@pytest.mark.parametrize("k, renormalize", [(1, True), (4, False)])
+def test_kernel_interpret_without_renormalisation(k, renormalize):
+    """k = 1 (never renormalised, as the spec) and renormalize off: the raw unbiased scores times scaling."""
+    r = rng()
+    s, bias = make_scores(r, 6, 64)
+    with abstract_gpu("sm90"):
+        got = kernel.route(s, bias_E=bias, k=k, renormalize=renormalize, scaling=0.5, interpret=interpret())
+    check_route(got, oracle_route(s, s + bias, k, renormalize, 0.5))
+
+
+@cpu_only
+def test_kernel_interpret_breaks_ties_by_lower_index_everywhere():
+    """Every biased score equal within each token: sel must be 0..k-1 in order, like lax.top_k."""
+    T, E, k = 5, 128, 8
+    s = jnp.asarray(rng().uniform(0.1, 0.9, (T, E)), F32)
+    biased = jnp.full((T, E), 0.25, F32)
+    with abstract_gpu("sm90"):
+        sel, w = kernel.route(s, biased, k=k, interpret=interpret())
+    np.testing.assert_array_equal(np.asarray(sel), np.tile(np.arange(k), (T, 1)))
+    check_route((sel, w), oracle_route(s, biased, k, True, 1.0))
+
+
+@cpu_only
+def test_kernel_interpret_orders_signed_zeros_like_cpu_top_k():
+    """+0 above -0 (IEEE total order, the kernel's int32 keys), as XLA's top_k on CPU: the reference here."""
+    T, E, k = 3, 128, 16
+    b = np.full((T, E), -1.0, np.float32)
+    b[:, ::3], b[:, 1::3] = 0.0, -0.0
+    s, b = jnp.asarray(rng().uniform(0.1, 0.9, (T, E)), F32), jnp.asarray(b)
+    with abstract_gpu("sm90"):
+        sel, w = kernel.route(s, b, k=k, interpret=interpret())
+    want = reference.route(s, b, k=k)
+    assert np.all(np.asarray(want[0]) % 3 == 0)  # CPU top_k: every +0 before any -0
+    np.testing.assert_array_equal(np.asarray(sel), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want[1]), atol=1e-6, rtol=0)
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("T", [1, 5, 8, 64, 512])
+def test_kernel_lowers_for_cuda_at_real_shapes(arch, T):
+    """E = 896, k = 16, every tail form; both bias forms lower (shapes only, no values)."""
+    s = jax.ShapeDtypeStruct((T, 896), F32)
+    bias = jax.ShapeDtypeStruct((896,), F32)
+    with abstract_gpu(arch):
+        for f, args in (
+            (lambda s, b: kernel.route(s, b, k=16), (s, s)),
+            (lambda s, b: kernel.route(s, bias_E=b, k=16), (s, bias)),
+        ):
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
+            assert [o.shape for o in lowered.out_info] == [(T, 16), (T, 16)]
+
+
+@pytest.mark.parametrize("bad", ["dtype", "k"])
+def test_kernel_refuses_what_it_cannot_run(bad):
+    s = jnp.ones((4, 64), jnp.bfloat16 if bad == "dtype" else F32)
+    with pytest.raises(NotImplementedError):
+        kernel.check_supported(s, s, None, 40 if bad == "k" else 4)
+
+
+# --------------------------------------------------------------------------------------- reference and api
+@pytest.mark.parametrize("T, E, k, ties", [(1, 896, 16, False), (12, 64, 4, True), (37, 896, 16, True)])
+def test_reference_matches_numpy(T, E, k, ties):
+    r = rng()
+    s, bias = make_scores(r, T, E, ties=ties)
+    check_route(reference.route(s, s + bias, k=k, scaling=2.5), oracle_route(s, s + bias, k, True, 2.5))
+
+
+def test_api_falls_back_to_the_reference_without_a_gpu(caplog):
+    """Asked for kernels on CPU, the api runs the reference (same numbers), records why and logs it once."""
+    if ON_GPU:
+        pytest.skip("the fallback is what runs without a GPU")
+    r = rng()
+    s, bias = make_scores(r, 5, 64)
+    log = policy_lib.DispatchLog()
+    with policy_lib.recording(log):
+        got = api.route(s, bias_E=bias, k=4, policy=policy_lib.SPECIALIZED)
+    assert log.ops["moe_route"]["impl"] == "xla" and "GPU" in log.ops["moe_route"]["reason"]
+    check_route(got, oracle_route(s, s + bias, 4, True, 1.0))
+    with policy_lib.recording(log):
+        api.route(s, s + bias, k=4)  # the default policy: XLA, never the kernel
+    assert log.ops["moe_route"] == {"impl": "xla", "reason": "decode backend auto"}
+
+
+@cpu_only
+def test_api_runs_the_kernel_on_a_gpu():
+    """Under an abstract H100 the specialized policy lowers the Mosaic GPU kernel (and records it); the default
+    policy lowers plain XLA."""
+    s = jax.ShapeDtypeStruct((8, 896), F32)
+    for pol, want in ((policy_lib.SPECIALIZED, "pallas"), (policy_lib.XLA, "xla")):
+        log = policy_lib.DispatchLog()
+        with abstract_gpu("sm90"), policy_lib.recording(log):
+            f = jax.jit(lambda s, b: api.route(s, b, k=16, policy=pol))  # noqa: B023
+            text = f.trace(s, s).lower(lowering_platforms=("cuda",)).as_text()
+        assert log.ops["moe_route"]["impl"] == want
+        assert ("mosaic_gpu" in text) == (want == "pallas")
+
+
+@pytest.mark.parametrize("bad", ["rank", "both", "neither", "biased_shape", "bias_shape", "k"])
+def test_api_rejects_malformed_inputs(bad):
+    s = jnp.ones((3, 16), F32)
+    kw = dict(biased_TE=s, k=4)
+    if bad == "rank":
+        s = jnp.ones((3, 4, 16), F32)
+    elif bad == "both":
+        kw["bias_E"] = jnp.ones(16, F32)
+    elif bad == "neither":
+        kw.pop("biased_TE")
+    elif bad == "biased_shape":
+        kw["biased_TE"] = jnp.ones((3, 17), F32)
+    elif bad == "bias_shape":
+        kw = dict(bias_E=jnp.ones(15, F32), k=4)
+    else:
+        kw["k"] = 17
+    with pytest.raises(ValueError):
+        api.route(s, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- grouping
+def random_selection(r, T, E, k, hot=0):
+    """sel [T, k]: k distinct experts per token; with hot > 0 most tokens draw from the first `hot` experts, so
+    experts are shared by many tokens and most experts are chosen by none."""
+    rows = []
+    for _ in range(T):
+        pool = np.arange(min(max(hot, k), E)) if hot and r.random() < 0.8 else np.arange(E)
+        rows.append(r.choice(pool, k, replace=False))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def oracle_groups(sel, E):
+    """The grouping by definition, in plain Python."""
+    e = np.asarray(sel).reshape(-1)
+    counts = np.array([np.sum(e == x) for x in range(E)])
+    pairs = [p for x in range(E) for p in range(e.size) if e[p] == x]
+    experts = [x for x in range(E) if counts[x]]
+    return dict(
+        counts_E=counts,
+        offsets_E1=np.concatenate([[0], np.cumsum(counts)]),
+        pairs_P=np.array(pairs),
+        experts_E=np.array(experts + [E] * (E - len(experts))),
+        n_experts=np.array(len(experts)),
+    )
+
+
+@pytest.mark.parametrize("impl", sorted(api.GROUP_IMPLS))
+@pytest.mark.parametrize(
+    "T, E, k, hot", [(1, 896, 16, 0), (5, 16, 2, 0), (12, 64, 4, 6), (64, 896, 16, 40), (3, 8, 8, 0)]
+)
+def test_grouping_matches_the_oracle(impl, T, E, k, hot):
+    sel = random_selection(rng(), T, E, k, hot)
+    got = jax.jit(api.group_by_expert, static_argnames=("num_experts", "impl"))(sel, num_experts=E, impl=impl)
+    assert isinstance(got, reference.ExpertGroups)
+    for name, want in oracle_groups(sel, E).items():
+        a = np.asarray(getattr(got, name))
+        assert a.dtype == np.int32, name
+        np.testing.assert_array_equal(a, want, err_msg=f"{impl} {name}")
+
+
+def test_grouping_forms_agree_with_the_reference_on_kernel_shaped_routing():
+    """The three forms on one routing from the reference route (the api's default picks one of them)."""
+    r = rng()
+    s, bias = make_scores(r, 24, 896, ties=True)
+    sel, _ = reference.route(s, s + bias, k=16)
+    want = reference.group_by_expert(sel, 896)
+    for impl in ("keys", "rank", None):
+        got = api.group_by_expert(sel, 896, impl=impl)
+        for a, b, name in zip(got, want, reference.ExpertGroups._fields, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{impl} {name}")
+    assert grouping.group_by_keys is api.GROUP_IMPLS["keys"]
+
+
+def test_grouping_rejects_malformed_inputs():
+    with pytest.raises(ValueError, match=r"\[T, k\]"):
+        api.group_by_expert(jnp.zeros(16, jnp.int32), 896)
+    with pytest.raises(ValueError, match="group impl"):
+        api.group_by_expert(jnp.zeros((1, 16), jnp.int32), 896, impl="sorted")
+
+
+# ------------------------------------------------------------------------------------------------- the GPU
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_kernel_on_gpu_matches_xla_top_k(T, ties):
+    """E = 896, k = 16 on the GPU: the kernel's sel equals XLA's lax.top_k exactly (same order), w within 1e-6,
+    both bias forms; and the oracle agrees."""
+    r = rng()
+    s, bias = make_scores(r, T, 896, ties=ties)
+    want = jax.jit(lambda s, b: reference.route(s, s + b, k=16))(s, bias)
+    for got in (
+        jax.jit(lambda s, b: kernel.route(s, s + b, k=16))(s, bias),
+        jax.jit(lambda s, b: kernel.route(s, bias_E=b, k=16))(s, bias),
+        jax.jit(lambda s, b: api.route(s, bias_E=b, k=16, policy=policy_lib.SPECIALIZED))(s, bias),
+    ):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=0)
+    check_route(want, oracle_route(s, s + bias, 16, True, 1.0))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("impl", sorted(api.GROUP_IMPLS))
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_grouping_on_gpu_matches_the_oracle(impl, T):
+    sel = random_selection(rng(), T, 896, 16, hot=64 if T >= 64 else 0)
+    got = jax.jit(api.group_by_expert, static_argnames=("num_experts", "impl"))(sel, num_experts=896, impl=impl)
+    for name, want in oracle_groups(sel, 896).items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), want, err_msg=f"{impl} {name}")
