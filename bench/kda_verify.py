@@ -2,9 +2,10 @@
 verify and commit (the api path, as tuning.json runs them: on sm90 the commit is XLA's), of the kernels with
 the state tile staged by ld/st.global or by TMA, and of the XLA reference pair, against the bytes they move.
 
-  PYTHONPATH=. python3 bench/kda_verify.py --out OUT [--cases B:H:T,...] [--iters N] [--no-check] [--no-variants]
-      -> OUT/kda_verify.{json,md}; --no-variants: the api and XLA only (the ldg/tma kernels add four compiles
-      per case); --cases: those shapes instead of the full matrix.
+  PYTHONPATH=. python3 bench/kda_verify.py --out OUT [--name NAME] [--cases B:H:T,...] [--iters N] [--no-check]
+      [--no-variants]   -> OUT/NAME.{json,md} (NAME: kda_verify)
+  --cases: those shapes instead of the full matrix; --no-variants: the api and XLA only (the ldg/tma kernels
+  add four compiles per case); --no-check: no correctness pass first.
 
 Commit accepts all T tokens (the most work per tile; the XLA commit does all T steps whatever is accepted).
 """
@@ -30,7 +31,8 @@ VARIANTS = (False, True)  # tma staging of the state tile, v_chunk 32
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=".", help="folder for kda_verify.json and kda_verify.md")
+    p.add_argument("--out", default=".", help="folder for NAME.json and NAME.md")
+    p.add_argument("--name", default="kda_verify", help="the result files' name")
     p.add_argument("--iters", type=int, default=30, help="CUPTI-timed runs per case (median)")
     p.add_argument("--cases", default=None, help="B:H:T,... to time instead of the full matrix")
     p.add_argument("--no-check", action="store_true", help="skip the correctness pass at real shapes")
@@ -165,8 +167,8 @@ def main(opts):
         case["speedup_vs_xla"] = case["xla_us"] / case["pallas_us"]
         print(case, flush=True)
         results["cases"].append(case)
-        (out_dir / "kda_verify.json").write_text(json.dumps(results, indent=1))  # after every case: a run
-        write_table(results, out_dir / "kda_verify.md")  # stopped at its time limit keeps what it measured
+        (out_dir / f"{opts.name}.json").write_text(json.dumps(results, indent=1))  # after every case: a run
+        write_table(results, out_dir / f"{opts.name}.md")  # stopped at its time limit keeps what it measured
 
 
 def write_table(results, path):
