@@ -2,6 +2,10 @@
 
 import json
 import math
+import pathlib
+import re
+import shutil
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +236,60 @@ def test_verify_table_has_a_cell_per_column(tmp_path):
         kda_verify.write_table(res, path)
         table = [line for line in path.read_text().splitlines() if line.startswith("|")]
         assert len({line.count("|") for line in table}) == 1 and len(table) == 3
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+# the documents that cite result files by name (benchmark scripts and device groups name what they will write)
+CITING = ["README.md", "bench/*.md", "bench/results/README.md", "pallas_kernels/**/*.py", "pallas_kernels/**/*.json"]
+CITING += ["k3jax/**/*.py"]
+REMOVED_AT = "721adb5"  # where a cited NAME@721adb5 lives
+
+
+def _cited_result_names():
+    """(document, name, removed) for every result file named in CITING: names shaped like an existing
+    benchmark's results (its first word), with `.ext` or `.{ext,ext}`; removed = written NAME@721adb5."""
+    prefixes = sorted({p.name.split("_")[0].split(".")[0] for p in RESULTS.iterdir() if p.name != "README.md"})
+    name = re.compile(r"(?<![\w/$.-])(?:bench/results/|results/)?((?:" + "|".join(prefixes) + r")[\w]*)")
+    ext = re.compile(r"\.(json|md|png)|\.\{([a-z,]+)\}")
+    root = RESULTS.parents[1]
+    for pattern in CITING:
+        for doc in sorted(root.glob(pattern)):
+            text = doc.read_text()
+            for m in name.finditer(text):
+                e = ext.match(text, m.end())
+                if not e:
+                    continue
+                removed = text.startswith(f"@{REMOVED_AT}", e.end())
+                for x in (e.group(1),) if e.group(1) else e.group(2).split(","):
+                    yield doc.relative_to(root), f"{m.group(1)}.{x}", removed
+
+
+def test_result_files_named_in_documents_exist():
+    names = list(_cited_result_names())
+    assert len(names) > 50  # the pattern still finds the citations
+    missing = sorted({(str(d), n) for d, n, removed in names if not removed and not (RESULTS / n).exists()})
+    assert not missing, (
+        f"these documents name result files bench/results does not have: {missing}; run the benchmark that "
+        f"writes it, or cite it as NAME@{REMOVED_AT} if it was removed"
+    )
+    if not shutil.which("git"):
+        return
+    git = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", REMOVED_AT, "bench/results"],
+        cwd=RESULTS.parents[1],
+        capture_output=True,
+        text=True,
+    )
+    if git.returncode == 0:  # a clone without that commit (shallow CI) checks names only
+        there = {pathlib.Path(p).name for p in git.stdout.split()}
+        absent = sorted({(str(d), n) for d, n, removed in names if removed and n not in there})
+        assert not absent, f"cited as @{REMOVED_AT} but not in that commit's bench/results: {absent}"
+
+
+def test_every_result_file_is_in_the_index():
+    index = (RESULTS / "README.md").read_text()
+    stems = {
+        m.group(1) + "." + e for m in re.finditer(r"`([\w]+)\.\{?([a-z,]+)\}?`", index) for e in m.group(2).split(",")
+    }
+    unlisted = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md" and p.name not in stems)
+    assert not unlisted, f"bench/results/README.md does not say what these are: {unlisted}"
