@@ -580,10 +580,10 @@ def decode(
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
     lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
-    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
+    (bench/history.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
     WGMMA fragments (kda_staging.json@721adb5; the rows path's whole-row st.global stores gain, kda_stg.json) and
     16-column slices with a 64-byte swizzle (kda_v16.json@721adb5). A persistent variant (a ring of SMEM
-    slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    slots per resident CTA) measured slower at every shape and was removed (bench/history.md, KDA "Round 3").
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
