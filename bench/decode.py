@@ -16,7 +16,7 @@ Two modes:
 Writes decode_<tag>.json / .md / .png into --out with machine, jax version, config and date.
   CPU smoke:  python bench/decode.py --preset demo --batches 1,2 --input-len 8 --output-len 3 --out /tmp/d
   speculative: python bench/decode.py --preset demo --speculative synthetic --acceptance-length 6 --num-draft 7
-  report:     python bench/decode.py --rank-slice bench/results/rank_slice.json --out bench/results
+  report:     python bench/decode.py --rank-slice bench/results/rank_slice_packed.json --out bench/results
 """
 
 from __future__ import annotations
@@ -70,10 +70,8 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
             )
         mesh = sh.make_mesh(args.tp) if args.tp > 1 else None
         if jax.default_backend() == "gpu":  # real widths: threefry draws of ~50 GB take minutes, rbg seconds
-            from bench import tp_h200
-
             jax.config.update("jax_default_prng_impl", "rbg")
-            params = tp_h200.init_on(cfg, jax.devices()[0], args.seed)
+            params = init_on(cfg, jax.devices()[0], args.seed)
         else:
             params = params_lib.init_params(cfg, args.seed)
         if mesh is not None:
@@ -127,6 +125,24 @@ def engine_rows(args, log=print) -> tuple[dict, list[dict]]:
         )
         log(f"batch {B}: ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tokens_per_s:.1f} tok/s")
     return meta, rows
+
+
+def init_on(cfg, device, seed=0):
+    """Random weights drawn on one GPU, one jit per layer (bounds the transient memory of the expert draws)."""
+    import jax
+
+    from k3jax import params as params_lib
+
+    key = jax.random.key(seed)
+    groups = {}
+    for s in params_lib.tensor_table(cfg):
+        groups.setdefault(s.path[1] if s.path[0] == "layers" else -1, []).append(s)
+    flat = {}
+    out = jax.sharding.SingleDeviceSharding(device)
+    for specs in groups.values():
+        draw = jax.jit(lambda k, specs=specs: {s.path: params_lib.init_tensor(s, k) for s in specs}, out_shardings=out)
+        flat.update(draw(key))
+    return params_lib.unflatten(flat)
 
 
 def _drafter(args, cfg):

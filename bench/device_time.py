@@ -1,4 +1,4 @@
-"""Device time of a jitted call, from CUPTI (Mosaic GPU's profiler): what every bench here reports.
+"""Device time of a jitted call, from CUPTI (Mosaic GPU's profiler): what the kernel benches here report.
 
 Not wall time: `profiler.measure` sums the kernels one call launches, so host dispatch and Python stay out.
 """
@@ -30,16 +30,3 @@ def per_kernel_us(f, *args, iters=20):
     jax.block_until_ready(f(*args))
     runs = [profiler.measure(f, aggregate=False)(*args)[1] for _ in range(iters)]
     return [(name, 1e3 * statistics.median(r[i][1] for r in runs)) for i, (name, _) in enumerate(runs[0])]
-
-
-def time_variants(fns, args, want, max_err, iters=ITERS) -> dict:
-    """{name}_max_err (max_err(f(*args), want)) and {name}_us (device_us) for each jitted variant; one that
-    fails to compile or run on this GPU becomes a "failed: ..." entry instead of ending the run."""
-    row = {}
-    for name, f in fns.items():
-        try:
-            row[name + "_max_err"] = max_err(f(*args), want)
-            row[name + "_us"] = device_us(f, *args, iters=iters)
-        except Exception as e:  # noqa: BLE001
-            row[name + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
-    return row

@@ -116,7 +116,7 @@ def check(mesh, rng):
 
 
 # (B, K, D, residual) of the two calls per stress step. The B = 1 call is the case that exposed the oracle bug
-# in normal() below (results/fused_projection_diagnosis.json, bench/NOTES.md).
+# in normal() below (results/fused_projection_diagnosis.json, bench/history.md).
 PAIR = ((4, 768, 7168, True), (1, 1536, 3584, False))
 
 

@@ -1,25 +1,18 @@
-"""KDA decode step on one GPU: correctness at real shapes, then CUPTI device time of the fused Pallas kernel,
-the XLA reference, and fla's fused recurrent KDA (Triton), against the bytes the step must move.
+"""KDA decode step on one GPU: correctness at real shapes, then CUPTI device time of the fused Pallas kernel
+(the api path as tuning.json launches it, and the same kernel at other launch shapes), the XLA reference,
+and fla's fused recurrent KDA (Triton), against the bytes the step must move; then the gate projections fused
+into the kernel or run by XLA first.
 
-Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_decode.py $OUT [FLA_JSON]
-(FLA_JSON: a previous kda_decode.json whose fla numbers are reused instead of re-running fla).
-`--cold OUT`: the api path and XLA with a cold L2 (main_cold), -> OUT/kda_decode_cold.json.
-`--wg OUT`: the split over warpgroups of one CTA against the tuned launch (main_variants), -> OUT/kda_wg.json;
-`--idle OUT`: the api launch with and without active_B (idle slots kept in the kernel) -> OUT/kda_idle.json;
-`--red-scratch OUT`: the api launch with 2, 4 and 8 KiB of cross-warp reduction scratch -> OUT/kda_red_scratch.json;
-`--gates-wg OUT`: the fused gates with 1 or 2 warpgroups per CTA -> OUT/kda_gates_wg.json;
-`--wg-canary`: one checked call per warpgroup variant (device_queue.sh runs it under a short timeout first);
-`--rows OUT`: the row-slice staging (a thread per state column) against the tuned launch -> OUT/kda_rows.json;
-`--rows-canary`: one checked call per rows variant;
-`--keep OUT`: the rows path with 0, 2 or 3 slices held in registers between its passes -> OUT/kda_keep.json;
-`--stg OUT`: the rows path's pass 2 stored by st.global from registers, kept slices 0-3 -> OUT/kda_stg.json;
-`--gates OUT`: the gate projections fused or by XLA, with b out-major (table version 4) ->
-OUT/kda_gates_out_major.json; `--gates96 OUT`: the same at 96 heads (TP1) -> OUT/kda_gates_96.json.
-Writes kda_decode.json and kda_decode.md into the given folder.
+  PYTHONPATH=. python3 bench/kda_decode.py OUT [FLA_JSON]   # -> OUT/kda_decode.{json,md}
+      FLA_JSON: an earlier kda_decode.json whose fla numbers are reused instead of running fla again
+  PYTHONPATH=. python3 bench/kda_decode.py --cold OUT       # -> OUT/kda_decode_cold.json
+      the api path and XLA with a cold L2 (n distinct input sets per call, as a decode step's layers are)
+
+The default benches repeat one call on the same inputs, so at few tiles the state stays in L2 between runs
+(warm); --cold gives the in-step number.
 """
 
 import functools
-import itertools
 import json
 import os
 import pathlib
@@ -32,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.device_time import ITERS, device_us, kernel_names, time_variants
+from bench.device_time import ITERS, device_us, kernel_names
 from pallas_kernels.kda_decode import api, kernel, reference
-from pallas_kernels.policy import SPECIALIZED
+from pallas_kernels.policy import SPECIALIZED, XLA
 
 HBM_PEAK = 4.8e12  # H200 datasheet
 SHAPES = [(1, 6), (1, 12), (1, 96), (8, 6), (8, 12), (8, 96), (64, 6), (64, 12), (64, 96)]
@@ -198,25 +191,9 @@ VARIANTS = [
     (32, "chunked", 1),
     (32, "chunked", 4),
 ]
-# The cluster split of V against the api path where one CTA's serial chain is the time (<= 1 wave of tiles).
-SPLIT_VARIANTS = [
-    (32, "chunked", 4),
-    (32, False, 4),
-    (32, True, 4),
-    (64, True, 2),
-    (32, "chunked", 4, "dsmem"),
-    (32, False, 4, "dsmem"),
-    (32, True, 4, "dsmem"),
-]
-# At ~2 waves of tiles (768) smaller CTAs may keep more bytes in flight per SM (a 32 KiB TMA slice: up to 7 CTAs
-# per SM by SMEM instead of 3; fla runs 4 CTAs of 32 columns per head at every batch): the bandwidth
-# question, asked after the latency rows.
-SPLIT_BANDWIDTH_VARIANTS = [(64, True, 2), (32, True, 2), (32, False, 4), (32, True, 4)]
 
 
 def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
-    if tma == "rows":  # v_chunk is the rows per slice here (k_chunk)
-        return f"rows k{v_chunk}"
     staging = {False: "ldg", True: "tma", "chunked": "tma-chunked"}[tma]
     return (
         f"{staging} v{v_chunk}"
@@ -226,7 +203,6 @@ def variant_name(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
 
 
 def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
-    chunks = dict(k_chunk=v_chunk) if tma == "rows" else dict(v_chunk=v_chunk)
     return jax.jit(
         functools.partial(
             kernel.decode,
@@ -236,165 +212,9 @@ def variant_fn(v_chunk, tma, v_split=1, gather="gmem", warpgroups=1):
             gather=gather,
             warpgroups=warpgroups,
             tile_layout=kernel.plgpu.Layout.WGMMA,
-            **chunks,
+            v_chunk=v_chunk,
         )
     )
-
-
-# The tile's columns split over the warpgroups of one CTA (no cluster: o meets in WG 0's SMEM behind a CTA
-# barrier), against the tuned launch, at every tile count where one CTA's serial chain or the tail matters.
-WG_VARIANTS = [
-    (32, "chunked", 1, "gmem", 2),
-    (32, "chunked", 1, "gmem", 4),
-    (32, False, 1, "gmem", 2),
-    (32, False, 1, "gmem", 4),
-    (32, "chunked", 4, "dsmem"),
-]
-WG_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96)]
-
-
-def main_variants(out_dir, variants=WG_VARIANTS, shapes=WG_SHAPES, name="kda_wg", extra=None):
-    """variants (and extra: {name: jitted fn}) against the api path and XLA at shapes, CUPTI. Writes
-    OUT/<name>.json."""
-    ref = jax.jit(reference.kda_decode)
-    fns = {
-        "api": jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED)),
-        "xla": ref,
-        **{variant_name(*v): variant_fn(*v) for v in variants},
-        **(extra or {}),
-    }
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time per call, median of {ITERS} runs",
-        tuning=api_tuning(),
-        rows=[],
-    )
-    for B, H in shapes:
-        args = make_inputs(7, B, H)
-        want = ref(*args)
-        row = dict(
-            B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err)
-        )
-        results["rows"].append(row)
-        print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
-        pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
-
-
-# Thread t owning state column t, the tile staged in row slices of k rows (kernel._recurrence_rows): the
-# K-reductions inside each thread, no per-slice cross-warp barriers, against the tuned launch at every size.
-ROWS_VARIANTS = [(32, "rows"), (16, "rows"), (64, "rows")]
-ROWS_SHAPES = [(1, 6), (8, 12), (1, 96), (2, 96), (64, 6), (64, 12), (8, 96), (64, 96)]
-
-
-def rows_fn(**kw):
-    """kernel.decode with the rows staging (32-row slices) and kw."""
-    return jax.jit(
-        functools.partial(kernel.decode, eps=1e-5, tma="rows", k_chunk=32, tile_layout=kernel.plgpu.Layout.WGMMA, **kw)
-    )
-
-
-# How many 32-row slices stay in registers between the rows path's two passes (kernel keep_slices): fewer
-# SMEM rereads against more registers (~32 per slice). Measured (kda_keep.json, eleventh session): 1 and 2
-# gain, 4 (191 registers: 2 CTAs per SM, not 3) loses; 3 is the last that may keep 3 CTAs per SM (<= 170).
-KEEP_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (0, 2, 3)}
-# Pass 2's rows stored straight from registers (row_stores="global") instead of SMEM + TMA: if the SMEM traffic
-# keep removed is what costs, this removes more (two of a tile's five SMEM passes).
-STG_VARIANTS = {f"rows keep{k}": rows_fn(keep_slices=k) for k in (2, 3)} | {
-    f"rows keep{k} st.global": rows_fn(keep_slices=k, row_stores="global") for k in (0, 2, 3)
-}
-KEEP_SHAPES = [(64, 6), (64, 12), (8, 96), (64, 96)]
-
-
-def main_rows_canary():
-    """One checked decode per rows variant at 64 x 6 (device_queue.sh runs it under a short timeout first)."""
-    args = make_inputs(7, 64, 6)
-    want = jax.jit(reference.kda_decode)(*args)
-    ok = True
-    for v in ROWS_VARIANTS:
-        err = max_err(variant_fn(*v)(*args), want)
-        good = all(e < 0.05 for e in err.values())
-        ok &= good
-        print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
-    sys.exit(0 if ok else 1)
-
-
-def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
-    """The api launch with each size of Mosaic GPU's cross-warp reduction scratch (bytes per warpgroup): a
-    [K, 32] chunk's column sums need 4 x 1 KiB, so with 2 KiB each reduction runs in two rounds of two
-    warpgroup barriers. Fresh jits per size (the size is read at trace time). Writes OUT/kda_red_scratch.json."""
-    import dataclasses
-
-    from pallas_kernels.kda_decode import bodies, sm90
-
-    ref = jax.jit(reference.kda_decode)
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time per call, median of {ITERS} runs",
-        rows=[],
-    )
-    lane = kernel._LANE
-    for B, H in [(1, 6), (8, 12), (64, 6), (64, 12)]:
-        args = make_inputs(7, B, H)
-        want = ref(*args)
-        fns = {}
-        for size in sizes:
-            kernel._LANE = dataclasses.replace(lane, reduction_scratch_bytes=size)
-            kernel._RED_SCRATCH = size // 4
-            launch = kernel.pick_launch(sm90.TUNING, args[0])
-            f = jax.jit(functools.partial(kernel.decode.__wrapped__, eps=1e-5, **bodies._launch(launch, None)))
-            fns[f"scratch {size}"] = f
-            jax.block_until_ready(f(*args))  # traced now, with this size
-        kernel._LANE = lane
-        row = dict(B=B, H=H, **time_variants(fns, args, want, max_err))
-        results["rows"].append(row)
-        print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
-        pathlib.Path(out_dir, "kda_red_scratch.json").write_text(json.dumps(results, indent=1))
-
-
-def main_idle(out_dir):
-    """The api launch without active_B (no mask input, no branches) and with it (one idle sequence where B > 1):
-    what keeping idle slots in the kernel costs, CUPTI. Writes OUT/kda_idle.json."""
-    from pallas_kernels.kda_decode import bodies, sm90
-
-    api_fn, ref = jax.jit(bodies.entry_points(sm90.TUNING).kda_decode), jax.jit(reference.kda_decode)
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time per call, median of {ITERS} runs",
-        tuning=api_tuning(),
-        rows=[],
-    )
-    for B, H in [(1, 6), (8, 6), (8, 12), (1, 96), (64, 6), (64, 12), (8, 96)]:
-        args = make_inputs(7, B, H)
-        active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
-        row = dict(
-            B=B,
-            H=H,
-            **time_variants({"no mask": api_fn}, args, ref(*args), max_err),
-            **time_variants({"mask": api_fn}, (*args, active), ref(*args, active), max_err),
-        )
-        results["rows"].append(row)
-        print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)
-        pathlib.Path(out_dir, "kda_idle.json").write_text(json.dumps(results, indent=1))
-
-
-def main_wg_canary():
-    """One decode per warpgroup variant at 1 x 6 against the reference, run under a short timeout before the
-    GPU tests: a hang (a barrier miscount) costs a minute, not the call. Exit status 0 only if all matched."""
-    args = make_inputs(7, 1, 6)
-    want = jax.jit(reference.kda_decode)(*args)
-    ok = True
-    for v in WG_VARIANTS[:4]:
-        err = max_err(variant_fn(*v)(*args), want)
-        good = all(e < 0.05 for e in err.values())
-        ok &= good
-        print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
-    sys.exit(0 if ok else 1)
 
 
 def max_err(got, want):
@@ -417,7 +237,7 @@ def main(out_dir, fla_from=None):
         jax=jax.__version__,
         hbm_peak_Bps=HBM_PEAK,
         iterations=ITERS,
-        tuning=api_tuning(),
+        tuning=XLA.table("kda_decode"),
         cases=[],
         correctness=[],
     )
@@ -482,7 +302,9 @@ def main(out_dir, fla_from=None):
     write_table(results, out_dir / "kda_decode.md")
 
 
-GATE_SHAPES = [(1, 6), (1, 12), (8, 12), (64, 12)]  # TP16 / TP8 ranks at batch 1..64
+# TP16 / TP8 ranks at batch 1..64, and TP1's 96 heads: where the tuning's fuse_gates_max_batch (64) and
+# fuse_gates_max_heads (12) limits come from (the fused case lifts both)
+GATE_SHAPES = [(1, 6), (1, 12), (8, 6), (8, 12), (64, 6), (64, 12), (1, 96), (8, 96)]
 
 
 def gates_inputs(B, H):
@@ -498,29 +320,19 @@ def gates_inputs(B, H):
     return full, jax.jit(reference.kda_decode_gates)(*full)
 
 
-# b out-major [H, D] (weight table version 4): do the fused gates' limits (batch 8, 12 heads) still hold?
-GATE_SHAPES_OUT_MAJOR = GATE_SHAPES + [(8, 6), (64, 6), (1, 96), (8, 96)]
-# (the twelfth session's run of those kept the tuned 12-head limit, so its 96-head rows ran unfused both ways;
-# the fused case now lifts both limits.) TP1's widths alone:
-GATE_SHAPES_96 = [(1, 96), (8, 96), (64, 96)]
-
-
-def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
-    """Issue 6 stretch goal, both ways: the f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128,
-    D = 7168) as XLA GEMVs before the decode kernel, or inside it (tuning "fuse_gates_max_batch").
-    warpgroups: also with every launch entry forced to that many warpgroups per CTA (None: as tuned)."""
+def gates_cases(shapes=GATE_SHAPES):
+    """The f_b and b projections (f = fa @ f_b, beta = x @ b; R = 128, D = 7168) both ways: XLA's GEMVs before
+    the decode kernel, or inside it (tuning "fuse_gates_max_batch" / "fuse_gates_max_heads")."""
     from pallas_kernels.kda_decode import bodies, sm90
 
     rows = []
     for B, H in shapes:
         full, want = gates_inputs(B, H)
         row = dict(B=B, H=H, xla_us=device_us(jax.jit(reference.kda_decode_gates), *full))
-        for fuse, wg in itertools.product((False, True), warpgroups):
+        for fuse in (False, True):
             tuning = dict(sm90.TUNING, fuse_gates_max_batch=64 if fuse else 0, fuse_gates_max_heads=H)
-            if wg is not None:
-                tuning["launch"] = [dict(e, warpgroups=wg, v_split=1) for e in tuning["launch"]]
             f = jax.jit(bodies.entry_points(tuning).kda_decode_gates)
-            key = ("fused" if fuse else "gemv+kernel") + ("" if wg is None else f" wg{wg}")
+            key = "fused" if fuse else "gemv+kernel"
             try:
                 row[f"{key}_max_err"] = max_err(f(*full), want)
                 row[f"{key}_us"] = device_us(f, *full)
@@ -530,22 +342,6 @@ def gates_cases(warpgroups=(None,), shapes=GATE_SHAPES):
         print("gates", row, flush=True)
         rows.append(row)
     return rows
-
-
-def write_gates(out_dir, name, rows):
-    """gates_cases' rows with the machine, jax version and method, -> OUT/<name>.json."""
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time per call, median of {ITERS} runs",
-        rows=rows,
-    )
-    pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
-
-
-def api_tuning():
-    return json.loads((pathlib.Path(kernel.__file__).parent / "tuning.json").read_text())
 
 
 def write_table(results, path):
@@ -625,75 +421,6 @@ def main_fla(out_dir):
     (pathlib.Path(out_dir) / "fla.json").write_text(json.dumps(res, indent=1))
 
 
-def main_regs():
-    """Compile every variant once; run with MOSAIC_GPU_DUMP_PTXAS=1 to get ptxas register/spill counts."""
-    args = make_inputs(7, 8, 12)
-    for v in VARIANTS:
-        print("=== variant", variant_name(*v), flush=True)
-        jax.block_until_ready(variant_fn(*v)(*args))
-
-
-def main_split_canary(gather):
-    """One 4-CTA-cluster decode per staging with this gather at B 1 x H 6, checked against the reference: run
-    under a short timeout before the split's tests and benches, so a hang (a barrier miscount) costs a minute
-    of device time, not the whole call. Exit status 0 only if every staging matched."""
-    args = make_inputs(7, 1, 6)
-    want = jax.jit(reference.kda_decode)(*args)
-    ok = True
-    for v in SPLIT_VARIANTS:
-        if v[2] == 4 and _gather(v) == gather:
-            err = max_err(variant_fn(*v)(*args), want)
-            good = all(e < 0.05 for e in err.values())  # bf16 outputs: a wrong gather is off by O(1)
-            ok &= good
-            print(variant_name(*v), err, "OK" if good else "WRONG", flush=True)
-    sys.exit(0 if ok else 1)
-
-
-def _gather(v):
-    return v[3] if len(v) > 3 else "gmem"
-
-
-def split_gathers():
-    """The gathers the canary passed on this machine (K3JAX_SPLIT_GATHERS, set by device_queue.sh), or both."""
-    return os.environ.get("K3JAX_SPLIT_GATHERS", "gmem dsmem").split()
-
-
-def main_split(out_dir):
-    """The cluster split of V (SPLIT_VARIANTS) against the api path and the XLA reference at the tile counts
-    where one CTA's serial chain is the time, CUPTI: a short GPU call. Writes OUT/kda_split.json.
-    (The chunked-TMA quick run of the fourth session is results/kda_chunked.json.)"""
-    ref = jax.jit(reference.kda_decode)
-    base = {"api": jax.jit(lambda *a: api.kda_decode(*a, policy=SPECIALIZED)), "xla": ref}
-    ok = split_gathers()
-    latency = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_VARIANTS if _gather(v) in ok})
-    bandwidth = dict(base, **{variant_name(*v): variant_fn(*v) for v in SPLIT_BANDWIDTH_VARIANTS if _gather(v) in ok})
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time per call, median of {ITERS} runs",
-        tuning=api_tuning(),
-        rows=[],
-    )
-    # 64 x 6: 384 tiles, where fla (4 CTAs per head) led most (15.8 vs 21.2 us); 64 x 12: 768 tiles, ~2 waves
-    for B, H, fns in [
-        (1, 6, latency),
-        (1, 12, latency),
-        (8, 12, latency),
-        (2, 96, latency),
-        (64, 6, bandwidth),
-        (64, 12, bandwidth),
-    ]:
-        args = make_inputs(7, B, H)
-        want = ref(*args)
-        row = dict(
-            B=B, H=H, floor_us=step_bytes(args, want) / HBM_PEAK * 1e6, **time_variants(fns, args, want, max_err)
-        )
-        results["rows"].append(row)
-        print(row, flush=True)
-        pathlib.Path(out_dir, "kda_split.json").write_text(json.dumps(results, indent=1))
-
-
 COLD_BYTES = 160 * 2**20  # > the H200's 50 MB L2 three times over: a copy's data is evicted before its turn
 
 
@@ -732,21 +459,7 @@ def main_cold(out_dir, shapes=SHAPES):
 
 MODES = {  # flag -> what it runs with the flag's argument (see the module docstring)
     "--cold": main_cold,
-    "--split": main_split,
-    "--split-canary": main_split_canary,
-    "--wg": main_variants,
-    "--idle": main_idle,
-    "--red-scratch": main_red_scratch,
-    "--fla": main_fla,
-    "--gates-wg": lambda out: write_gates(out, "kda_gates_wg", gates_cases(warpgroups=(1, 2))),
-    "--wg-canary": lambda: main_wg_canary(),
-    "--regs": lambda: main_regs(),
-    "--rows": lambda out: main_variants(out, ROWS_VARIANTS, ROWS_SHAPES, "kda_rows"),
-    "--rows-canary": lambda: main_rows_canary(),
-    "--keep": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_keep", extra=KEEP_VARIANTS),
-    "--stg": lambda out: main_variants(out, (), KEEP_SHAPES, "kda_stg", extra=STG_VARIANTS),
-    "--gates": lambda out: write_gates(out, "kda_gates_out_major", gates_cases(shapes=GATE_SHAPES_OUT_MAJOR)),
-    "--gates96": lambda out: write_gates(out, "kda_gates_96", gates_cases(shapes=GATE_SHAPES_96)),
+    "--fla": main_fla,  # main runs it in its own process
 }
 
 if __name__ == "__main__":

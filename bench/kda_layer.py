@@ -1,25 +1,20 @@
 """One whole KDA sublayer of a decode step at one tensor-parallel rank's real widths, on one GPU: projections
 (q/k/v/g, f_a/f_b, b) through the state step to the o_proj partial, under decode_backend "xla" and
-"latency_specialized". Issue 6 asks to count the whole layer, not only the recurrence: its reference point is
-a straightforward XLA layer at 38 us in 14 kernels at batch 1 (TP16).
+"latency_specialized" (as tuned: the decode GEMV, the decode kernel reading its partials, o_proj), with
+kernel counts and per-kernel times. The batch has one idle slot at B > 1 (a runtime mask, as the engine runs).
 
-  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR [--cases 16:64,8:64 --name kda_layer_b64]
-      [--gemv-launch '{"min_batch": 9, "max_batch": 48, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}']
-  (GPU; writes OUT_DIR/kda_layer.{json,md}, or OUT_DIR/NAME.{json,md}; --cases: tp:batch pairs instead of CASES;
-  --gemv-launch: also "gemv_launch", latency_specialized with that entry (or list of entries, each naming its
-  "table" if not "launch") first in the decode GEMV's tuning, in place of select_after)
-
-Backends: xla, latency_specialized (as tuned), and "select_after": latency_specialized without active_B,
-then the select that keeps idle slots' state and window (what model.extend ran after the op until the ninth
-session; after a kernel it is its own pass over the state). The batch has idle slots (a runtime mask, so XLA
-cannot fold it away): one at B > 1.
+  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR                  # -> OUT_DIR/kda_layer.{json,md}
+  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR --cases 16:12,8:32 --name NAME   # other tp:batch pairs
+  PYTHONPATH=. python3 bench/kda_layer.py OUT_DIR --name NAME \
+      --gemv-launch '{"max_batch": 8, "block_k": 128, "split_k": 2, "steps": 6, "x_stream": "N"}'
+      a decode-GEMV tuning entry to try: also "gemv_launch", latency_specialized with that entry (or a list of
+      entries, each naming its "table" if not "launch", e.g. "o_proj_launch") first in the GEMV's tuning
 
 Weights are the release's layer-0 KDA tensors with every tensor-parallel axis divided by tp (bench/rank_slice
 local tables), random, bf16; state and conv window random. CUPTI device time, median of bench/device_time's
-runs; kernels counted per call.
+runs. Issue 6's reference point: a straightforward XLA layer took 38 us in 14 kernels at TP16 batch 1.
 """
 
-import contextlib
 import json
 import os
 import pathlib
@@ -33,9 +28,10 @@ from bench.device_time import ITERS, device_us, kernel_names, per_kernel_us  # n
 from bench.rank_slice import init_local_params, local_cfg, truncate  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.layers import kda  # noqa: E402
-from pallas_kernels.gemv import api as gemv_api  # noqa: E402
+from pallas_kernels.policy import XLA, DecodePolicy, Tuning  # noqa: E402
 
-CASES = [(16, 1), (16, 8), (16, 64), (8, 1), (8, 8)]  # (tp, batch): 6 and 12 local heads
+# (tp, batch): 6 and 12 local heads, where the GEMV's launches change (tokens on N to 32, on M above)
+CASES = [(16, 1), (16, 8), (16, 16), (16, 32), (16, 64), (8, 1), (8, 8), (8, 64)]
 
 
 def layer_inputs(cfg, B, seed=0):
@@ -48,22 +44,16 @@ def layer_inputs(cfg, B, seed=0):
     return x, state, window
 
 
-@contextlib.contextmanager
-def gemv_entry(entries):
-    """The decode GEMV's tuning with each entry (a dict, or a list of them) before the launches of its "table"
-    ("launch" unless it names "o_proj_launch"), so it serves the batches its min_batch and max_batch hold and
-    the tuned launches the rest."""
-    tuning = gemv_api.tuning
-    t = tuning()
+def gemv_entry_policy(entries) -> DecodePolicy:
+    """latency_specialized with the decode GEMV's tuning holding each entry (a dict, or a list of them) before
+    the launches of its "table" ("launch" unless it names "o_proj_launch"), so it serves the batches its
+    min_batch and max_batch hold and the tuned launches the rest."""
+    t = XLA.table("gemv")
     sm90 = dict(t["sm90"])
     for entry in entries if isinstance(entries, list) else [entries]:
         table = entry.get("table", "launch")
         sm90[table] = [entry, *sm90.get(table, [])]
-    gemv_api.tuning = lambda: {**t, "sm90": sm90}
-    try:
-        yield
-    finally:
-        gemv_api.tuning = tuning
+    return DecodePolicy("latency_specialized", tuning=Tuning.from_files(gemv={**t, "sm90": sm90}))
 
 
 def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
@@ -84,24 +74,16 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
             row = dict(tp=tp, heads=lcfg.kda_num_heads, B=B)
             active = jnp.ones((B,), jnp.int32).at[B - 1].set(0 if B > 1 else 1)
             outs = {}
-            for backend in ("xla", "latency_specialized", "gemv_launch" if gemv_launch else "select_after"):
-                if backend == "select_after":
+            for backend in ("xla", "latency_specialized") + (("gemv_launch",) if gemv_launch else ()):
+                op = gemv_entry_policy(gemv_launch) if backend == "gemv_launch" else DecodePolicy(backend)
 
-                    def f(p, x, s, w, a, c=lcfg):
-                        out, s2, w2 = kda.kda_decode(p, x, c, s, w, "latency_specialized")
-                        keep = a[:, None, None, None] != 0
-                        return out, jnp.where(keep, s2, s), jnp.where(keep[..., None], w2, w)
-                else:
-                    op = "latency_specialized" if backend == "gemv_launch" else backend
-
-                    def f(p, x, s, w, a, c=lcfg, op=op):
-                        return kda.kda_decode(p, x, c, s, w, op, active_B=a)
+                def f(p, x, s, w, a, c=lcfg, op=op):
+                    return kda.kda_decode(p, x, c, s, w, op, active_B=a)
 
                 f = jax.jit(f)
                 args = (p, x, state, window, active)
                 try:
-                    with gemv_entry(gemv_launch) if backend == "gemv_launch" else contextlib.nullcontext():
-                        outs[backend] = f(*args)  # traced here, so under the entry
+                    outs[backend] = f(*args)
                     row[f"{backend}_us"] = device_us(f, *args)
                     row[f"{backend}_kernels"] = len(kernel_names(f, *args))
                     row[f"{backend}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
@@ -109,17 +91,12 @@ def main(out_dir, cases=CASES, out_name="kda_layer", gemv_launch=None):
                     row[f"{backend}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
             if gemv_launch:
                 row["gemv_launch"] = gemv_launch
-            for name in ("latency_specialized", "select_after", "gemv_launch"):
+            for name in ("latency_specialized", "gemv_launch"):
                 if name in outs and "xla" in outs:
                     live = active != 0  # an idle slot's output is not specified
                     a, b = (o[0][live].astype(jnp.float32) for o in (outs[name], outs["xla"]))
                     row[f"{name}_o_proj_rel_rms"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b**2)))
                     row[f"{name}_speedup"] = row["xla_us"] / row[f"{name}_us"]
-            if "select_after" in outs and "latency_specialized" in outs:  # the same kernel: the same state bits
-                row["select_after_same_state"] = all(
-                    bool(jnp.array_equal(u, v))
-                    for u, v in zip(outs["select_after"][1:], outs["latency_specialized"][1:], strict=True)
-                )
             results["rows"].append(row)
             print(row, flush=True)
             pathlib.Path(out_dir, f"{out_name}.json").write_text(json.dumps(results, indent=1))

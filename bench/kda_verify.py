@@ -1,16 +1,18 @@
 """KDA speculative verify + commit on one GPU: correctness at real shapes, then CUPTI device time of the Pallas
-verify and commit kernels (api path, and both staging variants) against the XLA reference pair, and against
-the bytes they must move.
+verify and commit (the api path, as tuning.json runs them: on sm90 the commit is XLA's), of the kernels with
+the state tile staged by ld/st.global or by TMA, and of the XLA reference pair, against the bytes they move.
 
-Run on the device machine from the repo root: PYTHONPATH=. python3 bench/kda_verify.py --out $OUT
-Writes kda_verify.json and kda_verify.md into --out. Commit accepts all T tokens (the most work per tile; the
-XLA commit does all T steps whatever is accepted).
+  PYTHONPATH=. python3 bench/kda_verify.py --out OUT [--name NAME] [--cases B:H:T,...] [--iters N] [--no-check]
+      [--no-variants]   -> OUT/NAME.{json,md} (NAME: kda_verify)
+  --cases: those shapes instead of the full matrix; --no-variants: the api and XLA only (the ldg/tma kernels
+  add four compiles per case); --no-check: no correctness pass first.
+
+Commit accepts all T tokens (the most work per tile; the XLA commit does all T steps whatever is accepted).
 """
 
 import argparse
 import functools
 import json
-import os
 import pathlib
 
 import jax
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from bench.device_time import device_us, kernel_names, time_variants
+from bench.device_time import device_us, kernel_names
 from pallas_kernels.kda_decode import api, reference, verify_kernel
 from pallas_kernels.policy import SPECIALIZED
 
@@ -30,23 +32,11 @@ VARIANTS = (False, True)  # tma staging of the state tile, v_chunk 32
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=".", help="folder for kda_verify.json and kda_verify.md")
+    p.add_argument("--out", default=".", help="folder for NAME.json and NAME.md")
+    p.add_argument("--name", default="kda_verify", help="the result files' name")
     p.add_argument("--iters", type=int, default=30, help="CUPTI-timed runs per case (median)")
     p.add_argument("--cases", default=None, help="B:H:T,... to time instead of the full matrix")
     p.add_argument("--no-check", action="store_true", help="skip the correctness pass at real shapes")
-    p.add_argument(
-        "--split",
-        action="store_true",
-        help="time only verify on a cluster of 4 CTAs per tile (both stagings, both gathers) against "
-        "the api and XLA verify at the few-tile shapes -> kda_verify_split.json",
-    )
-    p.add_argument(
-        "--rows",
-        action="store_true",
-        help="time only verify's rows path (the tile in registers, a column per thread, all T steps) "
-        "against the api and XLA verify -> kda_verify_rows.json (or --name)",
-    )
-    p.add_argument("--name", default="kda_verify_rows", help="--rows: the result file's name")
     p.add_argument(
         "--no-variants",
         action="store_true",
@@ -105,87 +95,6 @@ def max_err(got, want):
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
         )
     )
-
-
-def main_split(opts):
-    """Verify alone: the cluster split of V (kernel.decode's v_split, 4 CTAs per tile) where one CTA's serial
-    T-step chains are the time. CUPTI, median of opts.iters."""
-    ref_v = jax.jit(reference.kda_verify)
-    fns = {"api": jax.jit(functools.partial(api.kda_verify, policy=SPECIALIZED)), "xla": ref_v}
-    for tma in (False, True):
-        for gather in os.environ.get("K3JAX_SPLIT_GATHERS", "gmem dsmem").split():  # those the canary passed
-            fns[f"{'tma' if tma else 'ldg'} split4 {gather}"] = jax.jit(
-                functools.partial(
-                    verify_kernel.verify,
-                    eps=1e-5,
-                    tile_layout=plgpu.Layout.WGMMA,
-                    v_chunk=32,
-                    tma=tma,
-                    v_split=4,
-                    gather=gather,
-                )
-            )
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time of verify, median of {opts.iters}",
-        rows=[],
-    )
-    shapes = (
-        [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")]
-        if opts.cases
-        else [(1, 6, 4), (1, 6, 8), (1, 12, 4), (8, 12, 4)]
-    )
-    for B, H, T in shapes:
-        args, _ = make_inputs(7, B, H, T)
-        want = ref_v(*args)
-        row = dict(B=B, H=H, T=T, **time_variants(fns, args, want, max_err, iters=opts.iters))
-        results["rows"].append(row)
-        print(row, flush=True)
-        pathlib.Path(opts.out, "kda_verify_split.json").write_text(json.dumps(results, indent=1))
-
-
-def main_rows(opts):
-    """Verify alone: the rows path (k_chunk 32) against the api's launch and XLA. CUPTI, median of opts.iters;
-    % of HBM from verify's bytes (the state read once, the inputs, y and the commit data). k_chunk 16 measured
-    1-7% slower (kda_verify_rows.json), the key rows over 2 warpgroups 1.3-1.6x slower from 384 tiles on
-    (kda_verify_rows_wg2.json); both were dropped."""
-    ref_v = jax.jit(reference.kda_verify)
-    fns = {
-        "api": jax.jit(functools.partial(api.kda_verify, policy=SPECIALIZED)),
-        "xla": ref_v,
-        "rows k32": jax.jit(
-            functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=plgpu.Layout.WGMMA, tma="rows")
-        ),
-    }
-    dev = jax.devices()[0]
-    results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
-        jax=jax.__version__,
-        measure=f"CUPTI device time of verify, median of {opts.iters}",
-        rows=[],
-    )
-    shapes = (
-        [tuple(map(int, c.split(":"))) for c in opts.cases.split(",")]
-        if opts.cases
-        else [(64, 12, 8), (64, 6, 4), (8, 12, 8), (8, 12, 4), (1, 6, 4), (1, 6, 8), (8, 96, 4)]
-    )
-    for B, H, T in shapes:
-        args, _ = make_inputs(7, B, H, T)
-        want = ref_v(*args)
-        vb = verify_bytes(args, *want)
-        row = dict(
-            B=B,
-            H=H,
-            T=T,
-            verify_bytes=vb,
-            floor_us=vb / HBM_PEAK * 1e6,
-            **time_variants(fns, args, want, max_err, iters=opts.iters),
-        )
-        results["rows"].append(row)
-        print(row, flush=True)
-        pathlib.Path(opts.out, f"{opts.name}.json").write_text(json.dumps(results, indent=1))
 
 
 def main(opts):
@@ -259,11 +168,12 @@ def main(opts):
         case["speedup_vs_xla"] = case["xla_us"] / case["pallas_us"]
         print(case, flush=True)
         results["cases"].append(case)
-        (out_dir / "kda_verify.json").write_text(json.dumps(results, indent=1))  # after every case: a run
-        write_table(results, out_dir / "kda_verify.md")  # stopped at its time limit keeps what it measured
+        (out_dir / f"{opts.name}.json").write_text(json.dumps(results, indent=1))  # after every case: a run
+        write_table(results, out_dir / f"{opts.name}.md")  # stopped at its time limit keeps what it measured
 
 
 def write_table(results, path):
+    names = list(results["cases"][0]["variants_us"]) if results["cases"] else []  # none with --no-variants
     lines = [
         f"# KDA speculative verify + commit, one layer, bf16 activations, fp32 state, K=V=128 "
         f"({results['device']}, jax {results['jax']})",
@@ -274,8 +184,9 @@ def write_table(results, path):
         "HBM <-> registers by ld/st.global or staged whole through SMEM by TMA (v_chunk 32).",
         "",
         "| B | H | T | MB moved | floor us | Pallas pair us (kernels) | % of peak | verify us (% peak) | "
-        "commit us (% peak) | ldg v / c us | tma v / c us | XLA pair us (kernels) | XLA v / c us | vs XLA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "commit us (% peak) | " + "".join(f"{n} v / c us | " for n in names) + "XLA pair us (kernels) | XLA v / c us | "
+        "vs XLA |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|",
     ]
     for c in results["cases"]:
         var = [
@@ -286,7 +197,7 @@ def write_table(results, path):
             f"{c['floor_us']:.2f} | {c['pallas_us']:.2f} ({c['pallas_kernels']}) | "
             f"{100 * c['pallas_frac_of_peak']:.0f}% | "
             f"{c['pallas_verify_us']:.2f} ({100 * c['verify_frac_of_peak']:.0f}%) | "
-            f"{c['pallas_commit_us']:.2f} ({100 * c['commit_frac_of_peak']:.0f}%) | {' | '.join(var)} | "
+            f"{c['pallas_commit_us']:.2f} ({100 * c['commit_frac_of_peak']:.0f}%) | {''.join(v + ' | ' for v in var)}"
             f"{c['xla_us']:.2f} ({c['xla_kernels']}) | {c['xla_verify_us']:.2f} / {c['xla_commit_us']:.2f} | "
             f"{c['speedup_vs_xla']:.2f}x |"
         )
@@ -295,5 +206,4 @@ def write_table(results, path):
 
 
 if __name__ == "__main__":
-    options = parse_args()
-    (main_split if options.split else main_rows if options.rows else main)(options)
+    main(parse_args())

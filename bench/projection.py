@@ -17,7 +17,7 @@ import math
 import os
 
 HBM_H200, HBM_GB300 = 4.8e12, 8.0e12
-LINK_BW = 450e9  # NVLink per direction, as in bench/NOTES.md's collective floor
+LINK_BW = 450e9  # NVLink 4 per direction, 18 links x 25 GB/s (bench/collectives.py's NVLINK_BYTES_PER_S)
 ANCHORS = [  # docs/roofline.md §6, published, TP16 on 16 x GB300 unless noted
     ("vLLM stock (day 0)", 1, 118.0),
     ("vLLM stock (later)", 1, 136.0),

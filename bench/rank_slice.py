@@ -225,6 +225,39 @@ def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
     return {"weights": int(weights), "kda_state_rw": kda_state, "mla_latent_read": mla_cache, "total": int(total)}
 
 
+OPS = ("KDA", "MLA", "routed experts", "router", "latent", "FFN", "boundary", "embed/head")
+
+
+def op_of_tensor(path: tuple, cfg: K3Config) -> str:
+    """The decode op (OPS) that reads a weight: attention tensors by the layer's kind, the MoE's by role."""
+    if path[0] != "layers":
+        return "embed/head"
+    part, name = path[2], path[3] if len(path) > 3 else ""
+    if part == "attn":
+        return cfg.layer_kind(path[1]).split("_")[0].upper()  # KDA / MLA
+    if part == "ffn":
+        if name == "experts":
+            return "routed experts"
+        if name.startswith("router"):
+            return "router"
+        return "latent" if name.startswith("latent") else "FFN"  # FFN: shared experts, layer 0's dense MLP
+    return "boundary"  # the norms and AttnRes weights around each sublayer
+
+
+def op_floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
+    """floor_bytes split by decode op: {op: bytes one rank must move for it per step}."""
+    out = dict.fromkeys(OPS, 0.0)
+    for s in local_table(cfg, tp):
+        if s.init == "embed":
+            continue
+        frac = distinct_experts(cfg, batch) / cfg.num_experts if s.active < 1 else 1.0
+        out[op_of_tensor(s.path, cfg)] += s.nbytes * frac
+    fb = floor_bytes(cfg, tp, batch, context)
+    out["KDA"] += fb["kda_state_rw"]
+    out["MLA"] += fb["mla_latent_read"]
+    return out
+
+
 # ---- CUPTI timing ------------------------------------------------------------------------------------------
 
 
@@ -396,7 +429,94 @@ def summarize(rows, cfg: K3Config) -> dict:
             for (k, op), v in top
         ],
         "by_class": {c: {"us": v[0], "kernels": v[1]} for c, v in classes.items()},
+        "by_op": by_op(rows),
     }
+
+
+# ---- attributing kernels to decode ops ---------------------------------------------------------------------
+# A kernel's label is the primitive at its fusion's root: a projection's einsum spec, or a primitive name. Where
+# only one decode op has the label, the kernel is that op's; otherwise it belongs to the op before it, and a
+# few labels hand over to the op that follows them in a layer (a sublayer's last projection to the boundary
+# after it, MoE's latent_down to the routed experts, their combine back to the latent path). Approximate by a
+# few us per layer where XLA fuses across two ops (a boundary's first reduction, the shared-expert GEMVs that
+# run between the routed ones).
+_OP_LABELS = {
+    "KDA": ("...d,shkd->...shk", "...d,rd->...r", "...r,rhk->...hk", "...d,dh->...h", "...c,dc->...d"),
+    "MLA": (
+        "btd,dq->btq",
+        "btd,dr->btr",
+        "btd,dhv->bthv",
+        "btd,dv->btv",
+        "btq,qhe->bthe",
+        "bthe,bse->bhts",
+        "bthr,bsr->bhts",
+        "bhts,bsr->bthr",
+        "bthr,hvr->bthv",
+        "bthn,hnr->bthr",
+        "bsr,hnr->bshn",
+        "bsr,hvr->bshv",
+        "...k,kd->...d",
+        "scatter",
+    ),
+    "boundary": ("n...d,d->n...", "n...,n...d->...d", "reduce_precision"),
+    "router": ("td,de->te", "top_k", "neg", "jit(take_along_axis)/select_n"),
+    "latent": ("td,dl->tl", "tl,ld->td"),
+    "routed experts": ("tkl,tk->tl",),
+    "FFN": ("...d,df->...f", "...f,fd->...d"),
+}
+_OP_OF_LABEL = {lab: op for op, labs in _OP_LABELS.items() for lab in labs}
+_HANDS_OVER = {
+    "...c,dc->...d": "boundary",
+    "...k,kd->...d": "boundary",
+    "tl,ld->td": "boundary",
+    "td,dl->tl": "routed experts",
+    "jit(take_along_axis)/select_n": "routed experts",
+    "tkl,tk->tl": "latent",
+}
+_LIBRARY = ("gemm", "nvjet", "cutlass", "cublas")
+
+
+def _label(op: str) -> str:
+    return op.split("/dot_general")[0]
+
+
+def decode_ops(rows) -> list[str]:
+    """The decode op (OPS) of each kernel of one step, in launch order (rows: attribute()'s dicts)."""
+    inside = [r["layer"] is not None for r in rows]
+    if not any(inside):
+        return ["embed/head"] * len(rows)
+    first = inside.index(True)
+    # the head (final norm, lm_head, argmax) starts after the last kernel a layer's scope names
+    last = max(i for i, r in enumerate(rows) if r["layer"] is not None and r["op"] != r["name"])
+    out, current = [], "boundary"
+    for i, r in enumerate(rows):
+        lab = _label(r["op"])
+        if i < first or i > last:
+            op = "embed/head"
+        elif lab in _OP_OF_LABEL:
+            op = _OP_OF_LABEL[lab]
+            if not (op == "FFN" and current == "routed experts"):  # shared-expert GEMVs amid the routed ones
+                current = _HANDS_OVER.get(lab, op)
+        elif current == "boundary" and any(k in r["name"].lower() for k in _LIBRARY):
+            # a library GEMM after a boundary opens the next sublayer: the op of the next labelled kernel, or
+            # (no projection before the next boundary) layer 0's dense FFN
+            nxt = next((_OP_OF_LABEL[_label(x["op"])] for x in rows[i + 1 :] if _label(x["op"]) in _OP_OF_LABEL), "")
+            op = current = "FFN" if nxt in ("", "boundary") else nxt
+        else:
+            op = current
+        out.append(op)
+    return out
+
+
+def by_op(rows) -> dict:
+    """{decode op: {"us", "kernels", "us_by_kind"}} of one step's attributed kernels."""
+    out = {}
+    for r, op in zip(rows, decode_ops(rows), strict=True):
+        e = out.setdefault(op, {"us": 0.0, "kernels": 0, "us_by_kind": {}})
+        e["us"] += r["us"]
+        e["kernels"] += 1
+        e["us_by_kind"][r["kind"]] = e["us_by_kind"].get(r["kind"], 0.0) + r["us"]
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -669,6 +789,26 @@ def markdown(result: dict) -> str:
             "By kernel class: "
             + ", ".join(f"{c} {v['us']:.0f} us in {v['kernels']}" for c, v in r["summary"]["by_class"].items()),
         ]
+    for r in runs:
+        if r["batch"] not in (1, 64) or "by_op" not in r["summary"]:
+            continue
+        ops = op_table(result, r)
+        total = sum(o["full_estimate_us"] for o in ops)
+        lines += [
+            "",
+            f"By decode op, {r['layers']} layers, {r['backend']}, batch {r['batch']} (kernels attributed by their "
+            f"fusion's label: approximate; floor = the op's bytes / {HBM_BW / 1e12:.1f} TB/s):",
+            "",
+            f"| op | us ({r['layers']} L) | kernels | floor us | x floor | est. {F}-layer us | share | "
+            f"{F}-layer floor us |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for o in ops:
+            x = f"{o['us'] / o['floor_us']:.1f}" if o["floor_us"] >= 1 else "-"  # no weights to speak of
+            lines.append(
+                f"| {o['op']} | {o['us']:.0f} | {o['kernels']} | {o['floor_us']:.1f} | {x} | "
+                f"{o['full_estimate_us']:.0f} | {100 * o['full_estimate_us'] / total:.1f}% | {o['full_floor_us']:.1f} |"
+            )
     if result["runs"]:
         r0 = result["runs"][0]
         lines += ["", f"Collectives per step at {r0['layers']} layers (stubbed, counted): {r0['collectives']}"]
@@ -691,6 +831,33 @@ def full_model_estimate(result: dict, run_entry: dict) -> dict:
             k = next((x for x in measured if x.split("_")[0] == k.split("_")[0]), measured[0])
         us += n * bk[k]["us_per_layer"]
     return {"step_us": us, "scaled": True}
+
+
+def op_table(result: dict, run_entry: dict) -> list[dict]:
+    """Per decode op of one run: measured us and floor us at the run's depth, and both scaled to the full model
+    (each layer kind's time by its count in the full model, as full_model_estimate; the floor recomputed)."""
+    full = preset(result["preset"])
+    cfg = truncate(full, run_entry["layers"])
+    B, tp, ctx = run_entry["batch"], result["tp"], result["context"]
+    floor = op_floor_bytes(cfg, tp, B, ctx)
+    floor_full = op_floor_bytes(full, tp, B, ctx)
+    measured = Counter(cfg.layer_kinds)
+    counts = Counter(full.layer_kinds)
+    rows = []
+    for op in OPS:
+        e = run_entry["summary"]["by_op"].get(op, {"us": 0.0, "kernels": 0, "us_by_kind": {}})
+        est = sum(us * (counts[k] / measured[k] if k in measured else 1.0) for k, us in e["us_by_kind"].items())
+        rows.append(
+            {
+                "op": op,
+                "us": e["us"],
+                "kernels": e["kernels"],
+                "floor_us": 1e6 * floor[op] / HBM_BW,
+                "full_estimate_us": est,
+                "full_floor_us": 1e6 * floor_full[op] / HBM_BW,
+            }
+        )
+    return rows
 
 
 def write(result: dict, out: str, tag: str = ""):
@@ -735,7 +902,9 @@ def resummarize(path: str) -> dict:
         if not r.get("kernels"):
             continue
         c = truncate(preset(result["preset"]), r["layers"])
-        rows = relayer([{"name": n, "us": us, "layer": L, "op": op, "named": True} for n, us, L, op in r["kernels"]], c)
+        rows = relayer(
+            [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in r["kernels"]], c
+        )
         r["summary"] = summarize(rows, c)
         r["kernels"] = [[x["name"], x["us"], x["layer"], x["op"]] for x in rows]
         r["full_estimate_us"] = full_model_estimate(result, r)["step_us"]

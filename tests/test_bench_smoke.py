@@ -2,6 +2,10 @@
 
 import json
 import math
+import pathlib
+import re
+import shutil
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +170,126 @@ def test_rank_slice_report_and_projection(tmp_path, rng):
         assert p["collective_term_us"] >= len(calls) * min(min(v.values()) for v in table.values())
         assert math.isclose(p["tokens_per_s"], p["batch"] * 1e6 / (mem + p["collective_term_us"]))
     assert "PROJECTION" in (tmp_path / "decode_t.md").read_text()
+
+
+def test_op_floors_add_up_to_the_step_floor():
+    for name, tp in (("demo", 2), ("k3", 16)):
+        cfg = preset(name)
+        for B in (1, 64):
+            ops = rs.op_floor_bytes(cfg, tp, B, 64)
+            assert set(ops) == set(rs.OPS)
+            assert math.isclose(sum(ops.values()), rs.floor_bytes(cfg, tp, B, 64)["total"], rel_tol=1e-6)
+            assert ops["routed experts"] > 0 and ops["KDA"] > 0 and ops["MLA"] > 0
+
+
+def test_decode_ops_follow_a_layer(rng):
+    """One layer's kernels as a step launches them (embed, KDA sublayer, boundary, MoE sublayer, boundary,
+    head): each lands in its op, the unlabelled ones by the op before them or the hand-overs."""
+    layer = [
+        ("...d,shkd->...shk/dot_general", "KDA"),
+        ("concatenate", "KDA"),
+        ("add", "KDA"),
+        ("...c,dc->...d/dot_general", "KDA"),
+        ("reduce_sum", "boundary"),
+        ("n...,n...d->...d/dot_general", "boundary"),
+        ("mul", "boundary"),
+        ("td,de->te/dot_general", "router"),
+        ("top_k", "router"),
+        ("div", "router"),
+        ("td,dl->tl/dot_general", "latent"),
+        ("reduce_sum", "routed experts"),
+        ("...d,df->...f/dot_general", "FFN"),
+        ("convert_element_type", "routed experts"),
+        ("tkl,tk->tl/dot_general", "routed experts"),
+        ("slice", "latent"),
+        ("tl,ld->td/dot_general", "latent"),
+        ("add", "boundary"),
+        ("reduce_precision", "boundary"),
+    ]
+    rows = [{"name": "loop_gather_fusion", "op": "gather", "layer": None, "us": 1.0}]
+    rows += [
+        {"name": f"fusion_{i}", "op": op, "layer": 0, "us": float(rng.uniform(1, 9))} for i, (op, _) in enumerate(layer)
+    ]
+    rows += [
+        {"name": "gemm_fusion_dot_7", "op": "gemm_fusion_dot_7", "layer": 0, "us": 30.0},  # lm_head, unnamed
+        {"name": "input_reduce_fusion", "op": "reduce", "layer": None, "us": 2.0},
+    ]
+    want = ["embed/head"] + [op for _, op in layer] + ["embed/head", "embed/head"]
+    assert rs.decode_ops(rows) == want
+    for r in rows:
+        r["kind"] = "kda_moe" if r["layer"] is not None else "embed/head"
+    ops = rs.by_op(rows)
+    assert math.isclose(sum(e["us"] for e in ops.values()), sum(r["us"] for r in rows))
+    assert ops["embed/head"]["kernels"] == 3
+
+
+def test_verify_table_has_a_cell_per_column(tmp_path):
+    from bench import kda_verify
+
+    case = dict(B=1, H=6, T=4, verify_bytes=1e6, commit_bytes=1e6, floor_us=0.4, pallas_us=20.0, pallas_kernels=2)
+    case |= dict(pallas_frac_of_peak=0.02, pallas_verify_us=9.0, verify_frac_of_peak=0.02, pallas_commit_us=3.0)
+    case |= dict(commit_frac_of_peak=0.1, xla_us=40.0, xla_kernels=16, xla_verify_us=38.0, xla_commit_us=2.5)
+    case |= dict(speedup_vs_xla=2.0)
+    for variants in ({}, {"ldg": {"verify": 10.0, "commit": 9.0}, "tma": "failed: x"}):
+        res = dict(device="fake", jax="x", iterations=3, hbm_peak_Bps=4.8e12, cases=[dict(case, variants_us=variants)])
+        path = tmp_path / "kda_verify.md"
+        kda_verify.write_table(res, path)
+        table = [line for line in path.read_text().splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in table}) == 1 and len(table) == 3
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+# the documents that cite result files by name (benchmark scripts and device groups name what they will write)
+CITING = ["README.md", "bench/*.md", "bench/results/README.md", "pallas_kernels/**/*.py", "pallas_kernels/**/*.json"]
+CITING += ["k3jax/**/*.py"]
+REMOVED_AT = "721adb5"  # where a cited NAME@721adb5 lives
+
+
+def _cited_result_names():
+    """(document, name, removed) for every result file named in CITING: names shaped like an existing
+    benchmark's results (its first word), with `.ext` or `.{ext,ext}`; removed = written NAME@721adb5."""
+    prefixes = sorted({p.name.split("_")[0].split(".")[0] for p in RESULTS.iterdir() if p.name != "README.md"})
+    name = re.compile(r"(?<![\w/$.-])(?:bench/results/|results/)?((?:" + "|".join(prefixes) + r")[\w]*)")
+    ext = re.compile(r"\.(json|md|png)|\.\{([a-z,]+)\}")
+    root = RESULTS.parents[1]
+    for pattern in CITING:
+        for doc in sorted(root.glob(pattern)):
+            text = doc.read_text()
+            for m in name.finditer(text):
+                e = ext.match(text, m.end())
+                if not e:
+                    continue
+                removed = text.startswith(f"@{REMOVED_AT}", e.end())
+                for x in (e.group(1),) if e.group(1) else e.group(2).split(","):
+                    yield doc.relative_to(root), f"{m.group(1)}.{x}", removed
+
+
+def test_result_files_named_in_documents_exist():
+    names = list(_cited_result_names())
+    assert len(names) > 50  # the pattern still finds the citations
+    missing = sorted({(str(d), n) for d, n, removed in names if not removed and not (RESULTS / n).exists()})
+    assert not missing, (
+        f"these documents name result files bench/results does not have: {missing}; run the benchmark that "
+        f"writes it, or cite it as NAME@{REMOVED_AT} if it was removed"
+    )
+    if not shutil.which("git"):
+        return
+    git = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", REMOVED_AT, "bench/results"],
+        cwd=RESULTS.parents[1],
+        capture_output=True,
+        text=True,
+    )
+    if git.returncode == 0:  # a clone without that commit (shallow CI) checks names only
+        there = {pathlib.Path(p).name for p in git.stdout.split()}
+        absent = sorted({(str(d), n) for d, n, removed in names if removed and n not in there})
+        assert not absent, f"cited as @{REMOVED_AT} but not in that commit's bench/results: {absent}"
+
+
+def test_every_result_file_is_in_the_index():
+    index = (RESULTS / "README.md").read_text()
+    stems = {
+        m.group(1) + "." + e for m in re.finditer(r"`([\w]+)\.\{?([a-z,]+)\}?`", index) for e in m.group(2).split(",")
+    }
+    unlisted = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md" and p.name not in stems)
+    assert not unlisted, f"bench/results/README.md does not say what these are: {unlisted}"

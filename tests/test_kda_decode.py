@@ -849,26 +849,3 @@ def test_gates_on_gpu_match_reference(monkeypatch, B, H, fuse):
     want = jax.jit(reference.kda_decode_gates)(*gate_args_of(x, g))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL["bf16"], what=name)
-
-
-@cpu_only
-def test_bench_patterns_copies_and_masked_reference():
-    """bench/kda_patterns.py's state copies (interpret mode) and its barrier form of the XLA idle mask compute
-    what they claim: s + 1 (tile regs, with or without wait_all), s (tile, tile/P), and the reference's step on
-    the active sequences (the barrier and mask-last forms)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    from bench import kda_patterns as kp
-
-    r = rng()
-    s = jnp.asarray(r.standard_normal((2, 2, 128, 128)), jnp.float32)
-    with abstract_gpu("sm90"):
-        ip = plgpu.InterpretGPUParams(detect_races=True)
-        np.testing.assert_array_equal(kp.tile_copy(s, regs=True, interpret=ip), s + 1.0)
-        np.testing.assert_array_equal(kp.tile_copy(s, parts=2, rows=16, interpret=ip), s)
-        np.testing.assert_array_equal(kp.tile_copy(s, regs=True, wait_all=True, interpret=ip), s + 1.0)
-    x = make_inputs(r, 3, 2, 128, jnp.float32)
-    active = idle_mask(r, 3)
-    want = reference.kda_decode(*args_of(x), active)
-    for form in (kp.reference_barrier, kp.reference_mask_last):
-        assert_idle_kept(form(*args_of(x), active), want, x, active, TOL["f32"])

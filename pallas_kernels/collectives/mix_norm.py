@@ -111,7 +111,7 @@ def mix_norm(
     online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
     default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
     5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
-    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py@721adb5)."""
     B, Q, C = x_BQC.shape
     dtype = x_BQC.dtype
     blocks = tuple(blocks or ())

@@ -9,7 +9,7 @@ their row blocks. The CTA writes its fp32 partial and the wrapper sums the S par
 small XLA fusion), or a consumer reads them itself (the KDA decode kernel); with one split the kernel rounds
 and writes the output itself. The result equals reference.gemv up to the order of the fp32 sums.
 
-Where the tokens go (x_stream, tuning.json; bench/NOTES.md KDA "Fourteenth session"):
+Where the tokens go (x_stream, tuning.json; bench/history.md KDA "Fourteenth session"):
 - "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
   [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). 12.1-12.8 us for TP16's 46 MB at
   B = 1-48 on an H200 (75-79% of HBM; gemv_tokens_on_n.json, gemv_small_on_n.json): the launch up to batch

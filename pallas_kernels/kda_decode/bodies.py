@@ -146,7 +146,7 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
         (pallas_kernels.gemv) runs q/k/v/g and f_a in one launch, as fp32 partials. Where the gate projections
         fuse, the decode kernel sums and rounds them itself (two launches in all); above that batch, where the
         GEMV's tuning has a launch, one XLA fusion per operand sums them, then kda_decode_gates (sm90 has none
-        past batch 8: at 64 the GEMV and its sums measured slower than XLA's GEMMs, gemv_b64.json). Otherwise
+        past batch 8: at 64 the GEMV and its sums measured slower than XLA's GEMMs, gemv_b64.json@721adb5). Otherwise
         the model's GEMMs, then kda_decode_gates."""
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):

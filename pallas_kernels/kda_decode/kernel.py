@@ -40,7 +40,8 @@ def _sigmoid(x):
 
 
 # f32 per warpgroup, as Pallas's default (2 KiB): a [K, 32] chunk's column sum runs in two rounds of two of its
-# four 1 KiB register groups; 4 KiB (one round) measured within 0.1 us, 8 KiB costs occupancy (kda_red_scratch.json)
+# four 1 KiB register groups; 4 KiB (one round) measured within 0.1 us, 8 KiB costs occupancy
+# (kda_red_scratch.json@721adb5)
 _RED_SCRATCH = 512
 
 
@@ -128,7 +129,8 @@ def _body(
     keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
     An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
-    slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144 (kda_prefetch_ahead.json).
+    slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144
+    (kda_prefetch_ahead.json@721adb5).
     Programmatic dependent launch after the GEMV (state TMA, then griddepcontrol.wait before the partials;
     commit b0626a5) ran correctly but jax 0.11.2's runtime did not launch the kernel early (kda_pdl.json).
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
@@ -184,7 +186,7 @@ def _body(
 
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
     # wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel; issued first, 18.08 -> 16.51
-    # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
+    # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json@721adb5).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
 
@@ -223,7 +225,7 @@ def _body(
         return S_0
 
     with jax.named_scope("prologue"):
-        with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py)
+        with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py@721adb5)
             f, beta = (
                 _gates(
                     _fa_of(gate_in[0], b, from_gemv, dtype, vec_smem.at[7] if vec_smem.shape[-2] > 7 else None),
@@ -401,7 +403,7 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
     (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing (H200: within 1.2%
     at every size, kda_idle.json); SMEM stores under a branch in the loop instead measured 19.1 vs 16.1 us at
-    64 x 6 (kda_idle_branch.json). Its y is the stepped one (the api leaves an idle slot's y unspecified)."""
+    64 x 6 (kda_idle_branch.json@721adb5). Its y is the stepped one (the api leaves an idle slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
@@ -454,7 +456,7 @@ def _recurrence(
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
     Chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read is in
     flight meanwhile. With per-slice TMA that load first waits for slice c + 1; waiting only when a chunk is
-    due measured the same within 1.4% either way (kda_prefetch.json), so there is one order."""
+    due measured the same within 1.4% either way (kda_prefetch.json@721adb5), so there is one order."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -487,7 +489,7 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
     30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays. The key rows
     split over 2 warpgroups (93-124 registers, 16 warps per SM) were 1.0-3.2 us slower at 384-768 tiles
-    (kda_rows_wg2.json), so too few warps is not what holds this path back; that form was removed."""
+    (kda_rows_wg2.json@721adb5), so too few warps is not what holds this path back; that form was removed."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
@@ -578,10 +580,10 @@ def decode(
     whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
     stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
     lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
-    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
-    WGMMA fragments (kda_staging.json; the rows path's whole-row st.global stores gain, kda_stg.json) and
-    16-column slices with a 64-byte swizzle (kda_v16.json). A persistent variant (a ring of SMEM
-    slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    (bench/history.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
+    WGMMA fragments (kda_staging.json@721adb5; the rows path's whole-row st.global stores gain, kda_stg.json) and
+    16-column slices with a 64-byte swizzle (kda_v16.json@721adb5). A persistent variant (a ring of SMEM
+    slots per resident CTA) measured slower at every shape and was removed (bench/history.md, KDA "Round 3").
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
@@ -594,7 +596,7 @@ def decode(
     (bit for bit), so no select over the state runs after the kernel; its y is computed.
     qkv_B3HK may also be the layer's whole qkvg [B, 4, H, K], passed again as gate_BHK: the kernel reads the
     gate from its fourth stream, so the caller makes no sliced copies.
-    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py)."""
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py@721adb5)."""
     return _launch(
         qkv_B3HK,
         (f_BHK, beta_BH),

@@ -23,7 +23,7 @@ Verify also has its own rows path (tma="rows", _steps_rows; the api's from tunin
 tiles on): one TMA per 32 key rows, then the whole tile in registers with thread t owning state column t for
 all T steps, so both K-reductions are sums inside a thread, no cross-warp reductions (2.0-2.5x the column
 pieces from 96 tiles on, H200). Its key rows split over 2 warpgroups measured 1.3-1.6x slower from 384 tiles
-on (a barrier per token; bench/results/kda_verify_rows_wg2.json) and was removed.
+on (a barrier per token; bench/results/kda_verify_rows_wg2.json@721adb5) and was removed.
 """
 
 import functools

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The maintained GPU runs, one group per device call (each under 10 minutes), each step under its own time
+# limit so a hang cannot eat the call. On the device machine, from the repo root: bash bench/gpu_runs.sh GROUP
+# Everything lands in $OUT/GROUP.tar.gz (one file: the device tool returns few files); unpack it and copy the
+# result files into bench/results (bench/results/README.md says what each one is).
+#
+#   group        machine          what it runs -> result files
+#   gpu_tests    nvidia-h200      every one-GPU test (pytest -m "gpu and not gpu2", 8 xdist workers, ~4.5 min)
+#   gpu2_tests   nvidia-h200-x2   every 2-GPU test: collectives, fused projection, the TP2 model vs XLA (~4 min)
+#   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
+#   rank_slice   nvidia-h200      the TP16 rank slice, 24 layers, B 1 and 64, both backends, and its decode report
+#                                 -> rank_slice_packed.*, decode_rank_slice.*
+#   decode       nvidia-h200      the engine on 4 real-width layers, B 1 and 8 -> decode_k3_4layers_auto_tp1.*
+#   kda_decode   nvidia-h200      the KDA decode table, fla's numbers reused from results -> kda_decode.*
+#   kda_cold     nvidia-h200      the KDA decode with a cold L2 -> kda_decode_cold.json
+#   kda_verify   nvidia-h200      KDA verify + commit, B 1 and 8 (+ the kernels' staging variants) -> kda_verify.*,
+#                                 and B 64 through the api -> kda_verify_b64.*
+#   kda_layer    nvidia-h200      the whole KDA sublayer, TP16 / TP8, B 1-64 -> kda_layer.*
+#   gemv         nvidia-h200      the decode GEMV's tuned launches vs XLA, B 1-64 -> gemv.json
+#   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k and the grouping forms, T 1-512 -> moe_route.*
+# One machine kind at a time: a switch restarts the machine.
+set -u
+export PYTHONPATH=. JAX_PLATFORMS=cuda
+OUT=${OUT:-/tmp/device_out}
+work=$(mktemp -d)
+
+step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop the group
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$work/$name.log" 2>&1
+  echo "rc=$?" >> "$work/$name.log"
+  tail -15 "$work/$name.log"
+}
+
+case "${1:-}" in
+  gpu_tests)
+    step pytest_gpu 560 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
+      -m "gpu and not gpu2" -n 8 --durations=30 -rf
+    ;;
+  gpu2_tests)
+    step pytest_gpu2 350 python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf
+    ;;
+  collectives)
+    step bench 330 python3 bench/collectives.py --bench --out "$work" --deadline-s 320
+    step bench_fused_projection 240 python3 bench/fused_projection.py --bench --out "$work" --deadline-s 230
+    ;;
+  rank_slice)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
+    step rank_slice 520 python3 bench/rank_slice.py --layers 24 --batches 1,64 \
+      --backends xla,latency_specialized --out "$work" --tag _packed
+    step decode_report 60 env JAX_PLATFORMS=cpu python3 bench/decode.py --rank-slice "$work/rank_slice_packed.json" \
+      --out "$work"
+    ;;
+  decode)
+    step decode 560 python3 bench/decode.py --preset k3 --layers 4 --batches 1,8 --input-len 64 --output-len 33 \
+      --tag k3_4layers_auto_tp1 --out "$work"
+    ;;
+  kda_decode)
+    step kda_decode 450 python3 bench/kda_decode.py "$work" bench/results/kda_decode.json
+    ;;
+  kda_cold)
+    step kda_cold 240 python3 bench/kda_decode.py --cold "$work"
+    ;;
+  kda_verify)  # XLA's verify at 64 x 12 x 8 takes minutes to compile: few cases, no variants at B = 64
+    step kda_verify 300 python3 bench/kda_verify.py --no-check --iters 10 --cases 1:6:4,1:6:8,8:12:4 --out "$work"
+    step kda_verify_b64 250 python3 bench/kda_verify.py --no-check --no-variants --iters 10 --cases 64:12:8 \
+      --name kda_verify_b64 --out "$work"
+    ;;
+  kda_layer)
+    step kda_layer 400 python3 bench/kda_layer.py "$work"
+    ;;
+  gemv)
+    step gemv 400 python3 bench/gemv.py "$work"
+    ;;
+  moe_route)
+    step moe_route 240 python3 bench/moe_route.py "$work"
+    ;;
+  *)
+    echo "usage: bash bench/gpu_runs.sh GROUP, one of:" >&2
+    sed -n 's/^#   \([a-z0-9_][a-z0-9_]*\) .*/\1/p' "$0" | grep -v '^group$' | tr '\n' ' ' >&2
+    echo >&2
+    exit 2
+    ;;
+esac
+mkdir -p "$OUT"
+tar -czf "$OUT/$1.tar.gz" -C "$work" .
+echo "wrote $OUT/$1.tar.gz"
