@@ -17,6 +17,7 @@ from k3jax import params as P
 from k3jax.config import preset
 from k3jax.layers import common, kda, mla, moe
 from pallas_kernels.collectives import reference
+from pallas_kernels.moe import reference as moe_reference
 
 F32 = jnp.float32
 TOL = 1e-5  # relative RMS error of one layer, fp32 vs float64 (worst of 40 seeds per test: 2.2e-6, median 3e-7)
@@ -231,8 +232,8 @@ def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):
         )
     )
     chunk = int(rng.integers(2, 6))
-    monkeypatch.setattr(moe, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
-    assert moe.gather_token_chunk(experts, k, F32) == chunk
+    monkeypatch.setattr(moe_reference, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
+    assert moe_reference.gather_token_chunk(experts, k, F32) == chunk
     x = _x(rng, 4 * chunk + 1, cfg.hidden_size)  # 5 chunks, the last one padded
     _check(
         moe.moe(params["layers"][L]["ffn"], F32(x), cfg),
