@@ -171,7 +171,7 @@ def _load_row(ref):
     return plgpu.load(ref, layout=ROW_LAYOUT, optimized=False)
 
 
-def _store_columns(acc_F32, out_smem, out_row, tile_first, count, n_tokens):
+def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
     """The [64, N] fp32 tile's column t (token t of the tile) -> out_row(t) [64] for the tokens the group has:
     through SMEM, each column read back in the row layout (a value per row) and stored as one output row."""
     out_smem[...] = acc_F32
@@ -220,15 +220,14 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x2_ref, h_ref, out_smem, *a_smem, n_
 
             acc = plgpu.ACC((ROWS, n_tokens), F32)
             g, u = pl.run_scoped(scope, acc, acc)
-            h = common.situ_glu(g.astype(BF16), u.astype(BF16), *beta)  # the spec's two roundings, then one
-            _store_columns(
-                h.astype(F32),
-                out_smem,
-                lambda t: h_ref.at[p, row0 + t, pl.ds(b * ROWS, ROWS)],
-                tile * n_tokens,
-                count,
-                n_tokens,
-            )
+            store = functools.partial(_store_columns, tile_first=tile * n_tokens, count=count, n_tokens=n_tokens)
+            cols = pl.ds(b * ROWS, ROWS)
+            if beta is None:  # the GEMMs' fp32 sums themselves (tests): h_ref [2 (gate, up), 2, P, I2p] fp32
+                store(g, out_smem, lambda t: h_ref.at[0, p, row0 + t, cols])
+                store(u, out_smem, lambda t: h_ref.at[1, p, row0 + t, cols])
+            else:
+                h = common.situ_glu(g.astype(BF16), u.astype(BF16), *beta)  # the spec's two roundings, then one
+                store(h.astype(F32), out_smem, lambda t: h_ref.at[p, row0 + t, cols])
 
 
 def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, block):
@@ -265,7 +264,14 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
             y = pl.run_scoped(scope, plgpu.ACC((ROWS, n_tokens), F32))
             if y_ref.dtype != F32:
                 y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-            _store_columns(y, out_smem, lambda t: y_ref.at[row0 + t, rows], tile * n_tokens, count, n_tokens)
+            _store_columns(
+                y,
+                out_smem,
+                lambda t: y_ref.at[row0 + t, rows],
+                tile_first=tile * n_tokens,
+                count=count,
+                n_tokens=n_tokens,
+            )
 
 
 def _a_scratch(k_elems):
@@ -274,7 +280,8 @@ def _a_scratch(k_elems):
 
 
 def gate_up(experts, slots_3S, x2_2PL, *, launch: Launch, beta, interpret=None, a_in_smem=False):
-    """The gate/up kernel -> h [2, P, I2p] bf16 (h[p, pair, i] = SiTU-GLU of pair's row 2i + p)."""
+    """The gate/up kernel -> h [2, P, I2p] bf16 (h[p, pair, i] = SiTU-GLU of pair's row 2i + p); beta = None:
+    the two GEMMs' fp32 sums instead, [2 (W1, W3), 2, P, I2p] (what a test checks to fp32 accuracy)."""
     E, I, L = _shapes(experts)
     S, P = slots_3S.shape[1], x2_2PL.shape[1]
     I2p = pl.cdiv(I // 2, ROWS) * ROWS
@@ -282,7 +289,7 @@ def gate_up(experts, slots_3S, x2_2PL, *, launch: Launch, beta, interpret=None, 
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
         functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, beta=beta),
-        out_type=jax.ShapeDtypeStruct((2, P, I2p), BF16),
+        out_type=jax.ShapeDtypeStruct((2, P, I2p), BF16) if beta else jax.ShapeDtypeStruct((2, 2, P, I2p), F32),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch(UP_BLOCK) if a_in_smem else []),
         grid=(S, 2, I2p // ROWS),
         grid_names=("s", "p", "b"),
