@@ -10,7 +10,7 @@ import np_reference as ref
 import numpy as np
 import pytest
 from kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
-from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle
+from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle, situ_glu
 
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.moe import api, grouping, mxfp4, reference, sm90
@@ -117,7 +117,7 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     kernel without its SiTU-GLU, fp32 out), h = SiTU-GLU of their bf16 roundings, W2 h (the down kernel's fp32
     out), each within 1e-5 of the element's scale sum |W| |x| of the float64 product."""
     r = rng()
-    T, E, I, L, k = 12, 10, 192, 1024, 4
+    T, E, I, L, k = 12, 10, 192, 512, 4
     np_ex, ex, z, sel, w = _inputs(r, T, E, I, L, k)
     groups = grouping.group_by_expert(jnp.asarray(sel), E)
     x2 = sm90.pair_inputs(z, groups)
@@ -138,8 +138,11 @@ def test_kernel_interpret_fp32_sums_match_numpy():
             assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
         g, u = (interleave(gu[i, :, pos]) for i in (0, 1))
         h_pair = interleave(h[:, pos])
-        h_want = bf16(ref.situ_glu(bf16(g), bf16(u), BETA1, BETA2))
-        assert np.all(np.abs(h_pair - h_want) <= 2**-8 * np.abs(h_want)), pos  # in-kernel fp32 tanh: 1 ulp
+        h_want = bf16(situ_glu(bf16(g), bf16(u)))
+        # 1 bf16 ulp (the kernel's fp32 tanh / logistic before the rounding), values below fp32's normal
+        # range aside (e^g of a very negative gate: CPU and GPU flush those)
+        bad = np.abs(h_pair - h_want) > 2**-8 * np.abs(h_want) + 2.0**-126
+        assert not np.any(bad), (pos, h_pair[bad], h_want[bad], g[bad], u[bad])
         W2 = dequant(np_ex, "w2", e)
         assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
 

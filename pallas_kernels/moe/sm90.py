@@ -109,6 +109,8 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
         raise NotImplementedError(f"z is {z_TL.dtype}: the kernel takes bf16 activations (WGMMA's A from registers)")
     E, I, L = _shapes(experts)
     T, k = sel_Tk.shape
+    if T == 0:
+        raise NotImplementedError("no tokens")
     if z_TL.shape != (T, L):
         raise NotImplementedError(f"z {list(z_TL.shape)} does not match the experts' latent width {L}")
     for name, shape in (("w3", (E, I, L // 2)), ("w2", (E, L, I // 2))):
