@@ -45,8 +45,7 @@ from k3jax import params as params_lib
 from k3jax import sharding as sh
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
-from k3jax.layers import moe
-from pallas_kernels.policy import DecodePolicy
+from pallas_kernels.policy import MOE_IMPLS, DecodePolicy
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -559,7 +558,6 @@ def _plan(args) -> list[tuple[int, str, int]]:
 
 def run(args, log=print) -> dict:
     t_start = time.perf_counter()
-    os.environ[moe.MOE_IMPL_ENV] = args.moe_impl  # read when the programs are traced
     base_cfg = preset(args.preset)
     tp, ctx = args.tp, args.context
     keys = _plan(args)
@@ -589,7 +587,7 @@ def run(args, log=print) -> dict:
     # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", DecodePolicy(backend), tp=tp)
+        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
         step = make_step(c, comm)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
@@ -880,9 +878,9 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=8192, help="MLA latent cache positions per sequence")
     p.add_argument(
         "--moe-impl",
-        default=os.environ.get(moe.MOE_IMPL_ENV, moe.MOE_IMPLS[0]),
-        choices=moe.MOE_IMPLS,
-        help="XLA routed-expert path (k3jax/layers/moe.py MOE_IMPL_ENV; default: that variable)",
+        default=MOE_IMPLS[0],
+        choices=MOE_IMPLS,
+        help="how the XLA routed experts read MXFP4 (the decode policy's moe_impl)",
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -1,5 +1,6 @@
 """Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
-once, and the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does)."""
+once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does) and
+SiTU-GLU (docs/model.md §3; the routed-experts kernel applies the same function to its registers)."""
 
 import functools
 import logging
@@ -58,3 +59,11 @@ def dot(spec: str, a, b):
     if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def situ_glu(g, u, beta1: float, beta2: float | None):
+    """SiTU(g) * cap(u) in fp32, rounded once to g's dtype (docs/model.md §3). sigmoid takes the UNCAPPED g."""
+    gf, uf = g.astype(jnp.float32), u.astype(jnp.float32)
+    situ = beta1 * jnp.tanh(gf / beta1) * jax.nn.sigmoid(gf)
+    cap = uf if beta2 is None else beta2 * jnp.tanh(uf / beta2)
+    return (situ * cap).astype(g.dtype)

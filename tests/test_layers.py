@@ -18,6 +18,7 @@ from k3jax.comm import Comm
 from k3jax.config import preset
 from k3jax.layers import common, kda, mla, moe
 from pallas_kernels.collectives import reference
+from pallas_kernels.moe import reference as moe_reference
 from pallas_kernels.policy import DecodePolicy
 
 F32 = jnp.float32
@@ -228,8 +229,8 @@ def test_moe_gather_budget_sets_the_token_chunk(rng, tiny, monkeypatch):
         )
     )
     chunk = int(rng.integers(2, 6))
-    monkeypatch.setattr(moe, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
-    assert moe.gather_token_chunk(experts, k, F32) == chunk
+    monkeypatch.setattr(moe_reference, "GATHER_BUDGET_BYTES", chunk * per_token + per_token // 2)
+    assert moe_reference.gather_token_chunk(experts, k, F32) == chunk
     x = _x(rng, 4 * chunk + 1, cfg.hidden_size)  # 5 chunks, the last one padded
     _check(
         moe.moe(params["layers"][L]["ffn"], F32(x), cfg),

@@ -7,7 +7,8 @@ fp32 and rounds its output to the compute dtype; nonlinearities upcast to fp32 a
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import dot  # the GEMM rule lives once, beside the kernels' references that use it
+# the GEMM rule and SiTU-GLU live once, beside the kernels' references (and kernels) that use them
+from pallas_kernels.common import dot, situ_glu  # noqa: F401
 
 F32 = jnp.float32
 
@@ -22,14 +23,6 @@ def rms_norm(x, w, eps):
     xf = x.astype(F32)
     n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return n * w.astype(x.dtype)
-
-
-def situ_glu(g, u, beta1: float, beta2: float | None):
-    """SiTU(g) * cap(u) in fp32, rounded once (docs/model.md §3). sigmoid takes the UNCAPPED g."""
-    gf, uf = g.astype(F32), u.astype(F32)
-    situ = beta1 * jnp.tanh(gf / beta1) * jax.nn.sigmoid(gf)
-    cap = uf if beta2 is None else beta2 * jnp.tanh(uf / beta2)
-    return (situ * cap).astype(g.dtype)
 
 
 def row_parallel(x, w):

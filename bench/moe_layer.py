@@ -1,0 +1,144 @@
+"""The routed experts of one MoE sublayer (pallas_kernels.moe.routed_experts) at one tensor-parallel rank's
+widths on one GPU: the sm90 grouped MXFP4 kernels (policy latency_specialized) against XLA's reference
+("packed": straight from the codes, the default; "gather": a bf16 copy per token), each against its floor,
+the HBM time of reading every distinct selected expert's bytes once (1.10 MB per expert at TP16, 2.2 at TP8).
+
+  PYTHONPATH=. python3 bench/moe_layer.py [OUT_DIR] [--tps 16,8] [--tokens 1,2,4,8,16,32,64,128,512]
+      [--impls packed,gather] [--name moe_layer]
+  (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
+
+Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
+I = 3072 / tp; z random bf16 [T, L]; the routing a top-16 of random scores per token (so the distinct experts
+follow the real model's count at random routing: ~16 at T = 1, ~120 at 8, ~613 at 64, ~896 at 512). CUPTI
+device time (bench/device_time), median of its runs; the kernels of one call counted and timed one by one.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.device_time import ITERS, device_us, kernel_names, per_kernel_us  # noqa: E402
+from pallas_kernels import policy as policy_lib  # noqa: E402
+from pallas_kernels.moe import api  # noqa: E402
+
+E, L, K_TOP, I_TP1 = 896, 3584, 16, 3072
+HBM_TB_S = 4.8  # H200 datasheet
+BETA = dict(situ_beta=4.0, situ_linear_beta=25.0)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+
+
+def experts(key, I):
+    """MXFP4 experts on the device: w1 / w3 [E, I, L], w2 [E, L, I] as codes + scales."""
+    ex = {}
+    for i, (name, (out, inp)) in enumerate(dict(w1=(I, L), w3=(I, L), w2=(L, I)).items()):
+        kc, ks = jax.random.split(jax.random.fold_in(key, i))
+        ex[name + "_codes"] = jax.random.bits(kc, (E, out, inp // 2), jnp.uint8)
+        ex[name + "_scales"] = (120 + jax.random.bits(ks, (E, out, inp // 32), jnp.uint8) % 4).astype(jnp.uint8)
+    return ex
+
+
+def expert_bytes(ex) -> int:
+    return sum(a.nbytes for a in ex.values()) // E
+
+
+def inputs(key, T):
+    kz, ks, kw = jax.random.split(key, 3)
+    _, sel = jax.lax.top_k(jax.random.normal(ks, (T, E)), K_TOP)
+    w = jax.random.uniform(kw, (T, K_TOP), minval=0.05, maxval=1.0)
+    return jax.random.normal(kz, (T, L), jnp.bfloat16), sel.astype(jnp.int32), w
+
+
+def variants(impls):
+    out = {"kernel": policy_lib.DecodePolicy("latency_specialized")}
+    out.update({f"xla_{impl}": policy_lib.DecodePolicy(moe_impl=impl) for impl in impls})
+    return out
+
+
+def main(out_dir, tps, tokens, impls, name):
+    dev = jax.devices()[0]
+    results = dict(
+        device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
+        jax=jax.__version__,
+        what="pallas_kernels.moe.routed_experts: grouped MXFP4 experts, z [T, 3584] -> y [T, 3584]",
+        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+        floor=f"distinct experts x bytes per expert / {HBM_TB_S} TB/s",
+        rows=[],
+    )
+    for tp in tps:
+        I = I_TP1 // tp
+        ex = experts(jax.random.key(tp), I)
+        per_expert = expert_bytes(ex)
+        for T in tokens:
+            z, sel, w = inputs(jax.random.key(1000 + T), T)
+            distinct = int(jnp.unique(sel).size)
+            floor_us = distinct * per_expert / (HBM_TB_S * 1e6)
+            row = dict(tp=tp, I=I, T=T, distinct=distinct, expert_mb=per_expert / 1e6, floor_us=floor_us)
+            outs = {}
+            for v, pol in variants(impls).items():
+
+                def f(ex, z, sel, w, pol=pol):
+                    return api.routed_experts(ex, z, sel, w, **BETA, policy=pol)
+
+                f = jax.jit(f)
+                args = (ex, z, sel, w)
+                try:
+                    with policy_lib.recording(policy_lib.DispatchLog()) as log:
+                        outs[v] = f(*args)  # traced here: the log says what ran
+                    row[f"{v}_ran"] = log.ops[api.OP]
+                    row[f"{v}_us"] = device_us(f, *args)
+                    row[f"{v}_kernels"] = len(kernel_names(f, *args))
+                    if v == "kernel":
+                        row[f"{v}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
+                    row[f"{v}_of_floor"] = floor_us / row[f"{v}_us"]
+                except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
+                    row[f"{v}_us"] = f"failed: {type(e).__name__}: {e}"[:300]
+            ref = outs.get("xla_packed", next((o for k, o in outs.items() if k != "kernel"), None))
+            if "kernel" in outs and ref is not None:
+                a, b = outs["kernel"].astype(jnp.float32), ref.astype(jnp.float32)
+                row["kernel_rel_rms_vs_xla"] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b**2)))
+            results["rows"].append(row)
+            print({k: v for k, v in row.items() if not k.endswith("per_kernel_us")}, flush=True)
+            pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+            write_table(results, pathlib.Path(out_dir, f"{name}.md"), ["kernel", *(f"xla_{i}" for i in impls)])
+        del ex
+
+
+def _cell(row, v):
+    t = row.get(f"{v}_us")
+    if not isinstance(t, float):
+        return str(t or "-")[:60]
+    return f"{t:.1f} ({row[f'{v}_kernels']}, {100 * row[f'{v}_of_floor']:.0f}%)"
+
+
+def write_table(results, path, names):
+    lines = [
+        f"# Routed experts of one MoE sublayer ({results['device']}, jax {results['jax']})",
+        "",
+        f"{results['what']}; {results['measure']}; floor = {results['floor']}. Cells: us (kernels, floor / time).",
+        "",
+        "| TP | T | distinct experts | floor us | " + " | ".join(f"{n} us" for n in names) + " |",
+        "|---|---|---|---|" + "---|" * len(names),
+    ]
+    for r in results["rows"]:
+        cells = " | ".join(_cell(r, n) for n in names)
+        lines.append(f"| {r['tp']} | {r['T']} | {r['distinct']} | {r['floor_us']:.1f} | {cells} |")
+    pathlib.Path(path).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ints = lambda s: tuple(int(x) for x in s.split(","))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir", nargs="?", default=str(pathlib.Path(__file__).parent / "results"))
+    ap.add_argument("--tps", type=ints, default=(16, 8))
+    ap.add_argument("--tokens", type=ints, default=TOKENS)
+    ap.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("packed", "gather"))
+    ap.add_argument("--name", default="moe_layer")
+    a = ap.parse_args()
+    main(a.out_dir, a.tps, a.tokens, a.impls, a.name)

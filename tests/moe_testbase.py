@@ -1,0 +1,80 @@
+"""Shared pieces of the routed-experts tests: random MXFP4 experts with the extreme codes and scales, routings
+with shared and unchosen experts, and float64 NumPy oracles written from docs/model.md §3 / §6 / §7.2."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import np_reference as ref
+import numpy as np
+
+BETA1, BETA2 = 4.0, 25.0  # activation_situ_beta, activation_situ_linear_beta
+
+
+def _codes_scales(r, E, out, inp, scale_spread):
+    """Uniform random bytes (every code, ±0 and ±6 among them) with whole rows of ±0 / ±6 in some experts, and
+    E8M0 scales around 2^-3 (so products stay O(1)) spread by up to 2^±scale_spread."""
+    codes = r.integers(0, 256, (E, out, inp // 2), dtype=np.uint8)
+    for c in (0x00, 0x88, 0x77, 0xFF, 0x7F, 0x08):  # +0 +0 | -0 -0 | +6 +6 | -6 -6 | +6 -6 | -0 +0
+        codes[r.integers(E), r.integers(out)] = c
+    spread = r.integers(-scale_spread, scale_spread + 1, (E, out, inp // 32))
+    scales = (124 + spread).astype(np.uint8)
+    return codes, scales
+
+
+def make_experts(r, E, I, L, scale_spread=20):
+    """MXFP4 experts: w1 / w3 [E, I, L], w2 [E, L, I] as (codes, scales) NumPy arrays, and the jnp dict."""
+    np_ex = {}
+    for name, (out, inp) in dict(w1=(I, L), w3=(I, L), w2=(L, I)).items():
+        np_ex[name] = _codes_scales(r, E, out, inp, scale_spread)
+    jnp_ex = {}
+    for name, (c, s) in np_ex.items():
+        jnp_ex[name + "_codes"], jnp_ex[name + "_scales"] = jnp.asarray(c), jnp.asarray(s)
+    return np_ex, jnp_ex
+
+
+def make_routing(r, T, k, E, unchosen=3, everyone=True):
+    """sel [T, k] (distinct experts per token) over all but `unchosen` experts, with (everyone) one expert
+    every token picks, so a group can be larger than a token tile; fp32 weights in (0, 1)."""
+    pool = r.permutation(E)[: E - unchosen]
+    rows = []
+    for _ in range(T):
+        if everyone:
+            rest = r.choice(pool[1:], k - 1, replace=False)
+            rows.append(r.permutation(np.concatenate([pool[:1], rest])))
+        else:
+            rows.append(r.choice(pool, k, replace=False))
+    return np.stack(rows).astype(np.int32), r.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+
+
+def situ_glu(g, u):
+    """docs/model.md §3 in float64 with a logistic accurate in its far tail: np_reference's 0.5 (1 + tanh(x / 2))
+    cancels to 0 below x ~ -37, where the kernel's fp32 still has e^x (the experts' 2^±20 scales reach it)."""
+    g, u = np.asarray(g, np.float64), np.asarray(u, np.float64)
+    e = np.exp(-np.abs(g))
+    sig = np.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    return BETA1 * np.tanh(g / BETA1) * sig * BETA2 * np.tanh(u / BETA2)
+
+
+def bf16(x):
+    return np.asarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16), np.float64)
+
+
+def dequant(np_ex, name, e):
+    c, s = np_ex[name]
+    return ref.mxfp4_dequant(c[e], s[e])
+
+
+def oracle(np_ex, z, sel, w, rounded):
+    """sum_k w W2(SiTU-GLU(W1 z, W3 z)) in float64, with (rounded) or without the spec's bf16 roundings;
+    also the per-element error scale sum_k w |W2| |h| (what an fp32 / bf16 difference is measured against)."""
+    z = np.asarray(z, np.float64)
+    rnd = bf16 if rounded else (lambda a: a)
+    T, L = z.shape
+    y, scale = np.zeros((T, L)), np.zeros((T, L))
+    for t in range(T):
+        for j, e in enumerate(sel[t]):
+            g, u = rnd(dequant(np_ex, "w1", e) @ z[t]), rnd(dequant(np_ex, "w3", e) @ z[t])
+            h = rnd(situ_glu(g, u))
+            W2 = dequant(np_ex, "w2", e)
+            y[t] += float(w[t, j]) * rnd(W2 @ h)
+            scale[t] += float(w[t, j]) * (np.abs(W2) @ np.abs(h))
+    return (rnd(y) if rounded else y), scale

@@ -1,0 +1,305 @@
+"""The routed-experts kernels (pallas_kernels.moe, sm90): the bit decode over every code and scale, the
+grouping, both kernels in interpret mode against float64 NumPy and the XLA reference (fresh random MXFP4
+experts with the extreme codes and scales, shared and unchosen experts, T not a multiple of 8, a group larger
+than a token tile), CUDA lowering at one TP16 / TP8 / TP1 rank's real shapes, the refusals and the api's
+fallback; real shapes on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
+from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle, situ_glu
+
+from pallas_kernels import policy as policy_lib
+from pallas_kernels.moe import api, grouping, mxfp4, reference, sm90
+
+BETA = dict(situ_beta=BETA1, situ_linear_beta=BETA2)
+LAUNCH = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2)
+TUNING = {"sm90": {"launch": [{"max_tokens": 512, "tokens_per_tile": 8, "up_steps": 2, "down_steps": 2}]}}
+
+
+def _interpret():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return get_races().races_found
+
+
+# ------------------------------------------------------------------------------------------------ the decode
+def test_bit_decode_is_exact_for_every_code_and_normal_scale():
+    """Every byte (both nibbles) under every scale byte 2..252: bit for bit the float64 oracle's value, -0 kept.
+    (253+ overflows bf16 for the large codes in any exact decode; docs/model.md §7.2.)"""
+    codes = np.tile(np.arange(256, dtype=np.uint8), 2)[None].repeat(251, 0)  # [251 scales, 512 bytes] = 32 groups
+    scales = np.arange(2, 253, dtype=np.uint8)[:, None].repeat(32, 1)
+    got = np.asarray(mxfp4.dequantize_by_bits(jnp.asarray(codes), jnp.asarray(scales)), np.float64)
+    want = ref.mxfp4_dequant(codes, scales)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_bit_decode_flushes_only_the_subnormal_values_of_scales_0_and_1():
+    """Scale byte 1 (2^-126): every value exact but +-0.5 x 2^-126 (a bf16 subnormal) -> +-0; byte 0 (2^-127):
+    every value -> +-0. Both below 2^-124: no weight of a real checkpoint has them (e2m1_bf16's docstring)."""
+    codes = np.arange(256, dtype=np.uint8)[None].repeat(2, 0)
+    scales = np.array([[0] * 16, [1] * 16], np.uint8)
+    got = np.asarray(mxfp4.dequantize_by_bits(jnp.asarray(codes), jnp.asarray(scales)), np.float64)
+    want = ref.mxfp4_dequant(codes, scales)
+    half = np.isin(mxfp4.unpack_nibbles(codes, np) & 7, [1])  # the +-0.5 codes
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_array_equal(got[1], np.where(half[1], 0.0, want[1]))
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    assert np.all(np.abs(want[0]) <= 6 * 2.0**-127) and np.all(np.abs(want[1][half[1]]) == 2.0**-127)
+
+
+# ----------------------------------------------------------------------------------------------- the grouping
+def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
+    T, k, E = int(rng.integers(1, 40)), 4, 16
+    sel, _ = make_routing(rng, T, k, E, unchosen=int(rng.integers(0, 6)), everyone=bool(rng.integers(2)))
+    g = jax.device_get(grouping.group_by_expert(jnp.asarray(sel), E))
+    flat = sel.reshape(-1)
+    np.testing.assert_array_equal(flat[g.order_P], np.sort(flat, kind="stable"))
+    np.testing.assert_array_equal(g.order_P, np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(g.token_P, g.order_P // k)
+    chosen, counts = np.unique(flat, return_counts=True)
+    S = grouping.num_slots(T, k, E)
+    assert g.slots_3S.shape == (3, S)
+    n = len(chosen)
+    np.testing.assert_array_equal(g.slots_3S[0, :n], chosen)
+    np.testing.assert_array_equal(g.slots_3S[2, :n], counts)
+    np.testing.assert_array_equal(g.slots_3S[1, :n], np.concatenate([[0], np.cumsum(counts)[:-1]]))
+    np.testing.assert_array_equal(g.slots_3S[2, n:], 0)  # idle slots: their CTAs exit
+    y = np.arange(T * k * 3).reshape(T * k, 3)[np.argsort(np.argsort(flat, kind="stable"))]  # rows in sorted order
+    got = np.asarray(grouping.ungroup(jnp.asarray(y)[jnp.asarray(np.argsort(flat, kind="stable"))], g, T, k))
+    np.testing.assert_array_equal(got, y.reshape(T, k, 3))
+
+
+# --------------------------------------------------------------------------------- the kernels, interpret mode
+def _inputs(r, T, E, I, L, k=4):
+    np_ex, ex = make_experts(r, E, I, L)
+    z = jnp.asarray(r.standard_normal((T, L)), jnp.bfloat16)
+    sel, w = make_routing(r, T, k, E, everyone=T > 1)
+    return np_ex, ex, z, sel, w
+
+
+@cpu_only
+@pytest.mark.parametrize("T, E, I, L", [(1, 8, 64, 512), (5, 12, 192, 1024), (12, 10, 128, 512)])
+def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
+    """bf16 through both kernels (A through SMEM, race-checked) against the XLA reference (the same rounding
+    points: a few bf16 ulps of the element's scale sum_k w |W2| |h|) and against float64 NumPy (no less
+    accurate than the reference). I = 64 / 192: W1 / W3 row blocks past I/2 (the TMA's zero fill); T = 12 with
+    one expert every token chose: a group of 12 in tiles of 8; 3 experts nobody chose."""
+    r = rng()
+    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L)
+    with abstract_gpu("sm90"):
+        got = sm90.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=TUNING, interpret=_interpret()
+        )
+    assert not _races_found()
+    assert got.dtype == jnp.bfloat16 and got.shape == (T, L)
+    got = np.asarray(got, np.float64)
+    want = np.asarray(reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA), np.float64)
+    exact, scale = oracle(np_ex, z, sel, w, rounded=False)
+    assert np.all(np.abs(got - want) <= 2**-6 * scale), np.max(np.abs(got - want) / scale)
+    err_kernel, err_ref = (np.mean(np.abs(a - exact) / scale) for a in (got, want))
+    assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
+
+
+@cpu_only
+def test_kernel_interpret_fp32_sums_match_numpy():
+    """The two kernels' GEMMs to fp32 accuracy: W1 z and W3 z for every (token, expert) pair (the gate/up
+    kernel without its SiTU-GLU, fp32 out), h = SiTU-GLU of their bf16 roundings, W2 h (the down kernel's fp32
+    out), each within 1e-5 of the element's scale sum |W| |x| of the float64 product."""
+    r = rng()
+    T, E, I, L, k = 12, 10, 192, 512, 4
+    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L, k)
+    groups = grouping.group_by_expert(jnp.asarray(sel), E)
+    x2 = sm90.pair_inputs(z, groups)
+    with abstract_gpu("sm90"):
+        kw = dict(launch=LAUNCH, interpret=_interpret(), a_in_smem=True)
+        gu = np.asarray(sm90.gate_up(ex, groups.slots_3S, x2, beta=None, **kw), np.float64)
+        h = sm90.gate_up(ex, groups.slots_3S, x2, beta=(BETA1, BETA2), **kw)
+        y = np.asarray(sm90.down(ex, groups.slots_3S, h, out_dtype=jnp.float32, **kw), np.float64)
+    assert not _races_found()
+    h = np.asarray(h, np.float64)
+    order, z64 = np.asarray(groups.order_P), np.asarray(z, np.float64)
+    for pos, pair in enumerate(order):
+        t, e = pair // k, sel[pair // k, pair % k]
+        interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]  # [2 (parity), I2p] -> [I]
+        for which, name in enumerate(("w1", "w3")):
+            W = dequant(np_ex, name, e)
+            got = interleave(gu[which, :, pos])
+            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
+        g, u = (interleave(gu[i, :, pos]) for i in (0, 1))
+        h_pair = interleave(h[:, pos])
+        h_want = bf16(situ_glu(bf16(g), bf16(u)))
+        # 1 bf16 ulp (the kernel's fp32 tanh / logistic before the rounding), values below fp32's normal
+        # range aside (e^g of a very negative gate: CPU and GPU flush those)
+        bad = np.abs(h_pair - h_want) > 2**-8 * np.abs(h_want) + 2.0**-126
+        assert not np.any(bad), (pos, h_pair[bad], h_want[bad], g[bad], u[bad])
+        W2 = dequant(np_ex, "w2", e)
+        assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
+
+
+# ------------------------------------------------------------------------------------ lowering at real shapes
+def _abstract_experts(E, I, L):
+    sds = jax.ShapeDtypeStruct
+    ex = {}
+    for name, (out, inp) in dict(w1=(I, L), w3=(I, L), w2=(L, I)).items():
+        ex[name + "_codes"] = sds((E, out, inp // 2), jnp.uint8)
+        ex[name + "_scales"] = sds((E, out, inp // 32), jnp.uint8)
+    return ex
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "T, I, a_in_smem",
+    [(1, 192, False), (8, 192, False), (64, 192, False), (512, 192, False), (1, 384, False), (8, 384, False)]
+    + [(64, 384, False), (512, 384, False), (1, 3072, False), (12, 192, True)],
+)
+def test_kernels_lower_for_cuda_at_real_shapes(T, I, a_in_smem):
+    """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
+    tuning.json's launch for T: both Mosaic GPU kernels lower (A from registers; once through SMEM)."""
+    E, L, k = 896, 3584, 16
+    sds = jax.ShapeDtypeStruct
+    tuning = policy_lib.default_tuning().get("moe")
+
+    def f(ex, z, sel, w):
+        return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning, a_in_smem=a_in_smem)
+
+    args = (_abstract_experts(E, I, L), sds((T, L), jnp.bfloat16), sds((T, k), jnp.int32), sds((T, k), jnp.float32))
+    with abstract_gpu("sm90"):
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 2 and lowered.out_info.shape == (T, L)
+
+
+# ---------------------------------------------------------------------------------------- refusals, the api
+@pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem"])
+def test_kernel_refuses_what_it_cannot_run(bad):
+    E, I, L, T = 8, 64, 512, 3
+    ex = _abstract_experts(E, I, L)
+    z = jax.ShapeDtypeStruct((T, L), jnp.float32 if bad == "fp32" else jnp.bfloat16)
+    sel = jax.ShapeDtypeStruct((T, 4), jnp.int32)
+    launch = LAUNCH
+    if bad == "dense":
+        ex = {n: jax.ShapeDtypeStruct((E, 1, 1), jnp.bfloat16) for n in ("w1", "w3", "w2")}
+    elif bad == "latent":
+        ex, z = _abstract_experts(E, I, 768), jax.ShapeDtypeStruct((T, 768), jnp.bfloat16)
+    elif bad == "intermediate":
+        ex = _abstract_experts(E, 48, L)
+    elif bad == "tile":
+        launch = sm90.Launch(12, 2, 2)
+    elif bad == "smem":  # 7 stages of two [64, 256] code tiles and two [64, 256] bf16 x tiles: 686 KB
+        ex, z, launch = (
+            _abstract_experts(E, I, 3584),
+            jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16),
+            sm90.Launch(64, 8, 2),
+        )
+    with pytest.raises(NotImplementedError):
+        if bad == "tokens":
+            sm90.pick_launch(TUNING, 513)
+        sm90.check_supported(ex, z, sel, launch)
+
+
+def test_launches_cover_the_tokens_they_claim():
+    """tuning.json's launches fit (SMEM, tiles) at TP16 / TP8 / TP1 widths for every T they serve, on the GPU
+    path (A from registers) and the interpret path (A through SMEM)."""
+    tuning = policy_lib.default_tuning().get("moe")
+    served = tuning["sm90"]["launch"][-1]["max_tokens"]
+    for I in (192, 384, 3072):
+        ex = _abstract_experts(896, I, 3584)
+        for T in range(1, served + 1):
+            z, sel = jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16), jax.ShapeDtypeStruct((T, 16), jnp.int32)
+            for a_in_smem in (False, True):
+                sm90.check_supported(ex, z, sel, sm90.pick_launch(tuning, T), a_in_smem)
+    with pytest.raises(NotImplementedError, match=f"T = {served + 1}"):
+        sm90.pick_launch(tuning, served + 1)
+
+
+@pytest.mark.parametrize("impl", ["packed", "gather"])
+def test_api_off_hopper_runs_the_reference_and_says_why(impl):
+    """On CPU the kernel refuses (no GPU): the reference in the policy's moe_impl runs, and the log says so."""
+    r = rng()
+    _, ex, z, sel, w = _inputs(r, 3, 8, 64, 512)
+    pol = policy_lib.DecodePolicy("latency_specialized", moe_impl=impl)
+    with policy_lib.recording(policy_lib.DispatchLog()) as log:
+        got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=pol)
+    assert log.ops[api.OP]["impl"] == "xla" and "GPU" in log.ops[api.OP]["reason"]
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, impl=impl)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="routed_experts takes"):
+        api.routed_experts(ex, z, jnp.asarray(sel)[:, :2], jnp.asarray(w), **BETA, policy=pol)
+
+
+# ------------------------------------------------------------------------------------------ on the GPU, real
+def _device_experts(key, E, I, L):
+    """Random MXFP4 experts made on the device (a rank's 0.9-1.9 GB): uniform codes, scales 2^-7..2^-4."""
+    ex = {}
+    for i, (name, (out, inp)) in enumerate(dict(w1=(I, L), w3=(I, L), w2=(L, I)).items()):
+        kc, ks = jax.random.split(jax.random.fold_in(key, i))
+        ex[name + "_codes"] = jax.random.bits(kc, (E, out, inp // 2), jnp.uint8)
+        ex[name + "_scales"] = (120 + jax.random.bits(ks, (E, out, inp // 32), jnp.uint8) % 4).astype(jnp.uint8)
+    return ex
+
+
+def _device_routing(key, T, E, k):
+    kz, ks, kw = jax.random.split(key, 3)
+    _, sel = jax.lax.top_k(jax.random.normal(ks, (T, E)), k)
+    w = jax.random.uniform(kw, (T, k), minval=0.05, maxval=1.0)
+    return jax.random.normal(kz, (T, 3584), jnp.bfloat16), sel.astype(jnp.int32), w
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 8, 12, 64, 512])
+@pytest.mark.parametrize("I", [192, 384])
+def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
+    """One TP16 / TP8 rank's experts (E = 896, L = 3584, k = 16), tuning.json's launch, A from registers:
+    the kernel against the XLA reference (packed and gather), within a few bf16 ulps of each token's scale."""
+    key = jax.random.key(int(rng().integers(1 << 30)))
+    ex = _device_experts(key, 896, I, 3584)
+    z, sel, w = _device_routing(jax.random.fold_in(key, 7), T, 896, 16)
+    tuning = policy_lib.default_tuning().get("moe")
+    got = np.asarray(jax.jit(lambda *a: sm90.routed_experts(*a, **BETA, tuning=tuning))(ex, z, sel, w), np.float64)
+    for impl in ("packed", "gather"):
+        want = jax.jit(lambda *a, impl=impl: reference.routed_experts(*a, **BETA, impl=impl))(ex, z, sel, w)
+        want = np.asarray(want, np.float64)
+        tol = 2**-6 * np.max(np.abs(want), axis=-1, keepdims=True)
+        assert np.all(np.abs(got - want) <= tol), (impl, np.max(np.abs(got - want) / tol))
+        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 2**-8, impl
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("I", [192, 384])
+def test_kernel_fp32_sums_on_gpu_match_numpy(I):
+    """A from registers on the GPU: the gate/up kernel's fp32 sums W1 z / W3 z and the down kernel's W2 h for
+    every pair of 3 tokens, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
+    key = jax.random.key(int(rng().integers(1 << 30)))
+    E, L, k, T = 896, 3584, 16, 3
+    ex = _device_experts(key, E, I, L)
+    z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
+    groups = grouping.group_by_expert(sel, E)
+    x2 = sm90.pair_inputs(z, groups)
+    launch = sm90.pick_launch(policy_lib.default_tuning().get("moe"), T)
+    gu = np.asarray(jax.jit(lambda *a: sm90.gate_up(*a, launch=launch, beta=None))(ex, groups.slots_3S, x2))
+    h = jax.jit(lambda *a: sm90.gate_up(*a, launch=launch, beta=(BETA1, BETA2)))(ex, groups.slots_3S, x2)
+    y = jax.jit(lambda *a: sm90.down(*a, launch=launch, out_dtype=jnp.float32))(ex, groups.slots_3S, h)
+    y, h = np.asarray(y, np.float64), np.asarray(h, np.float64)
+    np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
+    sel, z64 = np.asarray(sel), np.asarray(z, np.float64)
+    interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]
+    for pos, pair in enumerate(np.asarray(groups.order_P)):
+        t, e = pair // k, sel[pair // k, pair % k]
+        for which, name in enumerate(("w1", "w3")):
+            W = dequant(np_ex, name, e)
+            got = interleave(gu[which, :, pos])
+            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
+        W2, h_pair = dequant(np_ex, "w2", e), interleave(h[:, pos])
+        assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
