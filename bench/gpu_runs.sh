@@ -17,6 +17,7 @@
 #                                 and B 64 through the api -> kda_verify_b64.*
 #   kda_layer    nvidia-h200      the whole KDA sublayer, TP16 / TP8, B 1-64 -> kda_layer.*
 #   gemv         nvidia-h200      the decode GEMV's tuned launches vs XLA, B 1-64 -> gemv.json
+#   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k and the grouping forms, T 1-512 -> moe_route.*
 # One machine kind at a time: a switch restarts the machine.
 set -u
@@ -72,6 +73,9 @@ case "${1:-}" in
     ;;
   gemv)
     step gemv 400 python3 bench/gemv.py "$work"
+    ;;
+  moe_layer)
+    step moe_layer 300 python3 bench/moe_layer.py "$work" --impls packed
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"

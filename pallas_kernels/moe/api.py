@@ -42,7 +42,10 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
 
     def kernel():
         body = _body()
-        return body.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, tuning=policy.table("moe"))
+        tuning = policy.table("moe")
+        if not tuning["sm90"].get("serve", True):
+            raise NotImplementedError("the routed-experts kernel is not served yet (tuning.json 'serve': see its _doc)")
+        return body.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, tuning=tuning)
 
     def ref():
         return reference.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, impl=policy.moe_impl)
