@@ -54,7 +54,9 @@ def main(argv=None) -> int:
         default="fast",
         help="source checksums: sampled fingerprint (fast) or sha256 of every byte (full)",
     )
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace OUT_DIR if it exists (--write-manifest: replace its manifest)"
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="library logs and full tracebacks on the terminal")
     a = ap.parse_args(argv)
