@@ -1,20 +1,32 @@
-"""`k3jax-convert HF_DIR OUT_DIR` (= `python -m convert`): HF Kimi K3 checkpoint -> k3jax checkpoint."""
+"""`k3jax-convert HF_DIR OUT_DIR` (= `python -m convert`): HF Kimi K3 checkpoint -> k3jax checkpoint.
+`k3jax-convert --check DIR` re-reads a converted checkpoint against its manifest (every file's size and
+checksum); `k3jax-convert --write-manifest DIR` gives one to a checkpoint converted before manifests."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from convert.core import Options, convert
-from convert.source import ConvertError
-from k3jax.config import ConfigError
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="k3jax-convert", description=__doc__)
-    ap.add_argument("hf_dir", help="HF checkpoint directory (config.json + safetensors shards)")
-    ap.add_argument("out_dir", help="output directory (appears atomically when the conversion succeeds)")
+    ap.add_argument("hf_dir", nargs="?", help="HF checkpoint directory (config.json + safetensors shards)")
+    ap.add_argument("out_dir", nargs="?", help="output directory (appears atomically when the conversion succeeds)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--check",
+        metavar="DIR",
+        help="verify converted checkpoint DIR against its manifest (every byte; exit 1 naming each file that differs)",
+    )
+    mode.add_argument(
+        "--write-manifest",
+        metavar="DIR",
+        help="hash the files of DIR (converted before manifests) as they are now and write its manifest",
+    )
     ap.add_argument(
         "--experts",
         choices=("mxfp4", "bf16"),
@@ -28,7 +40,12 @@ def main(argv=None) -> int:
         help="storage dtype of the bf16 trunk (fp32 tensors stay fp32, packed bytes stay packed)",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size hint (chunking; recorded)")
-    ap.add_argument("--workers", type=int, default=4, help="reader/writer threads (I/O-latency bound)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="reader/writer threads (I/O-latency bound; default 4, for --check/--write-manifest cores + 4)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     ap.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source")
     ap.add_argument(
@@ -37,14 +54,31 @@ def main(argv=None) -> int:
         default="fast",
         help="source checksums: sampled fingerprint (fast) or sha256 of every byte (full)",
     )
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace OUT_DIR if it exists (--write-manifest: replace its manifest)"
+    )
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="library logs and full tracebacks on the terminal")
     a = ap.parse_args(argv)
+    if a.check or a.write_manifest:
+        if a.hf_dir or a.out_dir:
+            ap.error("--check / --write-manifest take one checkpoint directory and no HF_DIR OUT_DIR")
+        body = _check if a.check else _write_manifest
+    elif not (a.hf_dir and a.out_dir):
+        ap.error("give HF_DIR OUT_DIR (or --check DIR, or --write-manifest DIR)")
+    else:
+        body = _convert
+    from k3jax import errors
+
+    return errors.cli_main("k3jax-convert", lambda: body(a), verbose=a.verbose)
+
+
+def _convert(a) -> int:
     opts = Options(
         experts=a.experts,
         dtype=a.dtype,
         tp=a.tp,
-        workers=a.workers,
+        workers=4 if a.workers is None else a.workers,
         resume=a.resume,
         verify=a.verify,
         checksum=a.checksum,
@@ -54,9 +88,6 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         meta = convert(a.hf_dir, a.out_dir, opts)
-    except (ConvertError, ConfigError) as e:
-        print(f"k3jax-convert: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # finished parts are kept in OUT_DIR.tmp-*; nothing at OUT_DIR loads
         print(
             f"k3jax-convert: interrupted; {a.out_dir} was not written. Run the same command with --resume "
@@ -72,6 +103,76 @@ def main(argv=None) -> int:
         f"converted {src['tensors_read']} tensors into {len(meta['tensors'])} arrays "
         f"({nbytes / 1e9:.2f} GB, experts {meta['experts']}, dtype {meta['dtype']}) in {dt:.1f} s; "
         f"skipped: {skipped}; verified: {a.verify}; -> {a.out_dir}"
+    )
+    return 0
+
+
+SHOWN = 20  # problems listed one per line by --check before the summary
+
+
+def _check(a) -> int:
+    from k3jax import checkpoint
+    from k3jax import manifest as M
+
+    d = a.check
+    checkpoint.read_meta(d)  # a directory that is no converted checkpoint: the usual one-line refusal
+    try:
+        m = M.read(d)
+    except M.ManifestError as e:
+        raise checkpoint.CheckpointError(str(e)) from None
+    if m is None:
+        checkpoint.check_files(d)  # raises the refusal that says how to add one
+    t0 = time.perf_counter()
+    problems = M.verify(d, m, a.workers or checkpoint.default_workers(), progress=not a.no_progress)
+    dt = time.perf_counter() - t0
+    n, nbytes = M.count_files(m), M.total_bytes(m)
+    if not problems:
+        print(
+            f"{d}: all {n} files match the manifest ({nbytes / 1e9:.2f} GB checked in {dt:.1f} s, "
+            f"{nbytes / max(dt, 1e-9) / 1e6:.0f} MB/s)"
+        )
+        return 0
+    for p in problems[:SHOWN]:
+        print(f"  {p}", file=sys.stderr)
+    if len(problems) > SHOWN:
+        print(f"  ... and {len(problems) - SHOWN} more", file=sys.stderr)
+    print(
+        f"k3jax-convert: error: {d}: {len(problems)} of {n} files differ from the manifest (first: {problems[0]}); "
+        "re-convert it (k3jax-convert HF_DIR OUT_DIR --overwrite) or copy those files again",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _write_manifest(a) -> int:
+    from k3jax import checkpoint
+    from k3jax import manifest as M
+
+    d = a.write_manifest
+    meta = checkpoint.read_meta(d)
+    if os.path.exists(os.path.join(d, M.MANIFEST)) and not a.overwrite:
+        raise checkpoint.CheckpointError(
+            f"{d} already has a manifest: check it with k3jax-convert --check {d} (--overwrite replaces it with "
+            "one of the files as they are now, damage included)"
+        )
+    t0 = time.perf_counter()
+    try:
+        m = M.build(d, meta.get("params", "params"), a.workers or checkpoint.default_workers(), not a.no_progress)
+    except M.ManifestError as e:
+        raise checkpoint.CheckpointError(f"{d}: {e}") from None
+    params = meta.get("params", "params")
+    missing = sorted(k for k in meta["tensors"] if f"{params}/{k.replace('/', '.')}" not in m["chunks"])
+    if missing:
+        raise checkpoint.CheckpointError(
+            f"{d}: no array on disk for {len(missing)} tensor(s) of its metadata ({', '.join(missing[:3])}): the "
+            "checkpoint is incomplete, so no manifest was written; re-convert it or copy it again"
+        )
+    M.write(d, m)
+    dt = time.perf_counter() - t0
+    nbytes = M.total_bytes(m)
+    print(
+        f"wrote {os.path.join(d, M.MANIFEST)}: {M.count_files(m)} files, {nbytes / 1e9:.2f} GB hashed in {dt:.1f} s "
+        f"({nbytes / max(dt, 1e-9) / 1e6:.0f} MB/s); it vouches for the files as they are now"
     )
     return 0
 

@@ -4,8 +4,10 @@ Flow: open and validate every header (no data read, nothing written on error) ->
 grouped into parts (the globals, then one part per layer) -> N worker threads read source tensors lazily
 (one stack entry or row block at a time, so host memory is bounded by workers x block size, not by the
 model) and write them into a staging directory `OUT_DIR.tmp-<hash>` -> a part's marker is written when all
-its leaves are on disk, so `--resume` skips finished parts -> metadata, tokenizer files, optional verify ->
-one rename to OUT_DIR. A crash leaves only the staging directory, which `k3jax.load` refuses.
+its leaves are on disk (with their chunks' checksums, taken right after each block is written), so `--resume`
+skips finished parts -> metadata, tokenizer files, optional verify -> the manifest (k3jax/manifest.py: every
+file's size and checksum) -> one rename to OUT_DIR. A crash leaves only the staging directory, which
+`k3jax.load` refuses.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from convert import store
 from convert.safetensors_io import ShardError, read
 from convert.source import ConvertError, Source, check, fingerprint, open_source
+from k3jax import manifest as M
 from k3jax import params as P
 from k3jax import sharding, transforms
 
@@ -117,7 +120,8 @@ def convert(
     parts: dict[str, list[_Job]] = {}
     for j in jobs:
         parts.setdefault(_part(j.spec), []).append(j)
-    done = {p for p in parts if os.path.exists(os.path.join(parts_dir, p + ".done"))}
+    digests = {p: d for p in parts if (d := _read_marker(parts_dir, p)) is not None}  # finished parts
+    done = set(digests)
     todo = [j for p, js in parts.items() if p not in done for j in js]
     try:
         bar = _Progress(sum(j.src_bytes for j in todo), "convert", opts.progress)
@@ -127,13 +131,16 @@ def convert(
         lock = threading.Lock()
 
         def run(j: _Job):
-            j.write(params_dir, bar)
+            files, chunks = j.write(params_dir, bar)
             with lock:
                 p = _part(j.spec)
+                d = digests.setdefault(p, {"files": {}, "chunks": {}})
+                d["files"].update(files)
+                d["chunks"].update(chunks)
                 remaining[p] -= 1
                 finished = remaining[p] == 0
             if finished:
-                open(os.path.join(parts_dir, p + ".done"), "w").close()
+                _write_marker(parts_dir, p, d)
                 if _after_part:
                     _after_part(p)
 
@@ -170,14 +177,41 @@ def convert(
             vbar.close()
         with open(os.path.join(stage, META), "w") as f:
             json.dump(meta, f, indent=1)
+        files = {n: list(M.digest_file(os.path.join(stage, n))) for n in [META, *meta["tokenizer"]]}
+        for n in ("_METADATA", "_CHECKPOINT_METADATA"):
+            files[f"params/{n}"] = list(M.digest_file(os.path.join(params_dir, n)))
+        chunks = {}
+        for p in parts:
+            files.update(digests[p]["files"])
+            chunks.update(digests[p]["chunks"])
+        M.write(stage, M.assemble(dict(sorted(files.items())), dict(sorted(chunks.items()))))
         shutil.rmtree(parts_dir)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.rename(stage, out_dir)  # the one atomic step: before it nothing loads, after it all of it does
-    except (ConvertError, ShardError) as e:  # bad data: nothing to resume, leave nothing behind
+    except (ConvertError, ShardError, M.ManifestError) as e:  # bad data: nothing to resume, leave nothing behind
         shutil.rmtree(stage, ignore_errors=True)
         raise ConvertError(str(e)) from None
     return meta
+
+
+def _read_marker(parts_dir: str, part: str) -> dict | None:
+    """A finished part's checksums, or None where the part must be (re)done: no marker, or an empty one left
+    by a converter from before manifests (its chunks were never hashed)."""
+    try:
+        with open(os.path.join(parts_dir, part + ".done")) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and {"files", "chunks"} <= d.keys() else None
+
+
+def _write_marker(parts_dir: str, part: str, digests: dict) -> None:
+    """Atomically: a marker is the promise that the part's files and checksums are complete."""
+    path = os.path.join(parts_dir, part + ".done")
+    with open(path + ".tmp", "w") as f:
+        json.dump(digests, f)
+    os.replace(path + ".tmp", path)
 
 
 def _store_dtype(spec: P.TensorSpec, dtype: str) -> str:
@@ -267,12 +301,20 @@ class _Job:
         c = read(self.src.entries[name.removesuffix("_packed") + "_scale"])
         return a, c, a.nbytes + c.nbytes
 
-    def write(self, params_dir: str, bar):
+    def write(self, params_dir: str, bar) -> tuple[dict, dict]:
+        """Write the array block by block, hashing each block's chunk files right after it is written (they are
+        in the page cache: no second pass over the disk). Returns the manifest's (files, chunks) entries."""
         t = store.open_leaf(params_dir, self.spec, self.dtype, self.chunks, create=True)
+        root, rel = os.path.dirname(params_dir), "params/" + store.leaf_name(self.spec.path)
+        digests = M.ArrayDigests(rel, self.spec.shape, self.chunks, store.np_dtype(self.dtype).itemsize)
         for idx, arr, n in self.blocks():
             self._check_values(arr)
             t[idx].write(arr).result()
+            for c in store.covered_chunks(idx, self.spec.shape, self.chunks):
+                digests.add(c, root)
             bar.update(n)
+        zarray = M.digest_file(os.path.join(root, rel, M.ZARRAY))
+        return {f"{rel}/{M.ZARRAY}": list(zarray)}, {rel: digests.entry()}
 
     def _check_values(self, arr: np.ndarray):
         """Bit rot or a bad download with intact headers passes every header check, and a flipped bit most

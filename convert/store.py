@@ -10,6 +10,7 @@ and zstd would cost CPU on both sides) and cut along the axes a tensor-parallel 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -68,6 +69,20 @@ def open_leaf(params_dir: str, spec: P.TensorSpec, dtype: str, chunks, create: b
         }
         return ts.open(spec_json, create=True, delete_existing=True).result()
     return ts.open(spec_json, open=True).result()
+
+
+def covered_chunks(idx: tuple, shape, chunks) -> list[tuple[int, ...]]:
+    """Grid indices of the chunks that a write of `arr` at `t[idx]` fills (idx: ints and slices, one per leading
+    axis; missing axes are whole). The converter's blocks start on chunk boundaries, so each chunk is written
+    by exactly one block and can be hashed right after it."""
+    ranges = []
+    for ax, (n, c) in enumerate(zip(shape, chunks, strict=True)):
+        i = idx[ax] if ax < len(idx) else slice(None)
+        a, b = (i, i + 1) if isinstance(i, int) else i.indices(n)[:2]
+        if a % c:
+            raise ValueError(f"block {idx} does not start on a chunk boundary of {list(chunks)}")
+        ranges.append(range(a // c, -(-b // c)))
+    return list(itertools.product(*ranges))
 
 
 def write_metadata(params_dir: str, table: list[P.TensorSpec]):

@@ -113,18 +113,21 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-gb", type=float, default=141.0, help="HBM per device in GB (H200: 141)")
     ap.add_argument("--reserve-gb", type=float, default=6.0, help="activations + XLA workspace per device")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="full tracebacks on the terminal")
     a = ap.parse_args(argv)
-    try:
+
+    def run() -> int:
         cfg = _config(a.config)
         p = plan(cfg, a.tp, a.batch, a.context, a.cache_dtype, a.hbm_gb, a.reserve_gb, a.experts)
-    except ValueError as e:
-        print(f"k3jax.plan: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p, indent=1) if a.json else _format(p))
-    if not p["fits"]:
-        print(f"k3jax.plan: {p['error']}", file=sys.stderr)
-        return 1
-    return 0
+        print(json.dumps(p, indent=1) if a.json else _format(p))
+        if not p["fits"]:
+            print(f"k3jax.plan: {p['error']}", file=sys.stderr)
+            return 1
+        return 0
+
+    from k3jax import errors
+
+    return errors.cli_main("k3jax.plan", run, verbose=a.verbose)
 
 
 def _config(spec: str) -> K3Config:

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 
-def score(ckpt_dir: str, tokens: np.ndarray, dtype: str = "float32", mesh=None) -> np.ndarray:
+def score(ckpt_dir: str, tokens: np.ndarray, dtype: str = "float32", mesh=None, verify: bool = False) -> np.ndarray:
     import jax
     import jax.numpy as jnp
 
@@ -27,7 +27,7 @@ def score(ckpt_dir: str, tokens: np.ndarray, dtype: str = "float32", mesh=None) 
     if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim not in (1, 2):
         raise ValueError(f"tokens must be int ids of shape [B, T] or [T], got {tokens.dtype}{list(tokens.shape)}")
     dt = jnp.dtype(dtype)
-    cfg, params = load(ckpt_dir, mesh=mesh, dtype=dt)
+    cfg, params = load(ckpt_dir, mesh=mesh, dtype=dt, verify=verify)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got [{tokens.min()}, {tokens.max()}]")
     ids_BT = tokens[None] if tokens.ndim == 1 else tokens
@@ -42,15 +42,23 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", required=True, help=".npy of int token ids [B, T] or [T]")
     ap.add_argument("--out", required=True, help=".npy to write float32 logits to")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument(
+        "--verify-checkpoint",
+        action="store_true",
+        help="check every checkpoint file's checksum before loading (a full read; sizes are always checked)",
+    )
+    ap.add_argument("--verbose", action="store_true", help="library logs and full tracebacks on the terminal")
     a = ap.parse_args(argv)
-    try:
-        logits = score(a.checkpoint, _load_tokens(a.tokens), a.dtype)
-    except ValueError as e:
-        print(f"k3jax.score: error: {e}", file=sys.stderr)
-        return 2
-    np.save(a.out, logits)
-    print(f"wrote logits {list(logits.shape)} to {a.out}")
-    return 0
+
+    def run() -> int:
+        logits = score(a.checkpoint, _load_tokens(a.tokens), a.dtype, verify=a.verify_checkpoint)
+        np.save(a.out, logits)
+        print(f"wrote logits {list(logits.shape)} to {a.out}")
+        return 0
+
+    from k3jax import errors
+
+    return errors.cli_main("k3jax.score", run, verbose=a.verbose)
 
 
 def _load_tokens(path: str) -> np.ndarray:

@@ -1,8 +1,11 @@
 import os
+import tempfile
 
 # Tests run on CPU; 16 fake devices let the sharding tests build every TP mesh in one process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Failure logs (k3jax/errors.py) of the tests' deliberate refusals go to a temporary directory, not ~/.cache.
+os.environ.setdefault("K3JAX_LOG_DIR", os.path.join(tempfile.gettempdir(), "k3jax-test-logs"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
