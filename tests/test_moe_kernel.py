@@ -66,18 +66,26 @@ def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
     flat = sel.reshape(-1)
     np.testing.assert_array_equal(flat[g.order_P], np.sort(flat, kind="stable"))
     np.testing.assert_array_equal(g.order_P, np.argsort(flat, kind="stable"))
-    np.testing.assert_array_equal(g.token_P, g.order_P // k)
     chosen, counts = np.unique(flat, return_counts=True)
     S = grouping.num_slots(T, k, E)
     assert g.slots_3S.shape == (3, S)
     n = len(chosen)
     np.testing.assert_array_equal(g.slots_3S[0, :n], chosen)
     np.testing.assert_array_equal(g.slots_3S[2, :n], counts)
-    np.testing.assert_array_equal(g.slots_3S[1, :n], np.concatenate([[0], np.cumsum(counts)[:-1]]))
+    # each group starts on an ALIGN-row boundary of the kernels' pair order (the TMA token tiles start there)
+    padded = -(-counts // grouping.ALIGN) * grouping.ALIGN
+    np.testing.assert_array_equal(g.slots_3S[1, :n], np.concatenate([[0], np.cumsum(padded)[:-1]]))
     np.testing.assert_array_equal(g.slots_3S[2, n:], 0)  # idle slots: their CTAs exit
-    y = np.arange(T * k * 3).reshape(T * k, 3)[np.argsort(np.argsort(flat, kind="stable"))]  # rows in sorted order
-    got = np.asarray(grouping.ungroup(jnp.asarray(y)[jnp.asarray(np.argsort(flat, kind="stable"))], g, T, k))
-    np.testing.assert_array_equal(got, y.reshape(T, k, 3))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.arange(T * k) - starts[np.searchsorted(chosen, flat[g.order_P])]
+    np.testing.assert_array_equal(g.row_P, g.slots_3S[1, np.searchsorted(chosen, flat[g.order_P])] + rank)
+    np.testing.assert_array_equal(g.token_R[g.row_P], g.order_P // k)
+    assert g.token_R.shape == (grouping.num_rows(T, k, E),)
+    y_pairs = rng.standard_normal((T * k, 3)).astype(np.float32)  # a value per (token, choice) pair, placed at each pair's row
+    y_rows = np.full((grouping.num_rows(T, k, E), 3), np.nan, np.float32)
+    y_rows[g.row_P] = y_pairs[g.order_P]
+    got = np.asarray(grouping.ungroup(jnp.asarray(y_rows), g, T, k))
+    np.testing.assert_array_equal(got, y_pairs.reshape(T, k, 3))
 
 
 # --------------------------------------------------------------------------------- the kernels, interpret mode
@@ -128,8 +136,8 @@ def test_kernel_interpret_fp32_sums_match_numpy():
         y = np.asarray(sm90.down(ex, groups.slots_3S, h, out_dtype=jnp.float32, **kw), np.float64)
     assert not _races_found()
     h = np.asarray(h, np.float64)
-    order, z64 = np.asarray(groups.order_P), np.asarray(z, np.float64)
-    for pos, pair in enumerate(order):
+    order, rows, z64 = np.asarray(groups.order_P), np.asarray(groups.row_P), np.asarray(z, np.float64)
+    for pair, pos in zip(order, rows, strict=True):  # pos: the pair's row in the kernels' aligned order
         t, e = pair // k, sel[pair // k, pair % k]
         interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]  # [2 (parity), I2p] -> [I]
         for which, name in enumerate(("w1", "w3")):
@@ -261,18 +269,25 @@ def _device_routing(key, T, E, k):
 @pytest.mark.parametrize("I", [192, 384])
 def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
     """One TP16 / TP8 rank's experts (E = 896, L = 3584, k = 16), tuning.json's launch, A from registers:
-    the kernel against the XLA reference (packed and gather), within a few bf16 ulps of each token's scale."""
+    the kernel against the XLA reference (packed and gather) within a few bf16 ulps of each token's scale, and
+    no less accurate than the XLA path against the same maths in float32 (the bf16 rule of the project)."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     ex = _device_experts(key, 896, I, 3584)
     z, sel, w = _device_routing(jax.random.fold_in(key, 7), T, 896, 16)
     tuning = policy_lib.default_tuning().get("moe")
     got = np.asarray(jax.jit(lambda *a: sm90.routed_experts(*a, **BETA, tuning=tuning))(ex, z, sel, w), np.float64)
+    f32 = jax.jit(lambda *a: reference.routed_experts(*a, **BETA, impl="gather"))(ex, z.astype(jnp.float32), sel, w)
+    f32 = np.asarray(f32, np.float64)
+
+    def rel_rms(a, b):
+        return np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2))
+
     for impl in ("packed", "gather"):
         want = jax.jit(lambda *a, impl=impl: reference.routed_experts(*a, **BETA, impl=impl))(ex, z, sel, w)
         want = np.asarray(want, np.float64)
         tol = 2**-6 * np.max(np.abs(want), axis=-1, keepdims=True)
         assert np.all(np.abs(got - want) <= tol), (impl, np.max(np.abs(got - want) / tol))
-        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 2**-8, impl
+        assert rel_rms(got, f32) <= 1.25 * rel_rms(want, f32) + 1e-4, (impl, rel_rms(got, f32), rel_rms(want, f32))
 
 
 @gpu_only
@@ -295,7 +310,7 @@ def test_kernel_fp32_sums_on_gpu_match_numpy(I):
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
     sel, z64 = np.asarray(sel), np.asarray(z, np.float64)
     interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]
-    for pos, pair in enumerate(np.asarray(groups.order_P)):
+    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
         t, e = pair // k, sel[pair // k, pair % k]
         for which, name in enumerate(("w1", "w3")):
             W = dequant(np_ex, name, e)

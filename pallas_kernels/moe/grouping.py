@@ -2,8 +2,13 @@
 
 The T x k (token, expert) pairs are sorted by expert (stable, so a group keeps token order); the experts that
 at least one token chose become the first `n_active` of `slots` static slots (ascending expert id), each with
-its group's offset into the sorted pairs and its size; the slots past them have size 0 and their CTAs exit.
-`slots` = min(E, T x k) is enough: there are never more distinct experts than pairs.
+its group's first row and its size; the slots past them have size 0 and their CTAs exit. `slots` =
+min(E, T x k) is enough: there are never more distinct experts than pairs.
+
+Each group starts on a multiple of ALIGN rows of the kernels' pair-ordered arrays (rows between groups are
+padding): the kernels' token tiles are TMA boxes of an (8, 64)-tiled SMEM layout, and a box that starts off
+an 8-row boundary loaded zeros past the first tile boundary on the H200 (every pair of rank >= 1 at a multiple
+of 8 came out 0: bench/results/moe_layer.md's first run), so tiles start aligned ("aligned group tables").
 """
 
 import dataclasses
@@ -12,18 +17,25 @@ import jax
 import jax.numpy as jnp
 
 I32 = jnp.int32
+ALIGN = 8  # rows: a group's first row in the kernels' pair order is a multiple of this
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Groups:
     order_P: jax.Array  # int32 [P]: sorted position -> flat pair index t * k + j
-    token_P: jax.Array  # int32 [P]: sorted position -> token
-    slots_3S: jax.Array  # int32 [3, S]: per slot (expert id, first sorted position, group size; 0 = idle)
+    row_P: jax.Array  # int32 [P]: sorted position -> its row in the kernels' (aligned) pair order
+    token_R: jax.Array  # int32 [R]: row -> token (padding rows: token 0, never stored)
+    slots_3S: jax.Array  # int32 [3, S]: per slot (expert id, first row, group size; 0 = idle)
 
 
 def num_slots(T: int, k: int, E: int) -> int:
     return min(E, T * k)
+
+
+def num_rows(T: int, k: int, E: int) -> int:
+    """Rows of the aligned pair order: every group rounded up to ALIGN, at most ALIGN - 1 padding rows each."""
+    return T * k + (ALIGN - 1) * num_slots(T, k, E)
 
 
 def group_by_expert(sel_Tk, num_experts: int) -> Groups:
@@ -33,15 +45,20 @@ def group_by_expert(sel_Tk, num_experts: int) -> Groups:
     order = jnp.argsort(flat, stable=True).astype(I32)
     counts = jnp.zeros((num_experts,), I32).at[flat].add(1)
     starts = jnp.cumsum(counts) - counts  # exclusive: the first sorted position of each expert's group
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    first_row = jnp.cumsum(padded) - padded  # each group's first row, a multiple of ALIGN
+    e_sorted = flat[order]
+    row = (first_row[e_sorted] + jnp.arange(T * k, dtype=I32) - starts[e_sorted]).astype(I32)
+    token = jnp.zeros((num_rows(T, k, num_experts),), I32).at[row].set(order // k)
     (active,) = jnp.nonzero(counts > 0, size=S, fill_value=0)
     active = active.astype(I32)
     used = jnp.arange(S, dtype=I32) < jnp.sum(counts > 0)
-    slots = jnp.stack([active, starts[active], jnp.where(used, counts[active], 0)])
-    return Groups(order_P=order, token_P=order // k, slots_3S=slots)
+    slots = jnp.stack([active, first_row[active], jnp.where(used, counts[active], 0)])
+    return Groups(order_P=order, row_P=row, token_R=token, slots_3S=slots)
 
 
-def ungroup(y_PL, groups: Groups, T: int, k: int):
-    """Rows in sorted order [P, ...] -> [T, k, ...] in (token, choice) order."""
+def ungroup(y_RL, groups: Groups, T: int, k: int):
+    """Rows in the kernels' aligned pair order [R, ...] -> [T, k, ...] in (token, choice) order."""
     P = T * k
-    inverse = jnp.zeros((P,), I32).at[groups.order_P].set(jnp.arange(P, dtype=I32))
-    return y_PL[inverse].reshape(T, k, *y_PL.shape[1:])
+    row_of_pair = jnp.zeros((P,), I32).at[groups.order_P].set(groups.row_P)
+    return y_RL[row_of_pair].reshape(T, k, *y_RL.shape[1:])

@@ -327,10 +327,10 @@ def down(experts, slots_3S, h_2PI, *, launch: Launch, out_dtype=BF16, interpret=
 
 
 def pair_inputs(z_TL, groups: grouping.Groups):
-    """z's even and odd columns gathered in sorted pair order: [2, P, L/2] (what the gate/up kernel's N side reads)."""
+    """z's even and odd columns gathered in the aligned pair order: [2, R, L/2] (the gate/up kernel's N side)."""
     T, L = z_TL.shape
     z_eo = z_TL.reshape(T, L // 2, 2).transpose(2, 0, 1)
-    return z_eo[:, groups.token_P]
+    return z_eo[:, groups.token_R]
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
