@@ -81,7 +81,7 @@ def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
     np.testing.assert_array_equal(g.row_P, g.slots_3S[1, np.searchsorted(chosen, flat[g.order_P])] + rank)
     np.testing.assert_array_equal(g.token_R[g.row_P], g.order_P // k)
     assert g.token_R.shape == (grouping.num_rows(T, k, E),)
-    y_pairs = rng.standard_normal((T * k, 3)).astype(np.float32)  # a value per (token, choice) pair, placed at each pair's row
+    y_pairs = rng.standard_normal((T * k, 3)).astype(np.float32)  # a value per (token, choice), at its row
     y_rows = np.full((grouping.num_rows(T, k, E), 3), np.nan, np.float32)
     y_rows[g.row_P] = y_pairs[g.order_P]
     got = np.asarray(grouping.ungroup(jnp.asarray(y_rows), g, T, k))
