@@ -16,7 +16,7 @@ def tuning() -> dict:
 
 
 def pick_launch(B, D, table="launch") -> dict:
-    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream): the first
+    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, x_stream): the first
     entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B;
     NotImplementedError where none does."""
     entries = tuning()["sm90"].get(table, [])
@@ -32,7 +32,6 @@ def pick_launch(B, D, table="launch") -> dict:
         block_k=entry["block_k"],
         split_k=split_k,
         steps=entry["steps"],
-        rows=entry.get("rows", 64),
         x_stream=entry.get("x_stream", "N"),
     )
 

@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 F32 = jnp.float32
 TOKENS = 8  # WGMMA's smallest N (and its step): the decode batch is padded to a multiple
 MAX_TOKENS = 64  # the decode batches served: past them a GEMM, not a GEMV
-ROWS = 64  # WGMMA's M: weight rows per CTA by default; rows=128 reads each x tile for two M tiles
+ROWS = 64  # weight rows per CTA: one WGMMA M tile
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
@@ -55,15 +55,15 @@ def x_rows(B):
     return B if B < TOKENS or B % TOKENS == 0 else tokens(B)
 
 
-def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream="N"):
+def smem_bytes(B, D, block_k, split_k, steps, x_stream="N"):
     """The pipeline's stages, each a weight tile and x's tile (on N with one split, plus the fp32 accumulator
     the output is written from)."""
     stages = min(steps, D // (split_k * block_k))
-    acc = rows * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
-    return stages * (rows + tokens(B, x_stream)) * block_k * 2 + acc
+    acc = ROWS * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
+    return stages * (ROWS + tokens(B, x_stream)) * block_k * 2 + acc
 
 
-def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream="N"):
+def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
     B, D = x_BD.shape
     if x_stream not in X_STREAMS:
         raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
@@ -71,28 +71,26 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
         raise NotImplementedError(f"batch {B} > {MAX_TOKENS}: a GEMM, not a decode GEMV (XLA's is fine there)")
-    if rows not in (64, 128):
-        raise NotImplementedError(f"rows={rows}: one or two WGMMA M tiles (64 or 128) per CTA")
-    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % rows for w in ws_ND):
-        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {rows} == 0")
+    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % ROWS for w in ws_ND):
+        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {ROWS} == 0")
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
         raise NotImplementedError(
             f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
             "pipeline releases a stage one step late, so it needs two)"
         )
-    if smem_bytes(B, D, block_k, split_k, steps, rows, x_stream) > SMEM_BYTES:
+    if smem_bytes(B, D, block_k, split_k, steps, x_stream) > SMEM_BYTES:
         raise NotImplementedError(
             f"batch {B}: {steps} stages of weight and x tiles need "
-            f"{smem_bytes(B, D, block_k, split_k, steps, rows, x_stream)} bytes "
+            f"{smem_bytes(B, D, block_k, split_k, steps, x_stream)} bytes "
             f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
         )
 
 
-def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_tokens):
+def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens):
     """x_ref: x [x_rows(B), D], read in [T, block_k] tiles whose rows past x's the TMA fills with zeros. refs:
     the weights [N_i, D], then the partials [S, N_i, T] fp32 ("M": [S, T, N_i]; with one split the output
     itself in x's dtype, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
-    accumulator [rows, T] that the n_tokens output rows are read from."""
+    accumulator [ROWS, T] that the n_tokens output rows are read from."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], refs[2 * n_w :]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
@@ -101,14 +99,14 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
     def run(w_ref, out_ref, row_blk):
         def scope(acc_ref):
             def step(_, w_smem, x_smem):
-                if x_stream == "M":  # acc [T, rows] += x [T, block_k] @ wᵀ [block_k, rows]
+                if x_stream == "M":  # acc [T, ROWS] += x [T, block_k] @ wᵀ [block_k, ROWS]
                     plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                else:  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
+                else:  # acc [ROWS, T] += w [ROWS, block_k] @ xᵀ [block_k, T]
                     plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
 
-            # a stage: the weight's [rows, block_k] tile and x's [T, block_k] tile of the same K block
+            # a stage: the weight's [ROWS, block_k] tile and x's [T, block_k] tile of the same K block
             specs = [
-                plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
+                plgpu.BlockSpec((ROWS, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
                 plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1),
             ]
             plgpu.emit_pipeline(step, grid=(k_slabs,), max_concurrent_steps=steps, in_specs=specs)(
@@ -116,18 +114,18 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
             )
             return acc_ref[...]
 
-        block = pl.ds(row_blk * rows, rows)
+        block = pl.ds(row_blk * ROWS, ROWS)
         if x_stream == "M":  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
-            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32)).astype(out_ref.dtype)
+            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, ROWS), F32)).astype(out_ref.dtype)
         elif out_ref.dtype != F32:  # "N", one split: the output, token-major, through SMEM
             acc_smem = scratch[-1]
-            acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
+            acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
             plgpu.commit_smem()  # a warpgroup barrier: each token's column is read by other threads
             for b in range(n_tokens):  # column b in the row layout (4 lanes a row) -> out row b, rounded once
                 col = plgpu.load(acc_smem.at[:, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 out_ref.at[0, b, block][...] = col.astype(out_ref.dtype)
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
-            out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
+            out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
 
     first = 0
     for w_ref, out_ref, n in zip(ws, outs, n_blocks, strict=True):  # which weight this CTA's block is in
@@ -135,11 +133,11 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
         first += n
 
 
-_STATIC = ("block_k", "split_k", "steps", "rows", "x_stream", "interpret")
+_STATIC = ("block_k", "split_k", "steps", "x_stream", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N", interpret=None):
+def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With one
     split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
@@ -150,7 +148,6 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N
         block_k=block_k,
         split_k=split_k,
         steps=steps,
-        rows=rows,
         x_stream=x_stream,
         interpret=interpret,
         out_dtype=x_BD.dtype if direct else F32,
@@ -163,31 +160,28 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N", interpret=None):
+def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding); with x_stream "M" token-major [split_k, 64, N_i], row b token b's. A
     consumer that reads these itself (the KDA decode kernel) saves the glue."""
-    return _partials(
-        x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream, interpret=interpret
-    )
+    return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, x_stream=x_stream, interpret=interpret)
 
 
-def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret, out_dtype=F32):
+def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_dtype=F32):
     B, D = x_BD.shape
     T = tokens(B, x_stream)
-    n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
+    n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
     # x padded only where Mosaic's TMA needs it (x_rows; XLA's pad kernel was 1.2-1.4 us at B = 16 on the H200)
     x_TD = jnp.pad(x_BD, ((0, x_rows(B) - B), (0, 0)))
     k_slabs = D // block_k // split_k
     direct_n = x_stream == "N" and out_dtype != F32
-    scratch = [plgpu.SMEM((rows, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
+    scratch = [plgpu.SMEM((ROWS, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
     kernel = plgpu.kernel(
         functools.partial(
             _body,
             n_blocks=n_blocks,
             block_k=block_k,
             steps=min(steps, k_slabs),
-            rows=rows,
             k_slabs=k_slabs,
             T=T,
             x_stream=x_stream,
