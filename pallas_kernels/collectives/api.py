@@ -34,17 +34,15 @@ BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 va
 # - plain-store one-shot up to ST_MAX_BYTES (6.8 vs 7.3 us at 14 KB, 7.6 vs 8.0 at 112 KB), TMA one-shot above
 #   (8.5 vs 9.5 at 224 KB, 10.7 vs 14.3 at 896 KB). 4 KB blocks gained nothing over 16 KB (within +-0.2 us
 #   up to 112 KB, 0.7-0.8 us slower at 896 KB).
-# - two-shot: never faster at 2 ranks up to 896 KB (same bytes per link in two round trips); kept for larger
-#   axes, which 2 GPUs could not measure.
 PSUM_BELOW_BYTES = {2: 256 * 1024}
 ST_MAX_BYTES = 128 * 1024
-TWO_SHOT_MIN_BYTES = {2: math.inf}
+ALGORITHMS = ("one_shot", "one_shot_st")  # kernels.KERNELS
 MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    algorithm: str  # "one_shot" | "two_shot" | "xla"
+    algorithm: str  # "one_shot" | "one_shot_st" | "one_shot_add_rmsnorm" | "mix_norm" | "xla"
     block_rows: int = 0
     reason: str = ""
 
@@ -83,23 +81,9 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None)
     if algorithm is None:
         if nbytes < PSUM_BELOW_BYTES.get(n, 0):
             return Plan("xla", reason=f"psum measured faster below {PSUM_BELOW_BYTES[n] // 1024} KB at {n} ranks")
-        algorithm = (
-            "two_shot"
-            if nbytes >= TWO_SHOT_MIN_BYTES.get(n, math.inf)
-            else "one_shot_st"
-            if nbytes <= ST_MAX_BYTES
-            else "one_shot"
-        )
-    if algorithm == "two_shot":
-        # need >= n blocks, in a multiple of n, so every rank reduces the same number of blocks.
-        r = _largest_divisor_at_most(m, cap_rows)
-        while r > 1 and (m // r) % n:
-            r = _largest_divisor_at_most(m, r - 1)
-        if (m // r) % n:
-            return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes)
-        return Plan("two_shot", r)
-    if algorithm not in ("one_shot", "one_shot_st"):
-        raise ValueError(f"unknown algorithm {algorithm}")
+        algorithm = "one_shot_st" if nbytes <= ST_MAX_BYTES else "one_shot"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS} (or None: chosen by size), got {algorithm!r}")
     return Plan(algorithm, _largest_divisor_at_most(m, cap_rows))
 
 
@@ -123,7 +107,7 @@ def _platform():
 def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=None, skip_barrier=False):
     """Sum of x over `axis_name`, same shape and dtype on every rank.
 
-    algorithm ("one_shot" | "one_shot_st" | "two_shot"), block_bytes and skip_barrier are for benchmarks and
+    algorithm ("one_shot" | "one_shot_st"), block_bytes and skip_barrier are for benchmarks and
     tests; skip_barrier=True is unsafe in jax 0.11.2 (see kernels.py).
     """
     if backend == "xla":

@@ -107,59 +107,6 @@ def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
     return y
 
 
-def two_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-    """Reduce-scatter + all-gather: block g is reduced by rank g % n, which pushes the sum to every peer.
-
-    Per block a rank is either the owner (waits for n-1 partials) or a sender (waits for 1 result), so one
-    block-local semaphore serves both phases. Each link carries (n-1)/n of the data twice instead of all of
-    it once, and each rank sums 1/n of the blocks.
-    """
-    M, C = x_MC.shape
-    R = block_rows
-    dtype = x_MC.dtype
-
-    def body(x_gmem, y_gmem, recv_gmem, sem):
-        me = lax.axis_index(axis_name)
-        g = lax.axis_index("blocks")
-        rows = pl.ds(g * R, R)
-        owner = lax.rem(g, n)
-
-        def scoped(buf_nRC, out_RC, bars):
-            plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
-            plgpu.barrier_wait(bars.at[me])
-
-            @pl.when(owner != me)
-            def _send():
-                _push_block(buf_nRC.at[me], recv_gmem, me, rows, [{axis_name: owner}], sem)
-                pl.semaphore_wait(sem, 1)  # the owner has written the sum into my y[rows]
-
-            @pl.when(owner == me)
-            def _reduce():
-                pl.semaphore_wait(sem, n - 1)
-                acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
-                out_RC[...] = acc.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
-                peers = _peers(me, n, axis_name)
-                for peer in peers:
-                    plgpu.copy_smem_to_gmem(out_RC, plgpu.remote_ref(y_gmem, peer).at[rows])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                for peer in peers:
-                    pl.semaphore_signal(sem, device_id=peer)
-
-        pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype), plgpu.Barrier(num_barriers=n))
-
-    y, _ = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
-        scratch_types=[plgpu.SemaphoreType.REGULAR],
-        grid=(M // R,),
-        grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
-    )(x_MC)
-    return y
-
-
 def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrier=False):
     """One-shot all-reduce fused with residual add and RMSNorm; one CTA per token row.
 
@@ -223,9 +170,6 @@ def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrie
     return new, normed
 
 
-KERNELS = {"one_shot": one_shot, "two_shot": two_shot}
-
-
 def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
     """Plain-store one-shot exchange of one block: src_ref's block goes into slot `me` of every rank's recv (its
     own too) at index idx, then signal, wait for n-1 signals, and return the n slots summed in rank order, FP32.
@@ -271,4 +215,4 @@ def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
     return y
 
 
-KERNELS["one_shot_st"] = one_shot_st
+KERNELS = {"one_shot": one_shot, "one_shot_st": one_shot_st}
