@@ -104,11 +104,10 @@ def _platform():
     return jax.default_backend()
 
 
-def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=None, skip_barrier=False):
+def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=None):
     """Sum of x over `axis_name`, same shape and dtype on every rank.
 
-    algorithm ("one_shot" | "one_shot_st"), block_bytes and skip_barrier are for benchmarks and
-    tests; skip_barrier=True is unsafe in jax 0.11.2 (see kernels.py).
+    algorithm ("one_shot" | "one_shot_st") and block_bytes override the plan, for benchmarks and tests.
     """
     if backend == "xla":
         return reference.all_reduce(x, axis_name)
@@ -121,13 +120,11 @@ def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=
         return reference.all_reduce(x, axis_name)
     from pallas_kernels.collectives import kernels  # GPU-only imports stay off the CPU path
 
-    y = kernels.KERNELS[plan.algorithm](
-        x.reshape(-1, LANES), axis_name=axis_name, n=n, block_rows=plan.block_rows, skip_barrier=skip_barrier
-    )
+    y = kernels.KERNELS[plan.algorithm](x.reshape(-1, LANES), axis_name=axis_name, n=n, block_rows=plan.block_rows)
     return y.reshape(x.shape)
 
 
-def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, backend="xla", skip_barrier=False):
+def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, backend="xla"):
     """(new_residual, normed): new_residual = residual + allreduce(x_partial) rounded to residual's dtype,
     normed = RMSNorm(new_residual) * norm_w (K3_SPEC rounding order), over the last axis."""
     if backend == "xla":
@@ -152,7 +149,6 @@ def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, 
         eps,
         axis_name=axis_name,
         n=n,
-        skip_barrier=skip_barrier,
     )
     return new.reshape(shape), normed.reshape(shape)
 
@@ -186,7 +182,7 @@ def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform):
 
 
 def all_reduce_mix_norm(
-    x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp", *, backend="xla", skip_barrier=False
+    x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name="tp", *, backend="xla"
 ):
     """A layer boundary in one launch: (P', normed) with a = allreduce(x_partial), P' = a or round(prefix + a),
     normed = RMSNorm(AttnRes(blocks + [P'])) * norm_w (reference.mix_norm has the exact maths). prefix None:
@@ -226,7 +222,6 @@ def all_reduce_mix_norm(
         eps,
         axis_name=axis_name,
         n=lax.axis_size(axis_name),
-        skip_barrier=skip_barrier,
     )
     return new.reshape(shape), normed.reshape(shape)
 
@@ -315,9 +310,7 @@ def plan_proj_all_reduce(
     return ProjPlan("fused", tile_d, stages)
 
 
-def proj_all_reduce(
-    x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xla", tile_d=None, max_stages=None, skip_barrier=False
-):
+def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xla", tile_d=None, max_stages=None):
     """sum over `axis_name` of x_BK @ w_KD (FP32 accumulation and sum) + residual_BD, rounded once.
 
     Row-parallel projection: x_BK is this rank's slice of the activation (..., K), w_KD this rank's rows of
@@ -367,7 +360,6 @@ def proj_all_reduce(
         n=n,
         tile_d=plan.tile_d,
         max_stages=plan.stages,
-        skip_barrier=skip_barrier,
     )
     return y.reshape(*lead, D)
 

@@ -101,7 +101,6 @@ def proj_all_reduce(
     n,
     tile_d=TILE_D,
     max_stages=MAX_STAGES,
-    skip_barrier=False,
     interpret=None,
 ):
     """sum over the n ranks of `axis_name` of x_BK @ w_KD (+ residual_BD), same bits on every rank.
@@ -124,7 +123,6 @@ def proj_all_reduce(
             n=n,
             tile_d=tile_d,
             max_stages=max_stages,
-            skip_barrier=skip_barrier,
             interpret=interpret,
         )[:B]
     stages = max(2, min(max_stages, K // tile_k))
@@ -201,7 +199,6 @@ def proj_all_reduce(
         scratch_types=[plgpu.SemaphoreType.REGULAR] if exchange else [],
         grid=(D // tile_d,),
         grid_names=("tiles",),
-        compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier),
         interpret=interpret,
     )(x_BK, w_KD, *([residual_BD] if has_res else []))
     return outs[0]

@@ -32,10 +32,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LANES = 128  # elements per tile row
 
 
-def _params(skip_barrier):
-    return plgpu.CompilerParams(skip_device_barrier=skip_barrier)
-
-
 def _peers(me, n, axis_name):
     """Device ids of the n-1 peers, nearest first (dict form works on multi-axis meshes)."""
     return [{axis_name: lax.rem(me + k, n)} for k in range(1, n)]
@@ -73,7 +69,7 @@ def _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n):
     return acc
 
 
-def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+def one_shot(x_MC, *, axis_name, n, block_rows):
     """All-reduce of x_MC over `axis_name` (n ranks): every rank pushes its data to every peer."""
     M, C = x_MC.shape
     R = block_rows
@@ -102,12 +98,11 @@ def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(M // R,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_MC)
     return y
 
 
-def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrier=False):
+def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n):
     """One-shot all-reduce fused with residual add and RMSNorm; one CTA per token row.
 
     x_BQC / res_BQC: a token's D = Q*128 features as a (Q, 128) tile. Returns (new_residual, normed) with
@@ -165,7 +160,6 @@ def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrie
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(B,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_BQC, res_BQC, w_QC)
     return new, normed
 
@@ -194,7 +188,7 @@ def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
     return acc
 
 
-def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+def one_shot_st(x_MC, *, axis_name, n, block_rows):
     """One-shot with plain register loads/stores only (no SMEM, no TMA): see exchange_st. Latency variant."""
     M, C = x_MC.shape
     R = block_rows
@@ -210,7 +204,6 @@ def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(M // R,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_MC)
     return y
 

@@ -97,7 +97,6 @@ def mix_norm(
     *,
     axis_name,
     n,
-    skip_barrier=False,
     interpret=None,
     profile_dir="",
     online=None,
@@ -171,9 +170,7 @@ def mix_norm(
         scratch_types=scratch,
         grid=(B,),
         grid_names=("tokens",),
-        compiler_params=plgpu.CompilerParams(
-            skip_device_barrier=skip_barrier, profile_space=256 if profile_dir else 0, profile_dir=profile_dir
-        ),
+        compiler_params=plgpu.CompilerParams(profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
         interpret=interpret,
     )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
     return outs[0], outs[1]
