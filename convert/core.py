@@ -106,7 +106,7 @@ def convert(
     os.makedirs(parts_dir, exist_ok=True)
 
     jobs = [
-        _Job(
+        Job(
             spec,
             src,
             _store_dtype(spec, opts.dtype),
@@ -114,7 +114,7 @@ def convert(
         )
         for spec in table
     ]
-    parts: dict[str, list[_Job]] = {}
+    parts: dict[str, list[Job]] = {}
     for j in jobs:
         parts.setdefault(_part(j.spec), []).append(j)
     done = {p for p in parts if os.path.exists(os.path.join(parts_dir, p + ".done"))}
@@ -126,7 +126,7 @@ def convert(
         remaining = {p: len(js) for p, js in parts.items() if p not in done}
         lock = threading.Lock()
 
-        def run(j: _Job):
+        def run(j: Job):
             j.write(params_dir, bar)
             with lock:
                 p = _part(j.spec)
@@ -207,7 +207,7 @@ _EXPONENT_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000} 
 
 
 @dataclass
-class _Job:
+class Job:
     """One table entry: where its HF tensors are, how to stream them, what to write."""
 
     spec: P.TensorSpec

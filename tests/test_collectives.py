@@ -290,7 +290,7 @@ def _lower_for_cuda(monkeypatch, n, per_rank, shapes, dtype):
     mesh, lowered for CUDA (not run; the api plans as on a GPU). per_rank gets [1, ...] slices."""
     from kernel_testbase import DEVICE_KINDS
 
-    monkeypatch.setattr(api, "_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")
     device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS["sm90"], platform="gpu", num_cores=8)
     mesh = jax.sharding.AbstractMesh(
         (n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=device

@@ -175,7 +175,7 @@ def test_api_on_gpu_matches_numpy(B, rows):
     """One TP16 / TP8 rank's q/k/v/g + f_a, and o_proj's shape, through the api (the kernel on sm90)."""
     D = 768 if rows == (7168,) else 7168
     x, ws = _inputs(rng(), B, D, rows)
-    _check(api._kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
+    _check(api.run_kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
 
 
 @gpu_only
@@ -183,7 +183,7 @@ def test_api_on_gpu_matches_numpy(B, rows):
 def test_o_proj_on_gpu_matches_numpy(B, D):
     """o_proj's launch through the api at TP16 / TP8 widths (on M the kernel writes the rounded output itself)."""
     x, ws = _inputs(rng(), B, D, (7168,))
-    _check(api._kernel(x, ws, "o_proj_launch"), x, ws)
+    _check(api.run_kernel(x, ws, "o_proj_launch"), x, ws)
 
 
 @gpu_only

@@ -100,7 +100,7 @@ def plan_add_rmsnorm(x_shape, x_dtype, res_shape, res_dtype, w_shape, n, platfor
     return Plan("one_shot_add_rmsnorm", d // LANES)
 
 
-def _platform():
+def current_platform():
     return jax.default_backend()
 
 
@@ -114,7 +114,7 @@ def all_reduce(x, axis_name="tp", *, backend="xla", algorithm=None, block_bytes=
     if backend != "latency_specialized":
         raise ValueError(f"unknown backend {backend}")
     n = lax.axis_size(axis_name)
-    plan = plan_all_reduce(x.shape, x.dtype, n, _platform(), algorithm, block_bytes)
+    plan = plan_all_reduce(x.shape, x.dtype, n, current_platform(), algorithm, block_bytes)
     if plan.algorithm == "xla":
         _log_fallback_once(plan.reason)
         return reference.all_reduce(x, axis_name)
@@ -133,7 +133,7 @@ def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, 
         raise ValueError(f"unknown backend {backend}")
     n = lax.axis_size(axis_name)
     plan = plan_add_rmsnorm(
-        x_partial.shape, x_partial.dtype, residual.shape, residual.dtype, norm_w.shape, n, _platform()
+        x_partial.shape, x_partial.dtype, residual.shape, residual.dtype, norm_w.shape, n, current_platform()
     )
     if plan.algorithm == "xla":
         _log_fallback_once(plan.reason)
@@ -200,7 +200,7 @@ def all_reduce_mix_norm(
             None if prefix is None else prefix.shape,
             [b.shape for b in blocks],
             lax.axis_size(axis_name),
-            _platform(),
+            current_platform(),
         )
         if plan.algorithm == "xla":
             _log_fallback_once(plan.reason)
@@ -333,9 +333,9 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xl
         None if residual_BD is None else residual_BD.shape,
         None if residual_BD is None else residual_BD.dtype,
         n,
-        _platform(),
+        current_platform(),
         common.gpu_arch(),
-        _num_sms(),
+        num_sms(),
         tile_d,
         max_stages,
     )
@@ -364,5 +364,5 @@ def proj_all_reduce(x_BK, w_KD, residual_BD=None, axis_name="tp", *, backend="xl
     return y.reshape(*lead, D)
 
 
-def _num_sms():
+def num_sms():
     return getattr(jax.devices()[0], "core_count", None) or H100_SMS

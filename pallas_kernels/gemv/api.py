@@ -36,7 +36,8 @@ def pick_launch(B, D, table="launch") -> dict:
     )
 
 
-def _kernel(x_BD, ws_ND, table="launch"):
+def run_kernel(x_BD, ws_ND, table="launch"):
+    """The kernel itself: NotImplementedError where it does not take the call (gemv then runs the reference)."""
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
@@ -54,7 +55,7 @@ def gemv(x_BD, ws_ND, *, backend="xla", table="launch"):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "latency_specialized":
         try:
-            return _kernel(x_BD, ws_ND, table)
+            return run_kernel(x_BD, ws_ND, table)
         except NotImplementedError as e:
             common.log_once(f"gemv {table}", str(e))
     return reference.gemv(x_BD, ws_ND)
