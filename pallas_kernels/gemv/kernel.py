@@ -1,27 +1,24 @@
 """Streaming GEMV on Hopper tensor cores: y = x @ wᵀ for a decode batch (B <= 64) and out-major weights.
 
-At decode batch the projection is a pure weight stream (45 MB for one TP16 rank's q/k/v/g + f_a at B = 1),
-so the kernel only has to keep HBM busy and accumulate in fp32. Each CTA streams one row block (64 or 128
-rows) of one weight over a 1/S slice of D through a multi-stage TMA pipeline, x's tile of the same K block
-beside the weight's in each stage (from L2: every CTA of a K range reads it); S (split_k) spreads the row
-blocks over the 132 SMs. Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all
-their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once (one
-small XLA fusion), or a consumer reads them itself (the KDA decode kernel); with one split the kernel rounds
-and writes the output itself. The result equals reference.gemv up to the order of the fp32 sums.
+At decode batch the projection is a pure weight stream (45 MB for one TP16 rank's q/k/v/g + f_a), so the kernel
+only has to keep HBM busy and accumulate in fp32. Each CTA streams one 64-row block of one weight over a 1/S
+slice of D through a multi-stage TMA pipeline, x's tile of the same K block beside the weight's in each stage
+(from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
+sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks. The CTA writes its fp32
+partial and the wrapper sums the S partials and rounds once (one small XLA fusion), or a consumer reads them
+itself (the KDA decode kernel); with one split the kernel rounds and writes the output itself. The result equals
+reference.gemv up to the order of the fp32 sums.
 
-Where the tokens go (x_stream, tuning.json; bench/NOTES.md KDA "Fourteenth session"):
+Where the tokens go (x_stream; tuning.json says which batches take which):
 - "N": the weight rows on WGMMA's M and the tokens on N (PALLAS_MGPU.md: the decode GEMV orientation), a
-  [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). 12.1-12.8 us for TP16's 46 MB at
-  B = 1-48 on an H200 (75-79% of HBM; gemv_tokens_on_n.json, gemv_small_on_n.json): the launch up to batch
-  32. With one split the accumulator goes through SMEM and each token's row is stored from it.
-- "M": the tokens on M, a [64, block_k] x tile (the TMA fills the rows past B with zeros), partials
-  token-major [S, 64, N], so a token's outputs are contiguous for the KDA decode kernel (column b of
-  [S, N, 64] was 4-byte reads 256 bytes apart: 28.8 instead of 19.1 us for the decode kernel at TP16 B = 64).
-  Below 64 tokens the mostly-zero x tile doubles each stage's SMEM fill (17.7 us at B = 16 against 12.1 on
-  N): the launch from batch 33.
-x held resident in SMEM for the whole stream was the first form (commit 8d122c6 has it): its slabs grow with
-the batch (only split 7 fit at 64 tokens: 18.9 us against 13.6 streamed, gemv_b64_stream.json), and below 8
-tokens streaming measured faster too (12.4 vs 12.9 us + a pad, gemv_small_on_n.json), so it was removed.
+  [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). With one split the accumulator goes
+  through SMEM and each token's row is stored from it.
+- "M": the tokens on M, a [64, block_k] x tile (the TMA fills the rows past B with zeros), partials token-major
+  [S, 64, N], so a token's outputs are contiguous for the KDA decode kernel (column b of [S, N, 64] would be
+  4-byte reads 256 bytes apart). Below 64 tokens the mostly-zero x tile doubles each stage's SMEM fill, which
+  is why the small batches take N.
+x streams beside the weights rather than staying resident in SMEM: resident slabs grow with the batch, and the
+resident form measured slower at every batch (bench/results/gemv_b64_stream.json, gemv_small_on_n.json).
 """
 
 import functools
@@ -171,7 +168,7 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
-    # x padded only where Mosaic's TMA needs it (x_rows; XLA's pad kernel was 1.2-1.4 us at B = 16 on the H200)
+    # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     x_TD = jnp.pad(x_BD, ((0, x_rows(B) - B), (0, 0)))
     k_slabs = D // block_k // split_k
     direct_n = x_stream == "N" and out_dtype != F32
