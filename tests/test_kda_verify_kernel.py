@@ -26,14 +26,14 @@ def _layout(arch):
 
 
 def _kernels(arch, tma, interpret=None, v_split=1, gather="gmem"):
-    """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none);
-    tma="rows": verify's rows path (commit takes the whole tile by TMA, as pick_launch gives it)."""
+    """(verify, commit) with a body's layout; v_split / gather / tma: verify's cluster split of V and staging
+    (tma="rows": its rows path); the commit has one CTA per tile and ld/st.global."""
     from pallas_kernels.kda_decode import verify_kernel
 
     kw = dict(tile_layout=_layout(arch), v_chunk=32, interpret=interpret)
     return (
         functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, tma=tma, **kw),
-        functools.partial(verify_kernel.commit, tma=True if tma == "rows" else tma, **kw),
+        functools.partial(verify_kernel.commit, **kw),
     )
 
 

@@ -79,8 +79,8 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
-ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores")  # launch keys of tma="rows" only (see _recurrence_rows)
-ROW_STORES = ("tma", "global")
+TMA_STAGINGS = (False, "chunked", "rows")  # the state by ld/st.global, by one TMA per column or per row slice
+ROWS_KEYS = ("k_chunk", "keep_slices")  # launch keys of tma="rows" only (see _recurrence_rows)
 
 
 def pick_launch(tuning, qkv_B3HK):
@@ -114,7 +114,6 @@ def _body(
     on_gpu=True,
     k_rows=0,
     keep_slices=0,
-    row_stores="tma",
 ):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
@@ -125,7 +124,7 @@ def _body(
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
     barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
     and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
-    keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
+    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
     some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
     An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
     slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144 (kda_prefetch_ahead.json).
@@ -153,7 +152,6 @@ def _body(
     V = state_ref.shape[-1]
     n_chunks = V // parts // v_chunk
     col0 = s * (V // parts)  # this warpgroup's first state column
-    my_cols = pl.ds(col0, V // parts)
 
     def gcols(c):  # chunk c's columns in the whole tile (state in GMEM, vec_smem rows)
         return pl.ds(col0 + c * v_chunk, v_chunk)
@@ -165,21 +163,17 @@ def _body(
         if k_rows:  # one TMA per row slice: row slices are contiguous in GMEM and SMEM alike
             for c in range(state_ref.shape[-2] // k_rows):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c], tile_bar.at[c])
-        elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+        else:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)], tile_bar.at[slot(c)])
-        else:
-            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
     if tma_scratch:
         tile_smem, tile_bar = tma_scratch
 
     def load_state(c):  # chunk c's v_chunk columns into registers
-        if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
-            if chunked:
-                plgpu.barrier_wait(tile_bar.at[slot(c)])
-                return plgpu.load(tile_smem.at[slot(c)], layout=tile_layout)
-            return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
+        if chunked:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
+            plgpu.barrier_wait(tile_bar.at[slot(c)])
+            return plgpu.load(tile_smem.at[slot(c)], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
@@ -216,11 +210,7 @@ def _body(
     S_0 = None if tma_scratch else load_state(0)
 
     def first_chunk():
-        if tma_scratch:
-            if not chunked:
-                plgpu.barrier_wait(tile_bar)
-            return load_state(0)
-        return S_0
+        return load_state(0) if chunked else S_0
 
     with jax.named_scope("prologue"):
         with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py)
@@ -246,8 +236,6 @@ def _body(
             tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], new_state_ref.at[b, h, :, gcols(c)])
-        elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
-            tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
         else:
             new_state_ref.at[b, h, :, gcols(c)][...] = S_new
 
@@ -274,7 +262,6 @@ def _body(
                 o_gain,
                 dtype,
                 keep=keep_slices,
-                stores=row_stores,
             )
         else:
             _recurrence(
@@ -291,9 +278,6 @@ def _body(
                 dtype=dtype,
                 total=total,
             )
-    if tma_scratch and not (chunked or k_rows):
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
         if parts == 1:
             _gated_norm(vec_smem.at[5], gate_K, onw_K, y_ref.at[b, h], eps, dtype, total)
@@ -475,7 +459,7 @@ def _recurrence(
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma"):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
@@ -512,11 +496,7 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
         S_c = held.pop(c, None) or [tile_smem.at[c, j][...] for j in range(rows)]
         decay, bk = sliced(c, 2), sliced(c, 3)
         for j in range(rows):
-            dst = new_state_KV.at[c * rows + j] if stores == "global" else tile_smem.at[c, j]
-            dst[...] = S_c[j] * decay[j] + bk[j] * delta
-        if stores == "tma":
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
+            new_state_KV.at[c * rows + j][...] = S_c[j] * decay[j] + bk[j] * delta
 
 
 def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
@@ -572,16 +552,12 @@ def decode(
     profile_dir="",
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
-    """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
-    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
-    stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
-    lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
-    (bench/NOTES.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
-    WGMMA fragments (kda_staging.json; the rows path's whole-row st.global stores gain, kda_stg.json) and
-    16-column slices with a 64-byte swizzle (kda_v16.json). A persistent variant (a ring of SMEM
-    slots per resident CTA) measured slower at every shape and was removed (bench/NOTES.md, KDA "Round 3").
+    """One step over every (b, h) state tile. tma, the tile's staging (the body's tuning entry picks it):
+    False: v_chunk column pieces straight HBM <-> registers by ld/st.global, the next piece's read in flight;
+    "chunked": one TMA load and one TMA store per v_chunk column slice through swizzled SMEM (compute on slice 0
+    starts when it lands, each slice's write starts as soon as it is updated); "rows": one TMA load per k_chunk
+    state rows, thread t owning state column t, the new rows stored from registers (_recurrence_rows).
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
@@ -617,7 +593,6 @@ def decode(
         profile_dir=profile_dir,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
 
 
@@ -649,7 +624,6 @@ def decode_gates(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
@@ -685,7 +659,6 @@ def decode_gates(
         from_gemv=from_gemv,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
 
 
@@ -713,7 +686,6 @@ def _launch(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
@@ -725,23 +697,18 @@ def _launch(
         raise NotImplementedError(
             f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile V={V} (tma={tma})"
         )
-    if warpgroups > 1 and (v_split > 1 or tma is True):
-        raise NotImplementedError(
-            "warpgroups > 1 takes one CTA per tile and per-slice state staging "
-            f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}"
-        )
+    if warpgroups > 1 and v_split > 1:
+        raise NotImplementedError(f"warpgroups > 1 takes one CTA per tile, got v_split={v_split}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
-    if tma not in (False, True, "chunked", "rows"):
-        raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'rows'")
+    if tma not in TMA_STAGINGS:
+        raise NotImplementedError(f"tma={tma!r}: one of {TMA_STAGINGS}")
     if tma == "rows" and (parts > 1 or K % k_chunk or V != 128):
         raise NotImplementedError(
             f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
             f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
             f"k_chunk={k_chunk}, K={K}, V={V}"
         )
-    if row_stores not in ROW_STORES:
-        raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [
@@ -776,7 +743,6 @@ def _launch(
         on_gpu=interpret is None,
         k_rows=k_chunk if tma == "rows" else 0,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
@@ -784,8 +750,6 @@ def _launch(
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
         scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
-    elif tma:
-        scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=tuple(out_type),

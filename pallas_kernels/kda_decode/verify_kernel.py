@@ -52,8 +52,8 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (_steps_rows, k_chunk 32).
     Otherwise kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are),
     without the per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel
-    has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V
-    and the rows path, which only decode and verify have."""
+    has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V,
+    the rows path and the TMA staging, which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
@@ -61,8 +61,8 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     launch["tma"] = bool(launch["tma"])
     for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
-    if not split:
-        del launch["v_split"], launch["gather"]
+    if not split:  # the commit: one CTA per tile, the tile by ld/st.global
+        del launch["v_split"], launch["gather"], launch["tma"]
     return launch
 
 
@@ -369,7 +369,7 @@ def _commit_body(
     new_conv_ref,
     vec_smem,
     window_smem,
-    *tma_scratch,
+    *,
     tile_layout,
     v_chunk,
 ):
@@ -378,8 +378,8 @@ def _commit_body(
     T, _, K = vec_smem.shape
     V = state_ref.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
-    load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
-    S_next = None if tma_scratch else load_state(0)
+    load_state, _ = _tile_reader(state_ref.at[b, h], (), tile_layout, v_chunk)
+    S_next = load_state(0)
     n = jnp.maximum(jnp.minimum(accepted_ref[b], T), 0)  # also keeps the window index in range
 
     # All T tokens' vectors, unrolled so their reads overlap (a loop to n would chain T HBM latencies).
@@ -406,35 +406,22 @@ def _commit_body(
         delta_C = plgpu.load(vec_smem.at[t, 2, cols], layout=col_layout)
         return S_KC * decay_r + bk * bcast(delta_C, 1)
 
-    wait_state()
-    if tma_scratch:
-        S_next = load_state(0)
-    tile_smem = tma_scratch[0] if tma_scratch else None
     for c in range(V // v_chunk):
         S_KC = S_next
         if c + 1 < V // v_chunk:
             S_next = load_state(c + 1)
         cols = pl.ds(c * v_chunk, v_chunk)
-        S_KC = lax.fori_loop(0, n, functools.partial(step, cols), S_KC)
-        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
-            tile_smem.at[:, cols][...] = S_KC
-        else:
-            new_state_ref.at[b, h, :, cols][...] = S_KC
-    if tma_scratch:
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
+        new_state_ref.at[b, h, :, cols][...] = lax.fori_loop(0, n, functools.partial(step, cols), S_KC)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "tma", "interpret"))
-def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, tma=False, interpret=None):
-    """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens."""
+@functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "interpret"))
+def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, interpret=None):
+    """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens. The tile
+    streams HBM <-> registers by ld/st.global, v_chunk columns at a time, the next piece's read in flight."""
     qkv_BT3HK = commit_data["new_inputs_BT3HK"]
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
-    if tma == "rows":
-        raise NotImplementedError("commit stages whole tiles (tma False or True); 'rows' is decode's and verify's")
-    _check_chunk(V, v_chunk, tma)
+    _check_chunk(V, v_chunk, False)
     kernel_fn = plgpu.kernel(
         functools.partial(_commit_body, tile_layout=tile_layout, v_chunk=v_chunk),
         out_type=(
@@ -444,7 +431,6 @@ def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_ch
         scratch_types=[
             plgpu.SMEM((T, 3, K), F32),
             plgpu.SMEM((3, _W + T, K), conv_B3WHK.dtype),
-            *_tma_scratch(tma, K, V),
         ],
         grid=(B, H),
         grid_names=("b", "h"),
