@@ -512,6 +512,7 @@ def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
         assert_close(a, b, **TOL[dtype], what=name)
 
 
+@cpu_only
 @pytest.mark.parametrize("fuse", [False, True])
 def test_body_gates_follow_tuning(monkeypatch, fuse):
     """The body fuses the gate projections or runs them as XLA GEMVs, as its tuning says; same result.
@@ -625,6 +626,7 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     assert verify_kernel.pick_launch(tuning, jnp.zeros((1, 4, 3, 12, 8)))["tma"] is False  # 5-64 tiles: ldg
 
 
+@cpu_only
 def test_api_body_runs_its_tuning():
     """The sm90 body with tuning.json's launch for a small shape (interpret mode, so it runs on CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -636,6 +638,7 @@ def test_api_body_runs_its_tuning():
         assert_close(a, b, **TOL["f32"])
 
 
+@cpu_only
 @pytest.mark.parametrize(
     "launch",
     [
@@ -664,6 +667,7 @@ def test_kernel_refuses_impossible_launches(launch):
         kernel.decode(*args_of(x), interpret=plgpu.InterpretGPUParams(), **kw)
 
 
+@cpu_only
 def test_body_runs_a_split_launch_entry():
     """A tuning launch entry with v_split reaches decode and verify (the commit keeps one CTA per tile)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
