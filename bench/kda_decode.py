@@ -119,7 +119,7 @@ def fla_case(fla, args):
 
     qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w = args
     B, _, H, K = qkv.shape
-    qn, kn, v, decay, beta_s, _ = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    qn, kn, v, decay, beta_s, _ = reference.prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
     # post-conv q, k, v in bf16 as fla's recurrence receives them (it normalises them itself)
     window = jnp.concatenate([conv, qkv[:, :, None]], axis=2).astype(jnp.float32)
     y = jnp.sum(window * jnp.moveaxis(conv_w, -1, 1)[None], axis=2)
@@ -148,7 +148,7 @@ def fla_case(fla, args):
             lower_bound=-5.0,
         )
 
-    want_state = reference._advance(
+    want_state = reference.advance(
         state, kn, decay, beta_s, v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
     )
     _, ht = recurrence(q_t, k_t, v_t, h0)
@@ -335,19 +335,19 @@ def main_red_scratch(out_dir, sizes=(2048, 4096, 8192)):
         measure=f"CUPTI device time per call, median of {ITERS} runs",
         rows=[],
     )
-    lane = kernel._LANE
+    lane = kernel.LANE_PARAMS
     for B, H in [(1, 6), (8, 12), (64, 6), (64, 12)]:
         args = make_inputs(7, B, H)
         want = ref(*args)
         fns = {}
         for size in sizes:
-            kernel._LANE = dataclasses.replace(lane, reduction_scratch_bytes=size)
-            kernel._RED_SCRATCH = size // 4
+            kernel.LANE_PARAMS = dataclasses.replace(lane, reduction_scratch_bytes=size)
+            kernel.RED_SCRATCH = size // 4
             launch = kernel.pick_launch(sm90.TUNING, args[0])
-            f = jax.jit(functools.partial(kernel.decode.__wrapped__, eps=1e-5, **bodies._launch(launch, None)))
+            f = jax.jit(functools.partial(kernel.decode.__wrapped__, eps=1e-5, **bodies.kernel_launch(launch, None)))
             fns[f"scratch {size}"] = f
             jax.block_until_ready(f(*args))  # traced now, with this size
-        kernel._LANE = lane
+        kernel.LANE_PARAMS = lane
         row = dict(B=B, H=H, **time_variants(fns, args, want, max_err))
         results["rows"].append(row)
         print({k: v for k, v in row.items() if not k.endswith("_max_err")}, flush=True)

@@ -119,16 +119,16 @@ def stream_copy(state_BHKV, *, ctas, slots, rows=32, interpret=None):
 def reference_barrier(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w, active_B):
     """reference.kda_decode with the idle mask applied to the small vectors, which an optimization barrier
     materialises before the state loop (the experiment; same maths as the reference's masked update)."""
-    qn, kn, v, decay, beta_, new_conv = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    qn, kn, v, decay, beta_, new_conv = reference.prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
     step = (active_B != 0).astype(F32)
     decay = decay * step[:, None, None] + (1.0 - step[:, None, None])
     weight = beta_ * step[:, None]
     qn, kn, v, decay, weight = lax.optimization_barrier((qn, kn, v, decay, weight))
     delta = v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
-    new_state = reference._advance(state, kn, decay, weight, delta)
+    new_state = reference.advance(state, kn, decay, weight, delta)
     new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv)
     o = jnp.sum(new_state * qn[..., None], axis=-2)
-    return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
+    return reference.gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
 
 
 def reference_mask_last(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias, o_norm_w, active_B):
@@ -136,15 +136,15 @@ def reference_mask_last(qkv, f, beta, gate, state, conv, conv_w, A_log, dt_bias,
     the unmasked one (47.0 vs 36.9 us at 64 x 6, kda_reference_mask.json, where this form was "mask" and the
     reference's present one "mask first"): the masked decay's one consumer let XLA recompute the gate maths per
     state element in a second loop fusion."""
-    qn, kn, v, decay, beta_, new_conv = reference._prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
+    qn, kn, v, decay, beta_, new_conv = reference.prepare(qkv, f, beta, conv, conv_w, A_log, dt_bias)
     step = (active_B != 0).astype(F32)
     delta = v - jnp.sum(decay[..., None] * state * kn[..., None], axis=-2)
-    new_state = reference._advance(
+    new_state = reference.advance(
         state, kn, decay * step[:, None, None] + (1.0 - step[:, None, None]), beta_ * step[:, None], delta
     )
     new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv)
     o = jnp.sum(new_state * qn[..., None], axis=-2)
-    return reference._gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
+    return reference.gated_norm(o, gate, o_norm_w, 1e-5, qkv.dtype), new_state, new_conv
 
 
 def max_err(got, want):

@@ -147,9 +147,9 @@ def _body(arch):
 
 
 def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **launch):
-    """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
-    of the whole tile via SMEM, one TMA per column slice, or per slice of 32 rows with a thread per column),
-    one CTA or a cluster of v_split CTAs per tile, with one or several warpgroups."""
+    """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, one
+    TMA per column slice, or per slice of 32 rows with a thread per column), one CTA or a cluster of v_split
+    CTAs per tile, with one or several warpgroups."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
@@ -224,7 +224,7 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
 
     from pallas_kernels.kda_decode import kernel
 
-    monkeypatch.setattr(kernel, "_cluster_sync", lambda bar, fences: None)
+    monkeypatch.setattr(kernel, "cluster_sync", lambda bar, fences: None)
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):

@@ -158,8 +158,8 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
     from pallas_kernels.kda_decode import bodies, sm90, verify_kernel
 
     ran = []
-    steps_rows = verify_kernel._steps_rows
-    monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
+    steps_rows = verify_kernel.steps_rows
+    monkeypatch.setattr(verify_kernel, "steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
     x = make_inputs(rng(), 1, 2, 128, jnp.float32, T=2)  # T = 2: no other test's trace to reuse
     ops = bodies.entry_points(dict(sm90.TUNING, verify_rows_min_tiles=2))
     with abstract_gpu("sm90"):

@@ -14,7 +14,7 @@ registers. The O(K) work (conv window, SiLU, gate, beta, L2 norms) runs with thr
 
 Two tile paths: column slices in the body's register layout (WGMMA on sm90), reduced across threads
 (_recurrence; at small B*H, where one CTA's chain is the time), or row slices with thread t owning state
-column t, reduced inside each thread (tma="rows", _recurrence_rows; 1-3% faster from 192 tiles on, H200).
+column t, reduced inside each thread (tma="rows", _recurrence_rows; the faster one once the tiles fill the GPU).
 
 Shapes it handles: K = V = 128 (the release), any B and H, bf16 or f32 compute dtype; anything else raises
 NotImplementedError so the api falls back to the reference.
@@ -31,17 +31,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
-_CONV_TAPS = 4
-_LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+CONV_TAPS = 4
+LANE_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _sigmoid(x):
+def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
 # f32 per warpgroup, as Pallas's default (2 KiB): a [K, 32] chunk's column sum runs in two rounds of two of its
-# four 1 KiB register groups; 4 KiB (one round) measured within 0.1 us, 8 KiB costs occupancy (kda_red_scratch.json)
-_RED_SCRATCH = 512
+# four 1 KiB register groups; more buys nothing and then costs occupancy (bench/results/kda_red_scratch.json)
+RED_SCRATCH = 512
 
 
 def _sum(x, axis=None, *, scratch=None, tile_layout=None):
@@ -69,7 +69,7 @@ def _sum(x, axis=None, *, scratch=None, tile_layout=None):
 def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
     """qkv_B3HK: [B, 3, H, K], or the layer's whole qkvg [B, 4, H, K] (the kernel then reads the gate from it)."""
     B, three, H, K = qkv_B3HK.shape
-    if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
+    if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, CONV_TAPS - 1, H, K):
         raise NotImplementedError(
             f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} conv={conv_B3WHK.shape}"
         )
@@ -122,14 +122,9 @@ def _body(
     with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w (+ with
     idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y,
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
-    barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
-    and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
-    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
-    some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
-    An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
-    slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144 (kda_prefetch_ahead.json).
-    Programmatic dependent launch after the GEMV (state TMA, then griddepcontrol.wait before the partials;
-    commit b0626a5) ran correctly but jax 0.11.2's runtime did not launch the kernel early (kda_pdl.json).
+    barrier of a split) (+ the TMA slices and a barrier each: chunked, v_chunk column slices, each loaded and
+    stored by its own TMA; k_rows > 0, slices of k_rows state rows, see _recurrence_rows).
+    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
     [S, T, R] (token-major, the GEMV's x_stream "M" launch): this kernel sums and rounds them (once, as the
@@ -177,8 +172,7 @@ def _body(
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
-    # wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel; issued first, 18.08 -> 16.51
-    # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json).
+    # wave's state traffic (bench/results/kda_loads_first.json).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
 
@@ -201,8 +195,7 @@ def _body(
     if tma_scratch:
         issue_state_tma()
     # The partials' sums come after the state's TMA issue: a warp issues in order, so the first add, waiting
-    # for its loads, held the tile's request back a loaded-memory round trip (TP16 B = 64 from the GEMV's
-    # token-major partials: 24.9 us against 19.2 from finished projections, kda_layer_b64_stream.json).
+    # for its loads, would hold the tile's request back a loaded-memory round trip (kda_layer_b64_stream.json).
     gate_K = resolve(gate_K)
     pro_in = ([[*w[:-1], resolve(w[-1])] for w in pro_in[0]], *pro_in[1:])
     active = True if active_b is None else active_b != 0  # True: no mask, no branches
@@ -286,7 +279,7 @@ def _body(
                 plgpu.barrier_arrive(xchg_bar)
                 plgpu.barrier_wait(xchg_bar)
             else:
-                _cluster_sync(xchg_bar, on_gpu)
+                cluster_sync(xchg_bar, on_gpu)
             o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
             pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
@@ -294,7 +287,7 @@ def _body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
 
 
-def _cluster_sync(bar, fences):
+def cluster_sync(bar, fences):
     """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
 
     The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
@@ -372,8 +365,8 @@ def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
     microseconds when a full wave's state traffic fills the memory system). Returns values, thread t's
     channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h]).
     projected(i): stream i's new pre-conv input (q, k, v)."""
-    windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
-    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
+    windows = [[conv_33K.at[i, j][...] for j in range(CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
+    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(CONV_TAPS)] for i in range(3)]
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
@@ -383,25 +376,25 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     write_conv: one CTA or warpgroup of a split): slid by one, or where not active (an idle sequence) as it
     was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
-    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing (H200: within 1.2%
-    at every size, kda_idle.json); SMEM stores under a branch in the loop instead measured 19.1 vs 16.1 us at
-    64 x 6 (kda_idle_branch.json). Its y is the stepped one (the api leaves an idle slot's y unspecified)."""
+    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing, where a branch in
+    the loop would (kda_idle.json, kda_idle_branch.json). Its y is the stepped one (the api leaves an idle
+    slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
     for i, window in enumerate(windows):
         y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
-        x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
+        x.append((y * sigmoid(y)).astype(dtype).astype(F32))
 
         def slide(i=i, window=window, by=1):  # by 1: keep the newest three pre-conv inputs; by 0: as it was
-            for j in range(_CONV_TAPS - 1):
+            for j in range(CONV_TAPS - 1):
                 new_conv_33K.at[i, j][...] = window[j + by]
 
         pl.when(_and(write_conv, active))(slide)
         pl.when(_and(write_conv, _not(active)))(functools.partial(slide, by=0))
     q, k, v = x
-    g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
-    beta = _sigmoid(beta.astype(F32))
+    g = -5.0 * sigmoid(jnp.exp(a_log) * (f + dt_bias))
+    beta = sigmoid(beta.astype(F32))
     qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K**-0.5)
     kn = k * lax.rsqrt(total(k * k) + 1e-6)
     decay = jnp.exp(g)
@@ -437,8 +430,8 @@ def _recurrence(
     independent given k̂, q̂): n_chunks chunks from state column col0. first_chunk() gives chunk 0 (waiting for
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
     Chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read is in
-    flight meanwhile. With per-slice TMA that load first waits for slice c + 1; waiting only when a chunk is
-    due measured the same within 1.4% either way (kda_prefetch.json), so there is one order."""
+    flight meanwhile. With per-slice TMA that load first waits for slice c + 1 (waiting only when a chunk is
+    due measured the same, kda_prefetch.json, so there is one order)."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -464,14 +457,11 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
     k̂) are broadcast loads of one SMEM word. Pass 1 forms Sᵀ(e k̂) and Sᵀ(e q̂) slice by slice as the slices
-    land; pass 2 rereads each slice, writes S_new in place and TMA-stores it. A slice's loads are all issued
-    before its stores, which would otherwise order each next load behind them. keep: the last `keep` slices
-    stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
-    stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
-    row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
-    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays. The key rows
-    split over 2 warpgroups (93-124 registers, 16 warps per SM) were 1.0-3.2 us slower at 384-768 tiles
-    (kda_rows_wg2.json), so too few warps is not what holds this path back; that form was removed."""
+    land; pass 2 rereads each slice and writes each new row straight from registers (st.global, 512 contiguous
+    bytes per row). A slice's loads are all issued before its stores, which would otherwise order each next
+    load behind them. keep: the last `keep` slices stay in registers from pass 1 (k_rows registers each), and
+    pass 2 starts with them (last slice first). With keep 3 the register stores beat SMEM + TMA stores
+    (kda_stg.json); splitting the key rows over 2 warpgroups was slower (kda_rows_wg2.json)."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
@@ -506,11 +496,11 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
     K = o_K.shape[-1]
     o = o_K[...]
     n = o * lax.rsqrt(total(o * o) * (1.0 / K) + eps) * onw_K
-    y_K[...] = (n * _sigmoid(gate_K.astype(F32))).astype(dtype)
+    y_K[...] = (n * sigmoid(gate_K.astype(F32))).astype(dtype)
 
 
 # f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.
-_SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 _STATIC = (
@@ -563,8 +553,7 @@ def decode(
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
     which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
     warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
-    o meets in WG 0's SMEM behind one CTA barrier (slower from 192 tiles on, kda_wg.json: 256-thread CTAs fit
-    fewer per SM).
+    o meets in WG 0's SMEM behind one CTA barrier (it pays only at small B*H: fewer 256-thread CTAs fit per SM).
     active_B: int [B], None = all (then no mask input, no branches); a sequence whose entry is 0 (an idle slot)
     keeps its state (value for value: updated with decay 1 and no rank-1 write, _prologue) and its conv window
     (bit for bit), so no select over the state runs after the kernel; its y is computed.
@@ -724,7 +713,7 @@ def _launch(
     if warpgroups > 1:  # every warpgroup's o is in WG 0's SMEM before it normalises
         scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
         if interpret is None:  # each warpgroup's own reduction scratch (_sum); interpret mode needs none
-            scratch.append(plgpu.SMEM((warpgroups, _RED_SCRATCH), F32))
+            scratch.append(plgpu.SMEM((warpgroups, RED_SCRATCH), F32))
         launch_kw = dict(num_threads=warpgroups, thread_name="wg")
     if v_split > 1:  # o gathered (through GMEM: an output nobody reads) behind one all-to-all cluster barrier
         if gather == "gmem":
@@ -749,7 +738,7 @@ def _launch(
     elif tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
-        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
+        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=tuple(out_type),
@@ -757,7 +746,9 @@ def _launch(
         grid=(B, H),
         grid_names=("b", "h"),
         **launch_kw,
-        compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
+        compiler_params=dataclasses.replace(
+            LANE_PARAMS, profile_space=256 if profile_dir else 0, profile_dir=profile_dir
+        ),
         interpret=interpret,
     )
     outs = kernel(
