@@ -28,12 +28,9 @@ LANES = 128
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 BLOCK_BYTES = 16 * 1024  # per-CTA block: keeps the FP32 sum in registers (64 values per thread in BF16)
 # Choices from bench/results/collectives.md (2 x H200, bf16 messages, steady state), by axis size:
-# - psum (NCCL) below PSUM_BELOW_BYTES: 5.5-6.6 us up to 224 KB against the best Pallas one-shot's 6.8-8.5,
-#   of which XLA's cross-device barrier + semaphore memset alone are ~4.2 us; from 448 KB the TMA one-shot
-#   wins (9.4 vs 10.4 us at 448 KB, 10.7 vs 11.5 at 896 KB). Axis sizes not listed (not measured) use Pallas.
-# - plain-store one-shot up to ST_MAX_BYTES (6.8 vs 7.3 us at 14 KB, 7.6 vs 8.0 at 112 KB), TMA one-shot above
-#   (8.5 vs 9.5 at 224 KB, 10.7 vs 14.3 at 896 KB). 4 KB blocks gained nothing over 16 KB (within +-0.2 us
-#   up to 112 KB, 0.7-0.8 us slower at 896 KB).
+# - psum (NCCL) below PSUM_BELOW_BYTES: there XLA's device barrier and semaphore memset before a Pallas call cost
+#   more than the kernel saves. Axis sizes not listed (not measured) use Pallas.
+# - the plain-store one-shot up to ST_MAX_BYTES, the TMA one-shot above; 16 KB blocks (4 KB gained nothing).
 PSUM_BELOW_BYTES = {2: 256 * 1024}
 ST_MAX_BYTES = 128 * 1024
 ALGORITHMS = ("one_shot", "one_shot_st")  # kernels.KERNELS
