@@ -1,6 +1,6 @@
 """All-reduce entry points, called inside `jax.shard_map` (with check_vma=False for the Pallas backend).
 
-backend="xla": jax.lax.psum (NCCL). backend="latency_specialized": Pallas Mosaic GPU one-shot or two-shot
+backend="xla": jax.lax.psum (NCCL). backend="latency_specialized": Pallas Mosaic GPU one-shot (plain stores or TMA)
 kernel chosen by message size; it falls back to the XLA reference (logged once per reason) on CPU, for
 an axis of size 1, or for a shape/dtype the kernels do not take. Mesh device order must be row-major
 (`jax.make_mesh`), as Mosaic GPU collectives require.
