@@ -1,4 +1,4 @@
-"""All-reduce of decode-sized activations on 2 GPUs: XLA psum (NCCL) vs the Pallas one-shot/two-shot kernels.
+"""All-reduce of decode-sized activations on 2 GPUs: XLA psum (NCCL) vs the Pallas one-shot kernels.
 
   python bench/collectives.py --check --out DIR   # correctness at real shapes + the back-to-back stress test
   python bench/collectives.py --bench --out DIR   # CUPTI device time per call, all kernels of a call summed
@@ -106,7 +106,7 @@ def check(mesh, rng):
     ]
     for b, d in cases:
         x = (rng.standard_normal((n, b, d)) * 10.0 ** rng.uniform(-2, 2)).astype(BF16)
-        for alg in ("one_shot", "one_shot_st", "two_shot"):
+        for alg in ("one_shot", "one_shot_st"):
             f, put = sharded(mesh, lambda v, alg=alg: api.all_reduce(v, "tp", policy=SPECIALIZED, algorithm=alg), 1)
             y = np.asarray(f(*put(x)))
             bad, rel = sum_errors(y, x)
@@ -147,7 +147,7 @@ def stress(mesh, steps=2000, seed=0):
     n = mesh.size
     rng = np.random.default_rng(seed)
     xa = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # one-shot, batch-1 hidden
-    xb = rng.standard_normal((n, steps, 2, 3584)).astype(BF16)  # two-shot, MoE latent
+    xb = rng.standard_normal((n, steps, 2, 3584)).astype(BF16)  # one-shot, MoE latent
     xc = rng.standard_normal((n, steps, 1, 7168)).astype(BF16)  # fused add + RMSNorm
     xd = rng.standard_normal((n, steps, 8, 7168)).astype(BF16)  # one-shot, plain stores
     res = np.broadcast_to(rng.standard_normal((1, steps, 1, 7168)).astype(BF16), (n, steps, 1, 7168)).copy()
@@ -157,7 +157,7 @@ def stress(mesh, steps=2000, seed=0):
         def body(i, out):
             ya, yb, new, normed, yd = out
             a = api.all_reduce(xa[i], "tp", policy=SPECIALIZED, algorithm="one_shot")
-            b = api.all_reduce(xb[i], "tp", policy=SPECIALIZED, algorithm="two_shot")
+            b = api.all_reduce(xb[i], "tp", policy=SPECIALIZED, algorithm="one_shot")
             c, d = api.all_reduce_add_rmsnorm(xc[i], res[i], w, EPS, "tp", policy=SPECIALIZED)
             e = api.all_reduce(xd[i], "tp", policy=SPECIALIZED, algorithm="one_shot_st")
             return ya.at[i].set(a), yb.at[i].set(b), new.at[i].set(c), normed.at[i].set(d), yd.at[i].set(e)
@@ -183,7 +183,7 @@ def stress(mesh, steps=2000, seed=0):
         calls=4 * steps,
         bad_calls=n_bad,
         bad_one_shot=int(bad_a.sum()),
-        bad_two_shot=int(bad_b.sum()),
+        bad_one_shot_latent=int(bad_b.sum()),
         bad_fused=int(bad_c.sum()),
         bad_one_shot_st=int(bad_d.sum()),
         fused_max_ulps_new=float(ulps(new[0], rn).max()),
@@ -197,7 +197,6 @@ def variants():
     return {
         "psum": (1, lambda x: jax.lax.psum(x, "tp")),
         "one_shot": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot")),
-        "two_shot": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="two_shot")),
         "one_shot_st": (1, lambda x: api.all_reduce(x, "tp", policy=SPECIALIZED, algorithm="one_shot_st")),
         "one_shot@4k": (
             1,
@@ -274,8 +273,8 @@ def bench(mesh, ops=None, rows=None, save=lambda: None):
     (a deadline may end the run)."""
     rows = [] if rows is None else rows
     grid = [(name, b, 7168) for b in (1, 2, 4, 8, 16, 32, 64) for name in ("psum", "one_shot", "one_shot_st")]
-    grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("two_shot", "one_shot@4k", "one_shot_st@4k")]
-    grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "one_shot_st", "two_shot")]
+    grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("one_shot@4k", "one_shot_st@4k")]
+    grid += [(name, b, 3584) for b in (1, 8, 64) for name in ("psum", "one_shot", "one_shot_st")]
     grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_add_rmsnorm", "one_shot_add_rmsnorm")]
     grid += [(name, b, 7168) for b in (1, 8, 64) for name in ("psum_mix_norm", "mix_norm")]
     grid += [("one_shot", 1, 128), ("one_shot_st", 1, 128)]  # 256 B: latency floor of the push protocols
@@ -331,8 +330,8 @@ def write_md(results, path):
         f"Floor = a 256 B plain-store push measured as a kernel ({lat:.2f} us) + bytes / "
         f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s.",
         "",
-        "| D | batch | KB | psum | one-shot TMA | one-shot st | (st kernel) | barrier | two-shot | floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| D | batch | KB | psum | one-shot TMA | one-shot st | (st kernel) | barrier | floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for d in (7168, 3584):
         for b in (1, 2, 4, 8, 16, 32, 64):
@@ -344,7 +343,7 @@ def write_md(results, path):
                 f"| {d} | {b} | {b * d * 2 / 1024:.0f} | {us('psum', b, d):.2f} | "
                 f"{us('one_shot', b, d):.2f} | "
                 f"{us('one_shot_st', b, d):.2f} | {kernel_only('one_shot_st', b, d):.2f} | {bar:.2f} | "
-                f"{us('two_shot', b, d):.2f} | {floor:.2f} |"
+                f"{floor:.2f} |"
             )
     lines += [
         "",

@@ -32,17 +32,17 @@ CASES = [
     ("o tp16", 768, (7168,), "o_proj_launch"),
     ("o tp8", 1536, (7168,), "o_proj_launch"),
 ]
-# --sweep: (block_k, split_k, steps, rows, x_stream). SMEM = steps x (a rows x block_k weight tile + a tokens x
+# --sweep: (block_k, split_k, steps, x_stream). SMEM = steps x (a rows x block_k weight tile + a tokens x
 # block_k x tile) <= 227 KB. TP16's 50 row blocks x split 2 fill 100 of 132 SMs; splits must divide
 # D / block_k (56 at D = 7168, 128). The tuned entries (k128 s2 st6, N to batch 32, M above) and the nearest
 # alternatives measured (gemv_small_on_n.json, gemv_tokens_on_n.json, gemv_b64_stream.json).
-LAUNCHES = [
-    (128, 2, 6, 64, "N"),
-    (256, 2, 4, 64, "N"),
-    (128, 1, 6, 64, "N"),
-    (128, 2, 6, 64, "M"),
-    (64, 2, 12, 64, "M"),
-    (128, 4, 4, 128, "M"),
+LAUNCHES = [  # (block_k, split_k, steps, x_stream)
+    (128, 2, 6, "N"),
+    (256, 2, 4, "N"),
+    (128, 1, 6, "N"),
+    (128, 2, 6, "M"),
+    (64, 2, 12, "M"),
+    (128, 4, 4, "M"),
 ]
 
 
@@ -63,8 +63,8 @@ def timed(row, key, f, x, sets, want):
         row[key + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
 
 
-def launch_key(block_k, split_k, steps, rows, x_stream):
-    return f"pallas k{block_k} s{split_k} st{steps} r{rows}" + {"M": " xs", "N": " xsN"}[x_stream]
+def launch_key(block_k, split_k, steps, x_stream):
+    return f"pallas k{block_k} s{split_k} st{steps}" + {"M": " xs", "N": " xsN"}[x_stream]
 
 
 def main(out_dir, batches=BATCHES, sweep=False, name="gemv"):
@@ -95,13 +95,13 @@ def main(out_dir, batches=BATCHES, sweep=False, name="gemv"):
                 launches[row["tuned"]] = tuned
             except NotImplementedError as e:  # no entry for this batch: the api runs XLA
                 row["tuned"] = f"none: {e}"
-            for bk, sk, st, rows_, stream in LAUNCHES if sweep else ():
+            for bk, sk, st, stream in LAUNCHES if sweep else ():
                 if (
                     D % (bk * sk) == 0
                     and D // (bk * sk) >= 2  # kernel.check_supported
-                    and kernel.smem_bytes(B, D, bk, sk, st, rows_, stream) <= kernel.SMEM_BYTES
+                    and kernel.smem_bytes(B, D, bk, sk, st, stream) <= kernel.SMEM_BYTES
                 ):
-                    launch = dict(block_k=bk, split_k=sk, steps=st, rows=rows_, x_stream=stream)
+                    launch = dict(block_k=bk, split_k=sk, steps=st, x_stream=stream)
                     launches.setdefault(launch_key(**launch), launch)
             for key, launch in launches.items():
                 timed(row, key, lambda x, ws, launch=launch: kernel.gemv(x, ws, **launch), x, sets, want)

@@ -110,7 +110,7 @@ def main(opts):
     variants = {
         ("tma" if tma else "ldg"): (
             jax.jit(functools.partial(verify_kernel.verify, eps=1e-5, tile_layout=layout, v_chunk=32, tma=tma)),
-            jax.jit(functools.partial(verify_kernel.commit, tile_layout=layout, v_chunk=32, tma=tma)),
+            jax.jit(functools.partial(verify_kernel.commit, tile_layout=layout, v_chunk=32)),
         )
         for tma in ([] if opts.no_variants else VARIANTS)
     }

@@ -125,7 +125,7 @@ def _init(spec, key):
     (uniform 0..255) and a 3-value spread around the same centre for scales."""
     if spec.init not in ("codes", "scales"):
         return params_lib.init_tensor(spec, key)
-    bits = jax.random.bits(jax.random.fold_in(key, params_lib._seed_for(spec.path)), spec.shape, jnp.uint8)
+    bits = jax.random.bits(jax.random.fold_in(key, params_lib.seed_for(spec.path)), spec.shape, jnp.uint8)
     if spec.init == "codes":
         return bits
     centre = 127 - round(math.log2(2.3 * math.sqrt(spec.fan_in)))

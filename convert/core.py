@@ -109,7 +109,7 @@ def convert(
     os.makedirs(parts_dir, exist_ok=True)
 
     jobs = [
-        _Job(
+        Job(
             spec,
             src,
             _store_dtype(spec, opts.dtype),
@@ -117,7 +117,7 @@ def convert(
         )
         for spec in table
     ]
-    parts: dict[str, list[_Job]] = {}
+    parts: dict[str, list[Job]] = {}
     for j in jobs:
         parts.setdefault(_part(j.spec), []).append(j)
     digests = {p: d for p in parts if (d := _read_marker(parts_dir, p)) is not None}  # finished parts
@@ -130,7 +130,7 @@ def convert(
         remaining = {p: len(js) for p, js in parts.items() if p not in done}
         lock = threading.Lock()
 
-        def run(j: _Job):
+        def run(j: Job):
             files, chunks = j.write(params_dir, bar)
             with lock:
                 p = _part(j.spec)
@@ -241,7 +241,7 @@ _EXPONENT_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000} 
 
 
 @dataclass
-class _Job:
+class Job:
     """One table entry: where its HF tensors are, how to stream them, what to write."""
 
     spec: P.TensorSpec

@@ -402,14 +402,15 @@ def flatten(tree, cfg: K3Config, experts: str | None = None) -> dict[tuple, Any]
 # ---- random parameters ------------------------------------------------------------------------------------
 
 
-def _seed_for(path) -> int:
+def seed_for(path) -> int:
+    """A tensor's fold-in seed, from its path alone (so its value does not depend on the other tensors)."""
     return int.from_bytes(hashlib.blake2s("/".join(map(str, path)).encode(), digest_size=4).digest(), "little")
 
 
 def init_tensor(spec: TensorSpec, key: jax.Array) -> jax.Array:
     """One tensor's deterministic random value (jittable, so it can be generated directly on devices)."""
     shape, dtype = spec.shape, jnp.dtype(spec.dtype)
-    k = jax.random.fold_in(key, _seed_for(spec.path))
+    k = jax.random.fold_in(key, seed_for(spec.path))
     n = jax.random.normal
     if spec.init == "linear":
         return (n(k, shape, jnp.float32) / math.sqrt(spec.fan_in)).astype(dtype)

@@ -31,12 +31,13 @@ def numpy_params(cfg, seed: int, dtype=np.float32) -> dict:
     rng = np.random.default_rng(seed)
     out = {}
     for s in params_lib.tensor_table(cfg):
-        x = _draw(s, rng)
+        x = draw(s, rng)
         out[s.path] = x.astype(np.uint8 if s.dtype == "uint8" else (np.float32 if s.dtype == "float32" else dtype))
     return params_lib.unflatten(out)
 
 
-def _draw(s, rng):
+def draw(s, rng):
+    """A NumPy random value for tensor spec s, at the scale its init kind asks for."""
     if s.init == "codes":
         return rng.integers(0, 256, s.shape)
     if s.init == "scales":  # as params.init_tensor: keeps expert outputs O(1)

@@ -202,8 +202,8 @@ def test_kernel_interpret_one_rank(rng, b, k, d, res_dtype, max_stages):
 def test_kernel_lowers_for_cuda_in_shard_map(monkeypatch, n, b, k, d, residual):
     """api dispatch -> the fused kernel inside shard_map on an abstract n x H100 mesh, lowered for CUDA: layout
     and lowering errors of the real exchange kernel show on CPU, and no XLA all-reduce is left."""
-    monkeypatch.setattr(api, "_platform", lambda: "gpu")
-    monkeypatch.setattr(api, "_num_sms", lambda: 132)
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "num_sms", lambda: 132)
     mesh = jax.sharding.AbstractMesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=H100)
     spec = jax.sharding.NamedSharding(mesh, P("tp"))
     args = [
@@ -231,7 +231,7 @@ def test_fused_kernel_is_opt_in(monkeypatch, caplog):
 
     from pallas_kernels import common
 
-    monkeypatch.setattr(api, "_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")
     monkeypatch.setattr(common, "gpu_arch", lambda: SM90)
     mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=H100)
     spec = jax.sharding.NamedSharding(mesh, P("tp"))

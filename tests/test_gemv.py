@@ -31,28 +31,28 @@ def _check(got, x, ws):
 
 @cpu_only
 @pytest.mark.parametrize(
-    "B, split_k, steps, rows, x_stream",
+    "B, split_k, steps, x_stream",
     [
-        (3, 2, 3, 64, "M"),
-        (20, 1, 2, 128, "M"),
-        (64, 2, 4, 64, "M"),
-        (13, 2, 3, 64, "N"),
-        (8, 4, 4, 64, "N"),
-        (20, 4, 2, 128, "N"),
-        (32, 1, 2, 128, "N"),
-        (1, 2, 3, 64, "N"),
-        (6, 2, 2, 128, "N"),
-        (1, 1, 2, 64, "N"),
-        (5, 1, 3, 64, "N"),
+        (3, 2, 3, "M"),
+        (20, 1, 2, "M"),
+        (64, 2, 4, "M"),
+        (13, 2, 3, "N"),
+        (8, 4, 4, "N"),
+        (20, 4, 2, "N"),
+        (32, 1, 2, "N"),
+        (1, 2, 3, "N"),
+        (6, 2, 2, "N"),
+        (1, 1, 2, "N"),
+        (5, 1, 3, "N"),
     ],
 )
-def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
+def test_kernel_interpret_matches_numpy(B, split_k, steps, x_stream):
     """x streamed beside the weights, the tokens on WGMMA's M or N, race-free; with one split the kernel writes
     the rounded output itself (on N a row per token, through SMEM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    x, ws = _inputs(rng(), B, 1024, (256, 128) if rows == 128 else (128, 64))
+    x, ws = _inputs(rng(), B, 1024, (128, 64))
     with abstract_gpu("sm90"):
         got = kernel.gemv(
             x,
@@ -60,7 +60,6 @@ def test_kernel_interpret_matches_numpy(B, split_k, steps, rows, x_stream):
             block_k=128,
             split_k=split_k,
             steps=steps,
-            rows=rows,
             x_stream=x_stream,
             interpret=plgpu.InterpretGPUParams(detect_races=True),
         )
@@ -79,7 +78,7 @@ def test_reference_matches_numpy():
     [
         (1, None),
         (64, None),
-        (64, dict(STREAMED, split_k=4, steps=4, rows=128)),
+        (64, dict(STREAMED, split_k=4, steps=4)),
         (64, STREAMED_N),
         (32, STREAMED_N),
         (12, STREAMED),
@@ -91,7 +90,7 @@ def test_reference_matches_numpy():
 )
 def test_kernel_lowers_for_cuda_at_tp16_shapes(B, launch):
     """One TP16 rank's q/k/v/g (3072 rows) and f_a (128 rows) over D = 7168, with tuning.json's launch (B = 1,
-    64) or others (128-row blocks; tokens on N at 64), and at batches that are not whole 8s (Mosaic's TMA
+    64) or others (4 splits; tokens on N at 64), and at batches that are not whole 8s (Mosaic's TMA
     refuses an x of 12 rows: the wrapper pads it to 16)."""
     launch = launch or api.pick_launch(B, 7168)
     x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
@@ -116,7 +115,7 @@ def test_o_proj_launch_lowers_for_cuda(B, x_stream):
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (B, 7168)
 
 
-@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "block", "x_stream"])
+@pytest.mark.parametrize("bad", ["batch", "dtype", "rows", "split", "smem", "x_stream"])
 def test_kernel_refuses_what_it_cannot_run(bad):
     B, D = {"batch": 65, "smem": 64}.get(bad, 2), 7168 if bad == "smem" else 1024
     x = jnp.ones((B, D), jnp.float32 if bad == "dtype" else jnp.bfloat16)
@@ -124,11 +123,10 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         block_k=128,
         split_k=3 if bad == "split" else 2,
         steps=2,
-        rows=96 if bad == "block" else 64,
         x_stream=False if bad == "x_stream" else "M",
     )  # False: the resident-x form, removed
-    if bad == "smem":  # 8 stages of a 128 x 256 weight tile and a 64 x 256 x tile: 786 KB
-        launch.update(block_k=256, steps=8, rows=128)
+    if bad == "smem":  # 8 stages of a 64 x 256 weight tile and a 64 x 256 x tile: 524 KB
+        launch.update(block_k=256, steps=8)
     with pytest.raises(NotImplementedError):
         kernel.check_supported(x, (jnp.ones((100 if bad == "rows" else 128, D), jnp.bfloat16),), **launch)
 
@@ -178,7 +176,7 @@ def test_api_on_gpu_matches_numpy(B, rows):
     """One TP16 / TP8 rank's q/k/v/g + f_a, and o_proj's shape, through the api (the kernel on sm90)."""
     D = 768 if rows == (7168,) else 7168
     x, ws = _inputs(rng(), B, D, rows)
-    _check(api._kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
+    _check(api.run_kernel(x, ws), x, ws)  # the kernel itself: raises rather than falling back
 
 
 @gpu_only
@@ -186,16 +184,16 @@ def test_api_on_gpu_matches_numpy(B, rows):
 def test_o_proj_on_gpu_matches_numpy(B, D):
     """o_proj's launch through the api at TP16 / TP8 widths (on M the kernel writes the rounded output itself)."""
     x, ws = _inputs(rng(), B, D, (7168,))
-    _check(api._kernel(x, ws, "o_proj_launch"), x, ws)
+    _check(api.run_kernel(x, ws, "o_proj_launch"), x, ws)
 
 
 @gpu_only
-@pytest.mark.parametrize("launch", ["M", "M r128", "N"])
+@pytest.mark.parametrize("launch", ["M", "N"])
 @pytest.mark.parametrize("rows", [(3072, 128), (6144, 128)])
 def test_kernel_on_gpu_at_batch_64_matches_numpy(rows, launch):
-    """64 tokens at TP16 / TP8 widths: the tokens on M in 64- and 128-row blocks, or on N."""
+    """64 tokens at TP16 / TP8 widths: the tokens on M or on N."""
     x, ws = _inputs(rng(), 64, 7168, rows)
-    launch = {"M": STREAMED, "M r128": dict(STREAMED, split_k=4, steps=4, rows=128), "N": STREAMED_N}[launch]
+    launch = {"M": STREAMED, "N": STREAMED_N}[launch]
     _check(kernel.gemv(x, ws, **launch), x, ws)
 
 

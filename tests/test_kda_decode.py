@@ -148,9 +148,9 @@ def _body(arch):
 
 
 def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **launch):
-    """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, TMA
-    of the whole tile via SMEM, one TMA per column slice, or per slice of 32 rows with a thread per column),
-    one CTA or a cluster of v_split CTAs per tile, with one or several warpgroups."""
+    """A body's kernel with its tuned tile layout and a given staging of the state (direct ld/st.global, one
+    TMA per column slice, or per slice of 32 rows with a thread per column), one CTA or a cluster of v_split
+    CTAs per tile, with one or several warpgroups."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
@@ -172,7 +172,7 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **l
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked", "rows"])
+@pytest.mark.parametrize("tma", [False, "chunked", "rows"])
 def test_kernel_interpret_matches_reference(arch, dtype, tma):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -190,8 +190,8 @@ def test_kernel_interpret_matches_reference(arch, dtype, tma):
 # (tma, split, dtype): a cluster of v_split CTAs per tile with every staging, or the warpgroups of one CTA
 # (which take per-slice or no TMA); one or two 32-column chunks each
 SPLITS = (
-    [(tma, dict(v_split=4), "f32") for tma in (False, True, "chunked")]
-    + [(tma, dict(v_split=2), "bf16") for tma in (False, True, "chunked")]
+    [(tma, dict(v_split=4), "f32") for tma in (False, "chunked")]
+    + [(tma, dict(v_split=2), "bf16") for tma in (False, "chunked")]
     + [(tma, dict(warpgroups=n), dt) for tma in (False, "chunked") for n, dt in ((4, "f32"), (2, "bf16"))]
 )
 
@@ -225,7 +225,7 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
 
     from pallas_kernels.kda_decode import kernel
 
-    monkeypatch.setattr(kernel, "_cluster_sync", lambda bar, fences: None)
+    monkeypatch.setattr(kernel, "cluster_sync", lambda bar, fences: None)
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):
@@ -442,13 +442,12 @@ def test_api_refuses_qkv_without_three_streams():
     "tma, split",
     [
         (False, {}),
-        (True, {}),
         ("chunked", {}),
         ("rows", {}),
         ("rows", dict(keep_slices=3)),
-        ("rows", dict(keep_slices=2, row_stores="global")),
+        ("rows", dict(keep_slices=2)),
         ("chunked", dict(warpgroups=2)),
-        (True, dict(v_split=2)),
+        ("chunked", dict(v_split=2)),
     ],
 )
 def test_kernel_keeps_idle_sequences(tma, split):
@@ -487,7 +486,7 @@ def test_gates_reference_matches_numpy(dtype):
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked", "rows"])
+@pytest.mark.parametrize("tma", [False, "chunked", "rows"])
 def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
     """The decode kernel with the f_b and b projections inside (issue 6 stretch goal) vs the reference."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -514,6 +513,7 @@ def test_fused_gates_interpret_matches_reference(arch, dtype, tma):
         assert_close(a, b, **TOL[dtype], what=name)
 
 
+@cpu_only
 @pytest.mark.parametrize("fuse", [False, True])
 def test_body_gates_follow_tuning(monkeypatch, fuse):
     """The body fuses the gate projections or runs them as XLA GEMVs, as its tuning says; same result.
@@ -549,7 +549,7 @@ def test_body_fuses_gates_only_within_its_tuning_limits(monkeypatch, B, H, fused
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("tma", [False, "chunked", "rows"])
 def test_fused_gates_lower_for_cuda(arch, tma):
     """The fused-gates kernel at a TP8 rank's real shape (R = 128, D = 7168), lowered (not run)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -569,8 +569,8 @@ def test_fused_gates_lower_for_cuda(arch, tma):
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize(
     "tma, v_split, gather",
-    [(t, 1, "gmem") for t in (False, True, "chunked", "rows")]
-    + [(t, 4, g) for t in (False, True, "chunked") for g in ("gmem", "dsmem")],
+    [(t, 1, "gmem") for t in (False, "chunked", "rows")]
+    + [(t, 4, g) for t in (False, "chunked") for g in ("gmem", "dsmem")],
 )
 def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
@@ -603,13 +603,13 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
     tuning = {
         "layout": "WGMMA",
         "launch": [
-            {"max_tiles": 4, "v_chunk": 16, "tma": True},
+            {"max_tiles": 4, "v_chunk": 16, "tma": "chunked"},
             {"max_tiles": 64, "v_chunk": 64, "tma": False},
             {"max_tiles": 200, "v_chunk": 32, "tma": "chunked"},
             {"max_tiles": None, "tma": "rows", "k_chunk": 16, "keep_slices": 2},
         ],
     }
-    for B, H, want in [(1, 4, (16, True)), (1, 5, (64, False)), (8, 12, (32, "chunked")), (64, 96, (32, "rows"))]:
+    for B, H, want in [(1, 4, (16, "chunked")), (1, 5, (64, False)), (8, 12, (32, "chunked")), (64, 96, (32, "rows"))]:
         got = kernel.pick_launch(tuning, jnp.zeros((B, 3, H, 8)))
         assert (got["v_chunk"], got["tma"]) == want, (B, H, got)
     assert kernel.pick_launch(tuning, jnp.zeros((64, 3, 96, 8)))["k_chunk"] == 16
@@ -623,10 +623,11 @@ def test_pick_launch_takes_first_entry_covering_the_tiles():
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)))
         assert (got["tma"], got["k_chunk"]) == ("rows", 32) and "keep_slices" not in got, (B, H, got)
         got = verify_kernel.pick_launch(tuning, jnp.zeros((B, 4, 3, H, 8)), split=False)
-        assert got["tma"] in (False, True) and "k_chunk" not in got, (B, H, got)
+        assert "tma" not in got and "k_chunk" not in got, (B, H, got)
     assert verify_kernel.pick_launch(tuning, jnp.zeros((1, 4, 3, 12, 8)))["tma"] is False  # 5-64 tiles: ldg
 
 
+@cpu_only
 def test_api_body_runs_its_tuning():
     """The sm90 body with tuning.json's launch for a small shape (interpret mode, so it runs on CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -638,11 +639,13 @@ def test_api_body_runs_its_tuning():
         assert_close(a, b, **TOL["f32"])
 
 
+@cpu_only
 @pytest.mark.parametrize(
     "launch",
     [
         dict(v_split=3),
-        dict(v_split=8, tma=True),
+        dict(v_split=8),
+        dict(tma=True),
         dict(v_split=4, gather="dsmem"),
         dict(v_split=4, gather="tmem"),
         dict(tma="rows", v_split=2),
@@ -653,7 +656,8 @@ def test_api_body_runs_its_tuning():
 )
 def test_kernel_refuses_impossible_launches(launch):
     """Splits that do not tile V into whole chunks, row slices that do not tile K or share a tile between
-    warpgroups, unknown stagings, and gathers interpret mode cannot run, refuse up front."""
+    warpgroups, unknown stagings (True: the whole-tile TMA, removed), and gathers interpret mode cannot run,
+    refuse up front."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.kda_decode import kernel
@@ -664,6 +668,7 @@ def test_kernel_refuses_impossible_launches(launch):
         kernel.decode(*args_of(x), interpret=plgpu.InterpretGPUParams(), **kw)
 
 
+@cpu_only
 def test_body_runs_a_split_launch_entry():
     """A tuning launch entry with v_split reaches decode and verify (the commit keeps one CTA per tile)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -712,7 +717,7 @@ def test_kernel_on_gpu_matches_reference(B, H, dtype):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("tma", [False, True, "chunked"])
+@pytest.mark.parametrize("tma", [False, "chunked"])
 @pytest.mark.parametrize("B, H", [(1, 6), (64, 12)])
 @pytest.mark.parametrize("v_split, gather", [(1, "gmem"), (4, "gmem"), (4, "dsmem")])
 def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
@@ -728,22 +733,8 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6), (8, 96)])
-@pytest.mark.parametrize(
-    "k_chunk, keep, stores",
-    [
-        (16, 0, "tma"),
-        (32, 0, "tma"),
-        (64, 0, "tma"),
-        (32, 1, "tma"),
-        (32, 2, "tma"),
-        (32, 3, "tma"),
-        (32, 4, "tma"),
-        (32, 0, "global"),
-        (32, 2, "global"),
-        (32, 3, "global"),
-    ],
-)
-def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, stores):
+@pytest.mark.parametrize("k_chunk, keep", [(32, 0), (32, 2), (32, 3)])
+def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep):
     """Row slices with a thread per state column (tma='rows'; keep: slices held in registers between the two
     passes), at real shapes, with idle sequences."""
     from pallas_kernels.kda_decode import kernel
@@ -759,7 +750,6 @@ def test_rows_staging_on_gpu_matches_reference(B, H, dtype, k_chunk, keep, store
         tma="rows",
         k_chunk=k_chunk,
         keep_slices=keep,
-        row_stores=stores,
     )
     got = jax.jit(f)(*args_of(x), active)
     if active is None:

@@ -27,14 +27,14 @@ def _layout(arch):
 
 
 def _kernels(arch, tma, interpret=None, v_split=1, gather="gmem"):
-    """(verify, commit) with a body's layout; v_split / gather: verify's cluster split of V (commit has none);
-    tma="rows": verify's rows path (commit takes the whole tile by TMA, as pick_launch gives it)."""
+    """(verify, commit) with a body's layout; v_split / gather / tma: verify's cluster split of V and staging
+    (tma="rows": its rows path); the commit has one CTA per tile and ld/st.global."""
     from pallas_kernels.kda_decode import verify_kernel
 
     kw = dict(tile_layout=_layout(arch), v_chunk=32, interpret=interpret)
     return (
         functools.partial(verify_kernel.verify, eps=1e-5, v_split=v_split, gather=gather, tma=tma, **kw),
-        functools.partial(verify_kernel.commit, tma=True if tma == "rows" else tma, **kw),
+        functools.partial(verify_kernel.commit, **kw),
     )
 
 
@@ -159,8 +159,8 @@ def test_body_verify_takes_rows_from_its_tuning(monkeypatch):
     from pallas_kernels.kda_decode import bodies, sm90, verify_kernel
 
     ran = []
-    steps_rows = verify_kernel._steps_rows
-    monkeypatch.setattr(verify_kernel, "_steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
+    steps_rows = verify_kernel.steps_rows
+    monkeypatch.setattr(verify_kernel, "steps_rows", lambda *a: ran.append(1) or steps_rows(*a))
     x = make_inputs(rng(), 1, 2, 128, jnp.float32, T=2)  # T = 2: no other test's trace to reuse
     ops = bodies.entry_points(dict(sm90.TUNING, verify_rows_min_tiles=2))
     with abstract_gpu("sm90"):

@@ -64,7 +64,7 @@ def setup():
     params_np = worker.numpy_params(cfg, seed)
     c = tiny_dspark_config(cfg, num_taps=2)
     rng = np.random.default_rng(seed)
-    dspark_np = params_lib.unflatten({s.path: worker._draw(s, rng).astype(np.float32) for s in DP.tensor_table(c)})
+    dspark_np = params_lib.unflatten({s.path: worker.draw(s, rng).astype(np.float32) for s in DP.tensor_table(c)})
     prompts = worker.prompts_for(seed, cfg.vocab_size)  # lengths 5 and 9: ragged
     eng = Engine(
         cfg,

@@ -185,7 +185,7 @@ def test_ctrl_c_stops_promptly_and_says_resume(hf_dir, tmp_path, capsys, monkeyp
     import convert.core as core
 
     started = []
-    real_write, real_wait = core._Job.write, core.wait
+    real_write, real_wait = core.Job.write, core.wait
 
     def write(self, params_dir, bar):
         started.append(self.spec.key)
@@ -195,7 +195,7 @@ def test_ctrl_c_stops_promptly_and_says_resume(hf_dir, tmp_path, capsys, monkeyp
         real_wait(futs, return_when="FIRST_COMPLETED")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(core._Job, "write", write)
+    monkeypatch.setattr(core.Job, "write", write)
     monkeypatch.setattr(core, "wait", wait_then_ctrl_c)
     out = str(tmp_path / "ck")
     try:

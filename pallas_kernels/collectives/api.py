@@ -1,8 +1,8 @@
 """All-reduce entry points, called inside `jax.shard_map` (with check_vma=False for the Pallas backend).
 
-Decode backend auto: jax.lax.psum (NCCL). latency_specialized: Pallas Mosaic GPU one-shot or two-shot kernel
-chosen by message size (the policy's collectives tuning); the XLA reference on CPU, for an axis of size 1,
-or for a shape/dtype the kernels do not take. Mesh device order must be row-major
+Decode backend auto: jax.lax.psum (NCCL). latency_specialized: Pallas Mosaic GPU one-shot kernel (plain
+stores or TMA) chosen by message size (the policy's collectives tuning); the XLA reference on CPU, for an axis
+of size 1, or for a shape/dtype the kernels do not take. Mesh device order must be row-major
 (`jax.make_mesh`), as Mosaic GPU collectives require.
 
 Fused entry points: all_reduce_mix_norm (a layer boundary: all-reduce + AttnRes prefix update + AttnRes mix +
@@ -26,14 +26,14 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32
 # The all-reduce kernel choice by message size is data: the policy's "collectives" tuning (tuning.json, from
 # bench/results/collectives.md on 2 x H200): psum (NCCL) below ~256 KB at 2 ranks (5.5-6.6 us up to 224 KB
 # against the best Pallas one-shot's 6.8-8.5, of which XLA's cross-device barrier + semaphore memset alone are
-# ~4.2 us), the plain-store one-shot up to 128 KB, the TMA one-shot above; the two-shot was never faster at 2
-# ranks (same bytes per link in two round trips) and is kept for larger axes, which 2 GPUs could not measure.
+# ~4.2 us), the plain-store one-shot up to 128 KB, the TMA one-shot above (16 KB blocks).
+ALGORITHMS = ("one_shot", "one_shot_st")  # kernels.KERNELS
 MAX_FUSED_LANE_ROWS = 256  # a token row is one (D/128, 128) TMA box; box dims are <= 256
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    algorithm: str  # "one_shot" | "two_shot" | "xla"
+    algorithm: str  # "one_shot" | "one_shot_st" | "one_shot_add_rmsnorm" | "mix_norm" | "xla"
     block_rows: int = 0
     reason: str = ""
 
@@ -70,23 +70,9 @@ def plan_all_reduce(shape, dtype, n, platform, algorithm=None, block_bytes=None,
     if algorithm is None:
         if nbytes < psum_below:
             return Plan("xla", reason=f"psum measured faster below {psum_below // 1024} KB at {n} ranks")
-        algorithm = (
-            "two_shot"
-            if nbytes >= t["two_shot_min_bytes"].get(str(n), math.inf)
-            else "one_shot_st"
-            if nbytes <= t["one_shot_st_max_bytes"]
-            else "one_shot"
-        )
-    if algorithm == "two_shot":
-        # need >= n blocks, in a multiple of n, so every rank reduces the same number of blocks.
-        r = _largest_divisor_at_most(m, cap_rows)
-        while r > 1 and (m // r) % n:
-            r = _largest_divisor_at_most(m, r - 1)
-        if (m // r) % n:
-            return plan_all_reduce(shape, dtype, n, platform, "one_shot", block_bytes, t)
-        return Plan("two_shot", r)
-    if algorithm not in ("one_shot", "one_shot_st"):
-        raise ValueError(f"unknown algorithm {algorithm}")
+        algorithm = "one_shot_st" if nbytes <= t["one_shot_st_max_bytes"] else "one_shot"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS} (or None: chosen by size), got {algorithm!r}")
     return Plan(algorithm, _largest_divisor_at_most(m, cap_rows))
 
 
@@ -103,7 +89,7 @@ def plan_add_rmsnorm(x_shape, x_dtype, res_shape, res_dtype, w_shape, n, platfor
     return Plan("one_shot_add_rmsnorm", d // LANES)
 
 
-def _platform():
+def current_platform():
     return jax.default_backend()
 
 
@@ -114,11 +100,10 @@ def _run(plan, kernel):
     return kernel(plan)
 
 
-def all_reduce(x, axis_name="tp", *, policy: DecodePolicy = XLA, algorithm=None, block_bytes=None, skip_barrier=False):
+def all_reduce(x, axis_name="tp", *, policy: DecodePolicy = XLA, algorithm=None, block_bytes=None):
     """Sum of x over `axis_name`, same shape and dtype on every rank.
 
-    algorithm ("one_shot" | "one_shot_st" | "two_shot"), block_bytes and skip_barrier are for benchmarks and
-    tests; skip_barrier=True is unsafe in jax 0.11.2 (see kernels.py).
+    algorithm ("one_shot" | "one_shot_st") and block_bytes override the plan, for benchmarks and tests.
     """
 
     def kernel(plan):
@@ -129,21 +114,24 @@ def all_reduce(x, axis_name="tp", *, policy: DecodePolicy = XLA, algorithm=None,
             axis_name=axis_name,
             n=lax.axis_size(axis_name),
             block_rows=plan.block_rows,
-            skip_barrier=skip_barrier,
         )
         return y.reshape(x.shape)
 
     plan = lambda: plan_all_reduce(  # noqa: E731
-        x.shape, x.dtype, lax.axis_size(axis_name), _platform(), algorithm, block_bytes, policy.table("collectives")
+        x.shape,
+        x.dtype,
+        lax.axis_size(axis_name),
+        current_platform(),
+        algorithm,
+        block_bytes,
+        policy.table("collectives"),
     )
     return policy_lib.dispatch(
         "all_reduce", policy, lambda: _run(plan(), kernel), lambda: reference.all_reduce(x, axis_name)
     )
 
 
-def all_reduce_add_rmsnorm(
-    x_partial, residual, norm_w, eps, axis_name="tp", *, policy: DecodePolicy = XLA, skip_barrier=False
-):
+def all_reduce_add_rmsnorm(x_partial, residual, norm_w, eps, axis_name="tp", *, policy: DecodePolicy = XLA):
     """(new_residual, normed): new_residual = residual + allreduce(x_partial) rounded to residual's dtype,
     normed = RMSNorm(new_residual) * norm_w (docs/model.md §1.5 rounding order), over the last axis."""
 
@@ -158,7 +146,6 @@ def all_reduce_add_rmsnorm(
             eps,
             axis_name=axis_name,
             n=lax.axis_size(axis_name),
-            skip_barrier=skip_barrier,
         )
         return new.reshape(shape), normed.reshape(shape)
 
@@ -169,7 +156,7 @@ def all_reduce_add_rmsnorm(
         residual.dtype,
         norm_w.shape,
         lax.axis_size(axis_name),
-        _platform(),
+        current_platform(),
     )
     return policy_lib.dispatch(
         "all_reduce_add_rmsnorm",
@@ -218,7 +205,6 @@ def all_reduce_mix_norm(
     axis_name="tp",
     *,
     policy: DecodePolicy = XLA,
-    skip_barrier=False,
 ):
     """A layer boundary in one launch: (P', normed) with a = allreduce(x_partial), P' = a or round(prefix + a),
     normed = RMSNorm(AttnRes(blocks + [P'])) * norm_w (reference.mix_norm has the exact maths). prefix None:
@@ -246,7 +232,6 @@ def all_reduce_mix_norm(
             eps,
             axis_name=axis_name,
             n=lax.axis_size(axis_name),
-            skip_barrier=skip_barrier,
         )
         return new.reshape(shape), normed.reshape(shape)
 
@@ -256,7 +241,7 @@ def all_reduce_mix_norm(
         None if prefix is None else prefix.shape,
         [b.shape for b in blocks],
         lax.axis_size(axis_name),
-        _platform(),
+        current_platform(),
     )
     return policy_lib.dispatch(
         "all_reduce_mix_norm",
@@ -356,7 +341,6 @@ def proj_all_reduce(
     policy: DecodePolicy = XLA,
     tile_d=None,
     max_stages=None,
-    skip_barrier=False,
 ):
     """sum over `axis_name` of x_BK @ w_KD (FP32 accumulation and sum) + residual_BD, rounded once.
 
@@ -378,9 +362,9 @@ def proj_all_reduce(
             None if residual_BD is None else residual_BD.shape,
             None if residual_BD is None else residual_BD.dtype,
             lax.axis_size(axis_name),
-            _platform(),
+            current_platform(),
             common.gpu_arch(),
-            _num_sms(),
+            num_sms(),
             tile_d,
             max_stages,
         )
@@ -401,7 +385,6 @@ def proj_all_reduce(
             n=lax.axis_size(axis_name),
             tile_d=plan.tile_d,
             max_stages=plan.stages,
-            skip_barrier=skip_barrier,
         )
         return y.reshape(*lead, D)
 
@@ -410,5 +393,5 @@ def proj_all_reduce(
     )
 
 
-def _num_sms():
+def num_sms():
     return getattr(jax.devices()[0], "core_count", None) or H100_SMS

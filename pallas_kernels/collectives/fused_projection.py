@@ -26,9 +26,9 @@ other) on top of the cross-GPU one. Use `api.all_reduce_add_rmsnorm` / XLA after
 kernel a global-semaphore grid barrier (possible: the grid is one resident wave) if the norm's launch shows
 up in the profile.
 
-Status: right on 2 H200s at every real and random shape and in 300 back-to-back stress steps (the "bug" of
-earlier sessions was the stress test's oracle, see bench/NOTES.md); opt-in (DecodePolicy(fused_projection=True))
-because it measured slower than XLA's dot + psum at most decode shapes (api.py).
+Status: right on 2 H200s at every real and random shape and in back-to-back stress steps; opt-in
+(DecodePolicy(fused_projection=True)) because it is slower than XLA's dot + psum at most decode shapes
+(bench/results/fused_projection.md).
 """
 
 import jax
@@ -50,9 +50,8 @@ def tile_k_for(K):
 def smem_bytes(K, n, tile_d=TILE_D, max_stages=MAX_STAGES, itemsize=2, res_itemsize=2):
     """SMEM one CTA allocates: the GEMM pipeline, the exchange scratch and the residual buffer, side by side.
 
-    The exchange scratch used to reuse the pipeline's bytes (sequential scopes); it was moved beside them while
-    hunting a suspected back-to-back bug (which turned out to be the test's oracle, bench/NOTES.md); the layout
-    stays, as it costs no more than the SMEM budget allows."""
+    The exchange scratch sits beside the pipeline's buffers rather than reusing their bytes (sequential scopes
+    could share them); the SMEM budget allows it."""
     tk = tile_k_for(K)
     stages = max(2, min(max_stages, K // tk))
     pipeline = stages * (M_PAD * tk + tk * tile_d) * itemsize
@@ -101,7 +100,6 @@ def proj_all_reduce(
     n,
     tile_d=TILE_D,
     max_stages=MAX_STAGES,
-    skip_barrier=False,
     interpret=None,
 ):
     """sum over the n ranks of `axis_name` of x_BK @ w_KD (+ residual_BD), same bits on every rank.
@@ -124,7 +122,6 @@ def proj_all_reduce(
             n=n,
             tile_d=tile_d,
             max_stages=max_stages,
-            skip_barrier=skip_barrier,
             interpret=interpret,
         )[:B]
     stages = max(2, min(max_stages, K // tile_k))
@@ -201,7 +198,6 @@ def proj_all_reduce(
         scratch_types=[plgpu.SemaphoreType.REGULAR] if exchange else [],
         grid=(D // tile_d,),
         grid_names=("tiles",),
-        compiler_params=plgpu.CompilerParams(skip_device_barrier=skip_barrier),
         interpret=interpret,
     )(x_BK, w_KD, *([residual_BD] if has_res else []))
     return outs[0]

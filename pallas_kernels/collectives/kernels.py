@@ -32,10 +32,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LANES = 128  # elements per tile row
 
 
-def _params(skip_barrier):
-    return plgpu.CompilerParams(skip_device_barrier=skip_barrier)
-
-
 def _peers(me, n, axis_name):
     """Device ids of the n-1 peers, nearest first (dict form works on multi-axis meshes)."""
     return [{axis_name: lax.rem(me + k, n)} for k in range(1, n)]
@@ -73,7 +69,7 @@ def _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n):
     return acc
 
 
-def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+def one_shot(x_MC, *, axis_name, n, block_rows):
     """All-reduce of x_MC over `axis_name` (n ranks): every rank pushes its data to every peer."""
     M, C = x_MC.shape
     R = block_rows
@@ -102,65 +98,11 @@ def one_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(M // R,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_MC)
     return y
 
 
-def two_shot(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
-    """Reduce-scatter + all-gather: block g is reduced by rank g % n, which pushes the sum to every peer.
-
-    Per block a rank is either the owner (waits for n-1 partials) or a sender (waits for 1 result), so one
-    block-local semaphore serves both phases. Each link carries (n-1)/n of the data twice instead of all of
-    it once, and each rank sums 1/n of the blocks.
-    """
-    M, C = x_MC.shape
-    R = block_rows
-    dtype = x_MC.dtype
-
-    def body(x_gmem, y_gmem, recv_gmem, sem):
-        me = lax.axis_index(axis_name)
-        g = lax.axis_index("blocks")
-        rows = pl.ds(g * R, R)
-        owner = lax.rem(g, n)
-
-        def scoped(buf_nRC, out_RC, bars):
-            plgpu.copy_gmem_to_smem(x_gmem.at[rows], buf_nRC.at[me], bars.at[me])
-            plgpu.barrier_wait(bars.at[me])
-
-            @pl.when(owner != me)
-            def _send():
-                _push_block(buf_nRC.at[me], recv_gmem, me, rows, [{axis_name: owner}], sem)
-                pl.semaphore_wait(sem, 1)  # the owner has written the sum into my y[rows]
-
-            @pl.when(owner == me)
-            def _reduce():
-                pl.semaphore_wait(sem, n - 1)
-                acc = _gather_and_sum(recv_gmem, buf_nRC, bars, me, rows, n)
-                out_RC[...] = acc.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_RC, y_gmem.at[rows])
-                peers = _peers(me, n, axis_name)
-                for peer in peers:
-                    plgpu.copy_smem_to_gmem(out_RC, plgpu.remote_ref(y_gmem, peer).at[rows])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                for peer in peers:
-                    pl.semaphore_signal(sem, device_id=peer)
-
-        pl.run_scoped(scoped, plgpu.SMEM((n, R, C), dtype), plgpu.SMEM((R, C), dtype), plgpu.Barrier(num_barriers=n))
-
-    y, _ = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((M, C), dtype), jax.ShapeDtypeStruct((n, M, C), dtype)),
-        scratch_types=[plgpu.SemaphoreType.REGULAR],
-        grid=(M // R,),
-        grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
-    )(x_MC)
-    return y
-
-
-def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrier=False):
+def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n):
     """One-shot all-reduce fused with residual add and RMSNorm; one CTA per token row.
 
     x_BQC / res_BQC: a token's D = Q*128 features as a (Q, 128) tile. Returns (new_residual, normed) with
@@ -218,12 +160,8 @@ def one_shot_add_rmsnorm(x_BQC, res_BQC, w_QC, eps, *, axis_name, n, skip_barrie
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(B,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_BQC, res_BQC, w_QC)
     return new, normed
-
-
-KERNELS = {"one_shot": one_shot, "two_shot": two_shot}
 
 
 def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
@@ -250,7 +188,7 @@ def exchange_st(src_ref, recv_gmem, idx, axis_name, n, sem):
     return acc
 
 
-def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
+def one_shot_st(x_MC, *, axis_name, n, block_rows):
     """One-shot with plain register loads/stores only (no SMEM, no TMA): see exchange_st. Latency variant."""
     M, C = x_MC.shape
     R = block_rows
@@ -266,9 +204,8 @@ def one_shot_st(x_MC, *, axis_name, n, block_rows, skip_barrier=False):
         scratch_types=[plgpu.SemaphoreType.REGULAR],
         grid=(M // R,),
         grid_names=("blocks",),
-        compiler_params=_params(skip_barrier),
     )(x_MC)
     return y
 
 
-KERNELS["one_shot_st"] = one_shot_st
+KERNELS = {"one_shot": one_shot, "one_shot_st": one_shot_st}

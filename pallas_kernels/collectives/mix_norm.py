@@ -61,8 +61,8 @@ def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
 def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
     """_attnres in one pass (online softmax): a loop over the stored blocks carries the running max score m,
     the softmax denominator z and the unnormalised mix h, each block read from SMEM once. The same sum up to
-    fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form
-    measured 13.5 us at 8 blocks against 5.2 at 4, superlinear)."""
+    fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form's
+    time grows superlinearly with the blocks)."""
     v_new = new.astype(F32)
     if not N:
         return v_new
@@ -97,7 +97,6 @@ def mix_norm(
     *,
     axis_name,
     n,
-    skip_barrier=False,
     interpret=None,
     profile_dir="",
     online=None,
@@ -109,9 +108,9 @@ def mix_norm(
     The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
     behind the exchange's round trip and AttnRes reads them from SMEM.
     online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
-    default from more than one block (one H200, n = 1: 1 block 2.83 us two-pass vs 3.07 online, 4 blocks
-    5.15 vs 5.22, 8 blocks 13.3 vs 7.7; bench/results/mix_norm_profile.json).
-    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py@721adb5)."""
+    default from more than one block (two-pass is faster at one block, level at four, far slower at eight:
+    bench/results/mix_norm_profile.json).
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/mix_norm_profile.py)."""
     B, Q, C = x_BQC.shape
     dtype = x_BQC.dtype
     blocks = tuple(blocks or ())
@@ -171,9 +170,7 @@ def mix_norm(
         scratch_types=scratch,
         grid=(B,),
         grid_names=("tokens",),
-        compiler_params=plgpu.CompilerParams(
-            skip_device_barrier=skip_barrier, profile_space=256 if profile_dir else 0, profile_dir=profile_dir
-        ),
+        compiler_params=plgpu.CompilerParams(profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
         interpret=interpret,
     )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
     return outs[0], outs[1]

@@ -9,7 +9,7 @@ from pallas_kernels.policy import XLA, DecodePolicy
 
 
 def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
-    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, rows, x_stream): the first
+    """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, x_stream): the first
     entry of `table` ("launch", or "o_proj_launch" for o_proj's short D) whose [min_batch, max_batch] holds B;
     NotImplementedError where none does."""
     entries = policy.table("gemv")["sm90"].get(table, [])
@@ -25,12 +25,12 @@ def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
         block_k=entry["block_k"],
         split_k=split_k,
         steps=entry["steps"],
-        rows=entry.get("rows", 64),
         x_stream=entry.get("x_stream", "N"),
     )
 
 
-def _kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA):
+def run_kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA):
+    """The kernel itself: NotImplementedError where it does not take the call (gemv then runs the reference)."""
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
         raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
@@ -47,6 +47,6 @@ def gemv(x_BD, ws_ND, *, policy: DecodePolicy = XLA, table="launch"):
     return policy_lib.dispatch(
         f"gemv {table}",
         policy,
-        lambda: _kernel(x_BD, ws_ND, table, policy),
+        lambda: run_kernel(x_BD, ws_ND, table, policy),
         lambda: reference.gemv(x_BD, ws_ND),
     )

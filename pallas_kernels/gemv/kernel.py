@@ -1,27 +1,24 @@
 """Streaming GEMV on Hopper tensor cores: y = x @ wᵀ for a decode batch (B <= 64) and out-major weights.
 
-At decode batch the projection is a pure weight stream (45 MB for one TP16 rank's q/k/v/g + f_a at B = 1),
-so the kernel only has to keep HBM busy and accumulate in fp32. Each CTA streams one row block (64 or 128
-rows) of one weight over a 1/S slice of D through a multi-stage TMA pipeline, x's tile of the same K block
-beside the weight's in each stage (from L2: every CTA of a K range reads it); S (split_k) spreads the row
-blocks over the 132 SMs. Several weights sharing x (q/k/v/g and f_a) run in one launch: the grid covers all
-their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once (one
-small XLA fusion), or a consumer reads them itself (the KDA decode kernel); with one split the kernel rounds
-and writes the output itself. The result equals reference.gemv up to the order of the fp32 sums.
+At decode batch the projection is a pure weight stream (45 MB for one TP16 rank's q/k/v/g + f_a), so the kernel
+only has to keep HBM busy and accumulate in fp32. Each CTA streams one 64-row block of one weight over a 1/S
+slice of D through a multi-stage TMA pipeline, x's tile of the same K block beside the weight's in each stage
+(from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
+sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks. The CTA writes its fp32
+partial and the wrapper sums the S partials and rounds once (one small XLA fusion), or a consumer reads them
+itself (the KDA decode kernel); with one split the kernel rounds and writes the output itself. The result equals
+reference.gemv up to the order of the fp32 sums.
 
-Where the tokens go (x_stream, tuning.json; bench/history.md KDA "Fourteenth session"):
-- "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
-  [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). 12.1-12.8 us for TP16's 46 MB at
-  B = 1-48 on an H200 (75-79% of HBM; gemv_tokens_on_n.json, gemv_small_on_n.json): the launch up to batch
-  32. With one split the accumulator goes through SMEM and each token's row is stored from it.
-- "M": the tokens on M, a [64, block_k] x tile (the TMA fills the rows past B with zeros), partials
-  token-major [S, 64, N], so a token's outputs are contiguous for the KDA decode kernel (column b of
-  [S, N, 64] was 4-byte reads 256 bytes apart: 28.8 instead of 19.1 us for the decode kernel at TP16 B = 64).
-  Below 64 tokens the mostly-zero x tile doubles each stage's SMEM fill (17.7 us at B = 16 against 12.1 on
-  N): the launch from batch 33.
-x held resident in SMEM for the whole stream was the first form (commit 8d122c6 has it): its slabs grow with
-the batch (only split 7 fit at 64 tokens: 18.9 us against 13.6 streamed, gemv_b64_stream.json), and below 8
-tokens streaming measured faster too (12.4 vs 12.9 us + a pad, gemv_small_on_n.json), so it was removed.
+Where the tokens go (x_stream; tuning.json says which batches take which):
+- "N": the weight rows on WGMMA's M and the tokens on N (PALLAS_MGPU.md: the decode GEMV orientation), a
+  [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). With one split the accumulator goes
+  through SMEM and each token's row is stored from it.
+- "M": the tokens on M, a [64, block_k] x tile (the TMA fills the rows past B with zeros), partials token-major
+  [S, 64, N], so a token's outputs are contiguous for the KDA decode kernel (column b of [S, N, 64] would be
+  4-byte reads 256 bytes apart). Below 64 tokens the mostly-zero x tile doubles each stage's SMEM fill, which
+  is why the small batches take N.
+x streams beside the weights rather than staying resident in SMEM: resident slabs grow with the batch, and the
+resident form measured slower at every batch (bench/results/gemv_b64_stream.json, gemv_small_on_n.json).
 """
 
 import functools
@@ -35,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 F32 = jnp.float32
 TOKENS = 8  # WGMMA's smallest N (and its step): the decode batch is padded to a multiple
 MAX_TOKENS = 64  # the decode batches served: past them a GEMM, not a GEMV
-ROWS = 64  # WGMMA's M: weight rows per CTA by default; rows=128 reads each x tile for two M tiles
+ROWS = 64  # weight rows per CTA: one WGMMA M tile
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
@@ -55,15 +52,15 @@ def x_rows(B):
     return B if B < TOKENS or B % TOKENS == 0 else tokens(B)
 
 
-def smem_bytes(B, D, block_k, split_k, steps, rows=ROWS, x_stream="N"):
+def smem_bytes(B, D, block_k, split_k, steps, x_stream="N"):
     """The pipeline's stages, each a weight tile and x's tile (on N with one split, plus the fp32 accumulator
     the output is written from)."""
     stages = min(steps, D // (split_k * block_k))
-    acc = rows * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
-    return stages * (rows + tokens(B, x_stream)) * block_k * 2 + acc
+    acc = ROWS * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
+    return stages * (ROWS + tokens(B, x_stream)) * block_k * 2 + acc
 
 
-def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream="N"):
+def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
     B, D = x_BD.shape
     if x_stream not in X_STREAMS:
         raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
@@ -71,28 +68,26 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, rows=ROWS, x_stream=
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
         raise NotImplementedError(f"batch {B} > {MAX_TOKENS}: a GEMM, not a decode GEMV (XLA's is fine there)")
-    if rows not in (64, 128):
-        raise NotImplementedError(f"rows={rows}: one or two WGMMA M tiles (64 or 128) per CTA")
-    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % rows for w in ws_ND):
-        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {rows} == 0")
+    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % ROWS for w in ws_ND):
+        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {ROWS} == 0")
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
         raise NotImplementedError(
             f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
             "pipeline releases a stage one step late, so it needs two)"
         )
-    if smem_bytes(B, D, block_k, split_k, steps, rows, x_stream) > SMEM_BYTES:
+    if smem_bytes(B, D, block_k, split_k, steps, x_stream) > SMEM_BYTES:
         raise NotImplementedError(
             f"batch {B}: {steps} stages of weight and x tiles need "
-            f"{smem_bytes(B, D, block_k, split_k, steps, rows, x_stream)} bytes "
+            f"{smem_bytes(B, D, block_k, split_k, steps, x_stream)} bytes "
             f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
         )
 
 
-def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_tokens):
+def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens):
     """x_ref: x [x_rows(B), D], read in [T, block_k] tiles whose rows past x's the TMA fills with zeros. refs:
     the weights [N_i, D], then the partials [S, N_i, T] fp32 ("M": [S, T, N_i]; with one split the output
     itself in x's dtype, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
-    accumulator [rows, T] that the n_tokens output rows are read from."""
+    accumulator [ROWS, T] that the n_tokens output rows are read from."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], refs[2 * n_w :]
     blk, s = lax.axis_index("n"), lax.axis_index("k")
@@ -101,14 +96,14 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
     def run(w_ref, out_ref, row_blk):
         def scope(acc_ref):
             def step(_, w_smem, x_smem):
-                if x_stream == "M":  # acc [T, rows] += x [T, block_k] @ wᵀ [block_k, rows]
+                if x_stream == "M":  # acc [T, ROWS] += x [T, block_k] @ wᵀ [block_k, ROWS]
                     plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                else:  # acc [rows, T] += w [rows, block_k] @ xᵀ [block_k, T]
+                else:  # acc [ROWS, T] += w [ROWS, block_k] @ xᵀ [block_k, T]
                     plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
 
-            # a stage: the weight's [rows, block_k] tile and x's [T, block_k] tile of the same K block
+            # a stage: the weight's [ROWS, block_k] tile and x's [T, block_k] tile of the same K block
             specs = [
-                plgpu.BlockSpec((rows, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
+                plgpu.BlockSpec((ROWS, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
                 plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1),
             ]
             plgpu.emit_pipeline(step, grid=(k_slabs,), max_concurrent_steps=steps, in_specs=specs)(
@@ -116,18 +111,18 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
             )
             return acc_ref[...]
 
-        block = pl.ds(row_blk * rows, rows)
+        block = pl.ds(row_blk * ROWS, ROWS)
         if x_stream == "M":  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
-            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, rows), F32)).astype(out_ref.dtype)
+            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, ROWS), F32)).astype(out_ref.dtype)
         elif out_ref.dtype != F32:  # "N", one split: the output, token-major, through SMEM
             acc_smem = scratch[-1]
-            acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
+            acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
             plgpu.commit_smem()  # a warpgroup barrier: each token's column is read by other threads
             for b in range(n_tokens):  # column b in the row layout (4 lanes a row) -> out row b, rounded once
                 col = plgpu.load(acc_smem.at[:, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 out_ref.at[0, b, block][...] = col.astype(out_ref.dtype)
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
-            out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((rows, T), F32))
+            out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
 
     first = 0
     for w_ref, out_ref, n in zip(ws, outs, n_blocks, strict=True):  # which weight this CTA's block is in
@@ -135,11 +130,11 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, rows, k_slabs, T, x_stream, n_
         first += n
 
 
-_STATIC = ("block_k", "split_k", "steps", "rows", "x_stream", "interpret")
+_STATIC = ("block_k", "split_k", "steps", "x_stream", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N", interpret=None):
+def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
     """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With one
     split the kernel rounds and writes the output itself: no glue kernel."""
     B = x_BD.shape[0]
@@ -150,7 +145,6 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N
         block_k=block_k,
         split_k=split_k,
         steps=steps,
-        rows=rows,
         x_stream=x_stream,
         interpret=interpret,
         out_dtype=x_BD.dtype if direct else F32,
@@ -163,31 +157,28 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, rows=ROWS, x_stream="N", interpret=None):
+def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
     """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
     b's output (columns B..T-1 are padding); with x_stream "M" token-major [split_k, 64, N_i], row b token b's. A
     consumer that reads these itself (the KDA decode kernel) saves the glue."""
-    return _partials(
-        x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, rows=rows, x_stream=x_stream, interpret=interpret
-    )
+    return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, x_stream=x_stream, interpret=interpret)
 
 
-def _partials(x_BD, ws_ND, *, block_k, split_k, steps, rows, x_stream, interpret, out_dtype=F32):
+def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_dtype=F32):
     B, D = x_BD.shape
     T = tokens(B, x_stream)
-    n_blocks = tuple(w.shape[0] // rows for w in ws_ND)
-    # x padded only where Mosaic's TMA needs it (x_rows; XLA's pad kernel was 1.2-1.4 us at B = 16 on the H200)
+    n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
+    # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     x_TD = jnp.pad(x_BD, ((0, x_rows(B) - B), (0, 0)))
     k_slabs = D // block_k // split_k
     direct_n = x_stream == "N" and out_dtype != F32
-    scratch = [plgpu.SMEM((rows, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
+    scratch = [plgpu.SMEM((ROWS, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
     kernel = plgpu.kernel(
         functools.partial(
             _body,
             n_blocks=n_blocks,
             block_k=block_k,
             steps=min(steps, k_slabs),
-            rows=rows,
             k_slabs=k_slabs,
             T=T,
             x_stream=x_stream,

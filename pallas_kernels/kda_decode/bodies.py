@@ -32,7 +32,7 @@ def load_tuning(arch: str) -> dict:
     return json.loads((pathlib.Path(__file__).parent / "tuning.json").read_text())[arch]
 
 
-def _launch(launch: dict, interpret) -> dict:
+def kernel_launch(launch: dict, interpret) -> dict:
     """A tuning entry as the kernels take it. Interpret mode (CPU tests) has no peer-SMEM stores, so a "dsmem"
     gather runs as "gmem" there: the same split and cluster barrier, o exchanged through a GMEM buffer instead
     (the dsmem store itself is tested on the GPU)."""
@@ -78,7 +78,7 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
             active_B,
             eps=eps,
             interpret=interpret,
-            **_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret),
+            **kernel_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret),
         )
 
     def kda_decode_gates(
@@ -100,14 +100,13 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
         interpret=None,
     ):
         """Up to tuning's "fuse_gates_max_batch" and "fuse_gates_max_heads" (absent: any) the two projections
-        run inside the decode kernel; beyond either, XLA's GEMVs (as the model runs them), then the decode
-        kernel. With b out-major [H, D] (weight table version 4: a contiguous row per head) fused wins at every
-        batch measured, 1-64 at 6 and 12 heads (H200, kda_gates_out_major.json); the head limit was set with b
-        in-major, each CTA reading a strided column (at 96 heads every element its own sector). Fused, a CTA keeps one
-        warpgroup: each would redo the gate GEMVs (H200, 8 x 12: 9.79 us with two warpgroups, 9.34 with one)."""
+        run inside the decode kernel (b out-major [H, D]: a head's row is contiguous); beyond either, XLA's GEMVs
+        (as the model runs them), then the decode kernel. Many heads lose fused: every CTA of a head rereads its
+        f_b and b, where XLA's GEMVs read them once. Fused, a CTA keeps one warpgroup: each would redo the gate
+        GEMVs."""
         kernel.check_supported(qkv_B3HK, state_BHKV, conv_B3WHK)
         rest = (gate_BHK, state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
-        launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
+        launch = kernel_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
         B, _, H, _ = qkv_B3HK.shape
         if fuses_gates(B, H):
             return kernel.decode_gates(
@@ -145,9 +144,9 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
         """With tuning "gemv_projections" (where the GEMV takes the shapes): the decode GEMV
         (pallas_kernels.gemv) runs q/k/v/g and f_a in one launch, as fp32 partials. Where the gate projections
         fuse, the decode kernel sums and rounds them itself (two launches in all); above that batch, where the
-        GEMV's tuning has a launch, one XLA fusion per operand sums them, then kda_decode_gates (sm90 has none
-        past batch 8: at 64 the GEMV and its sums measured slower than XLA's GEMMs, gemv_b64.json@721adb5). Otherwise
-        the model's GEMMs, then kda_decode_gates."""
+        GEMV's tuning has a launch, one XLA fusion per operand sums them, then kda_decode_gates. Otherwise (more
+        heads than the gates fuse at, or a batch or dtype the GEMV refuses) the model's GEMMs, then
+        kda_decode_gates."""
         rest = (state_BHKV, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK, o_norm_w_K)
         if tuning.get("gemv_projections"):
             try:
@@ -158,7 +157,7 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
                 common.log_once("kda_decode_x", f"projections by XLA: {e}")
         qkvg_B4HK, fa_BR = reference.project(x_BD, qkvg_4HKD, f_a_RD)
         # qkvg goes in whole as both qkv and gate (kernel.check_supported): slicing it made XLA copy q/k/v and g
-        # into operands of their own before the custom call (two kernels, 3.6 us at TP16 B = 64, kda_layer.json)
+        # into operands of their own before the custom call (two more kernels)
         return kda_decode_gates(
             qkvg_B4HK, fa_BR, f_b_RHK, x_BD, b_HD, qkvg_B4HK, *rest, active_B, eps=eps, interpret=interpret
         )
@@ -167,7 +166,7 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
         B, D = x_BD.shape
         state_BHKV, conv_B3WHK = rest[:2]
         H, K = conv_B3WHK.shape[-2:]
-        if H > tuning.get("fuse_gates_max_heads", H):  # TP1: unmeasured with the GEMV, and glue lost at TP8
+        if H > tuning.get("fuse_gates_max_heads", H):  # TP1's 96 heads: not measured with the GEMV
             raise NotImplementedError(
                 f"{B} x {H}: the GEMV projections are tuned at <= {tuning['fuse_gates_max_heads']} heads"
             )
@@ -179,7 +178,7 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
         qkvg_parts, fa_parts = gemv.partials(x_BD, ws, **g, interpret=interpret)  # [S, N, T], x_stream "M" [S, T, N]
         layout = "TN" if g["x_stream"] == "M" else "NT"
         if fuses_gates(B, H):
-            launch = _launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
+            launch = kernel_launch(kernel.pick_launch(tuning, qkv_B3HK), interpret)
             return kernel.decode_gates(
                 qkvg_parts,
                 fa_parts,
@@ -231,12 +230,12 @@ def entry_points(tuning: dict, policy: DecodePolicy = XLA) -> Ops:
             o_norm_w_K,
             eps=eps,
             interpret=interpret,
-            **_launch(verify_kernel.pick_launch(tuning, qkv_BT3HK), interpret),
+            **kernel_launch(verify_kernel.pick_launch(tuning, qkv_BT3HK), interpret),
         )
 
     def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, interpret=None):
         """Reads and writes each tile once, like a decode step: the decode launch table applies as is.
-        Refused where the tuning says "commit": "xla" (XLA's one fused commit kernel measured faster)."""
+        Refused where the tuning says "commit": "xla" (XLA's one fused commit kernel is faster there)."""
         if tuning.get("commit") == "xla":
             raise NotImplementedError("tuning.json: XLA's fused commit measured faster on this GPU")
         qkv_BT3HK = commit_data["new_inputs_BT3HK"]

@@ -14,7 +14,7 @@ registers. The O(K) work (conv window, SiLU, gate, beta, L2 norms) runs with thr
 
 Two tile paths: column slices in the body's register layout (WGMMA on sm90), reduced across threads
 (_recurrence; at small B*H, where one CTA's chain is the time), or row slices with thread t owning state
-column t, reduced inside each thread (tma="rows", _recurrence_rows; 1-3% faster from 192 tiles on, H200).
+column t, reduced inside each thread (tma="rows", _recurrence_rows; the faster one once the tiles fill the GPU).
 
 Shapes it handles: K = V = 128 (the release), any B and H, bf16 or f32 compute dtype; anything else raises
 NotImplementedError so the api falls back to the reference.
@@ -31,18 +31,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
-_CONV_TAPS = 4
-_LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+CONV_TAPS = 4
+LANE_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _sigmoid(x):
+def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
 # f32 per warpgroup, as Pallas's default (2 KiB): a [K, 32] chunk's column sum runs in two rounds of two of its
-# four 1 KiB register groups; 4 KiB (one round) measured within 0.1 us, 8 KiB costs occupancy
-# (kda_red_scratch.json@721adb5)
-_RED_SCRATCH = 512
+# four 1 KiB register groups; more buys nothing and then costs occupancy (bench/results/kda_red_scratch.json)
+RED_SCRATCH = 512
 
 
 def _sum(x, axis=None, *, scratch=None, tile_layout=None):
@@ -70,7 +69,7 @@ def _sum(x, axis=None, *, scratch=None, tile_layout=None):
 def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
     """qkv_B3HK: [B, 3, H, K], or the layer's whole qkvg [B, 4, H, K] (the kernel then reads the gate from it)."""
     B, three, H, K = qkv_B3HK.shape
-    if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, _CONV_TAPS - 1, H, K):
+    if three not in (3, 4) or state_BHKV.shape != (B, H, K, K) or conv_B3WHK.shape != (B, 3, CONV_TAPS - 1, H, K):
         raise NotImplementedError(
             f"unexpected shapes qkv={qkv_B3HK.shape} state={state_BHKV.shape} conv={conv_B3WHK.shape}"
         )
@@ -80,8 +79,8 @@ def check_supported(qkv_B3HK, state_BHKV, conv_B3WHK):
         raise NotImplementedError(f"dtypes {qkv_B3HK.dtype}/{state_BHKV.dtype} not handled")
 
 
-ROWS_KEYS = ("k_chunk", "keep_slices", "row_stores")  # launch keys of tma="rows" only (see _recurrence_rows)
-ROW_STORES = ("tma", "global")
+TMA_STAGINGS = (False, "chunked", "rows")  # the state by ld/st.global, by one TMA per column or per row slice
+ROWS_KEYS = ("k_chunk", "keep_slices")  # launch keys of tma="rows" only (see _recurrence_rows)
 
 
 def pick_launch(tuning, qkv_B3HK):
@@ -115,7 +114,6 @@ def _body(
     on_gpu=True,
     k_rows=0,
     keep_slices=0,
-    row_stores="tma",
 ):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
@@ -124,15 +122,9 @@ def _body(
     with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w (+ with
     idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y,
     state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
-    barrier of a split) (+ TMA tile, barrier; chunked: one barrier per v_chunk column slice, each slice loaded
-    and stored by its own TMA; k_rows > 0: one per slice of k_rows state rows, see _recurrence_rows).
-    keep_slices, row_stores (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue: issuing
-    some slices after it measured slower or equal everywhere (kda_early.json) and was removed.
-    An L2 prefetch of a later tile's state after this tile's TMA (prefetch_ahead, commit 4bbf847) measured
-    slower: 33.6 vs 30.6 us at 768 tiles with the next wave's tile, 282 vs 210 at 6144
-    (kda_prefetch_ahead.json@721adb5).
-    Programmatic dependent launch after the GEMV (state TMA, then griddepcontrol.wait before the partials;
-    commit b0626a5) ran correctly but jax 0.11.2's runtime did not launch the kernel early (kda_pdl.json).
+    barrier of a split) (+ the TMA slices and a barrier each: chunked, v_chunk column slices, each loaded and
+    stored by its own TMA; k_rows > 0, slices of k_rows state rows, see _recurrence_rows).
+    keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
     [S, T, R] (token-major, the GEMV's x_stream "M" launch): this kernel sums and rounds them (once, as the
@@ -155,7 +147,6 @@ def _body(
     V = state_ref.shape[-1]
     n_chunks = V // parts // v_chunk
     col0 = s * (V // parts)  # this warpgroup's first state column
-    my_cols = pl.ds(col0, V // parts)
 
     def gcols(c):  # chunk c's columns in the whole tile (state in GMEM, vec_smem rows)
         return pl.ds(col0 + c * v_chunk, v_chunk)
@@ -167,26 +158,21 @@ def _body(
         if k_rows:  # one TMA per row slice: row slices are contiguous in GMEM and SMEM alike
             for c in range(state_ref.shape[-2] // k_rows):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, pl.ds(c * k_rows, k_rows)], tile_smem.at[c], tile_bar.at[c])
-        elif chunked:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
+        else:  # one TMA per column slice, so slice 0's compute need not wait for the whole tile
             for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, gcols(c)], tile_smem.at[slot(c)], tile_bar.at[slot(c)])
-        else:
-            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, my_cols], tile_smem, tile_bar)
 
     if tma_scratch:
         tile_smem, tile_bar = tma_scratch
 
     def load_state(c):  # chunk c's v_chunk columns into registers
-        if tma_scratch:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
-            if chunked:
-                plgpu.barrier_wait(tile_bar.at[slot(c)])
-                return plgpu.load(tile_smem.at[slot(c)], layout=tile_layout)
-            return plgpu.load(tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)], layout=tile_layout)
+        if chunked:  # swizzled SMEM -> WGMMA layout: the conflict-free path of matmul epilogues
+            plgpu.barrier_wait(tile_bar.at[slot(c)])
+            return plgpu.load(tile_smem.at[slot(c)], layout=tile_layout)
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
-    # wave's state traffic (the 64 x 6 trace: a 9 us prologue in an 18 us kernel; issued first, 18.08 -> 16.51
-    # us at 64 x 6 and 35.33 -> 32.43 at 64 x 12, bench/results/kda_loads_first.json@721adb5).
+    # wave's state traffic (bench/results/kda_loads_first.json).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
 
@@ -209,8 +195,7 @@ def _body(
     if tma_scratch:
         issue_state_tma()
     # The partials' sums come after the state's TMA issue: a warp issues in order, so the first add, waiting
-    # for its loads, held the tile's request back a loaded-memory round trip (TP16 B = 64 from the GEMV's
-    # token-major partials: 24.9 us against 19.2 from finished projections, kda_layer_b64_stream.json).
+    # for its loads, would hold the tile's request back a loaded-memory round trip (kda_layer_b64_stream.json).
     gate_K = resolve(gate_K)
     pro_in = ([[*w[:-1], resolve(w[-1])] for w in pro_in[0]], *pro_in[1:])
     active = True if active_b is None else active_b != 0  # True: no mask, no branches
@@ -218,11 +203,7 @@ def _body(
     S_0 = None if tma_scratch else load_state(0)
 
     def first_chunk():
-        if tma_scratch:
-            if not chunked:
-                plgpu.barrier_wait(tile_bar)
-            return load_state(0)
-        return S_0
+        return load_state(0) if chunked else S_0
 
     with jax.named_scope("prologue"):
         with jax.named_scope("gates"):  # nested: a phase of its own in profiles (bench/kda_profile.py@721adb5)
@@ -248,8 +229,6 @@ def _body(
             tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], new_state_ref.at[b, h, :, gcols(c)])
-        elif tma_scratch:  # in place in SMEM, then one TMA store of the whole tile
-            tile_smem.at[:, pl.ds(c * v_chunk, v_chunk)][...] = S_new
         else:
             new_state_ref.at[b, h, :, gcols(c)][...] = S_new
 
@@ -276,7 +255,6 @@ def _body(
                 o_gain,
                 dtype,
                 keep=keep_slices,
-                stores=row_stores,
             )
         else:
             _recurrence(
@@ -293,9 +271,6 @@ def _body(
                 dtype=dtype,
                 total=total,
             )
-    if tma_scratch and not (chunked or k_rows):
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h, :, my_cols])
     with jax.named_scope("gated_norm"):
         if parts == 1:
             _gated_norm(vec_smem.at[5], gate_K, onw_K, y_ref.at[b, h], eps, dtype, total)
@@ -304,7 +279,7 @@ def _body(
                 plgpu.barrier_arrive(xchg_bar)
                 plgpu.barrier_wait(xchg_bar)
             else:
-                _cluster_sync(xchg_bar, on_gpu)
+                cluster_sync(xchg_bar, on_gpu)
             o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
             pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
@@ -312,7 +287,7 @@ def _body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
 
 
-def _cluster_sync(bar, fences):
+def cluster_sync(bar, fences):
     """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
 
     The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
@@ -390,8 +365,8 @@ def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
     microseconds when a full wave's state traffic fills the memory system). Returns values, thread t's
     channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h]).
     projected(i): stream i's new pre-conv input (q, k, v)."""
-    windows = [[conv_33K.at[i, j][...] for j in range(_CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
-    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
+    windows = [[conv_33K.at[i, j][...] for j in range(CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
+    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(CONV_TAPS)] for i in range(3)]
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
@@ -401,25 +376,25 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     write_conv: one CTA or warpgroup of a split): slid by one, or where not active (an idle sequence) as it
     was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
-    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing (H200: within 1.2%
-    at every size, kda_idle.json); SMEM stores under a branch in the loop instead measured 19.1 vs 16.1 us at
-    64 x 6 (kda_idle_branch.json@721adb5). Its y is the stepped one (the api leaves an idle slot's y unspecified)."""
+    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing, where a branch in
+    the loop would (kda_idle.json, kda_idle_branch.json). Its y is the stepped one (the api leaves an idle
+    slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
     for i, window in enumerate(windows):
         y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
-        x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
+        x.append((y * sigmoid(y)).astype(dtype).astype(F32))
 
         def slide(i=i, window=window, by=1):  # by 1: keep the newest three pre-conv inputs; by 0: as it was
-            for j in range(_CONV_TAPS - 1):
+            for j in range(CONV_TAPS - 1):
                 new_conv_33K.at[i, j][...] = window[j + by]
 
         pl.when(_and(write_conv, active))(slide)
         pl.when(_and(write_conv, _not(active)))(functools.partial(slide, by=0))
     q, k, v = x
-    g = -5.0 * _sigmoid(jnp.exp(a_log) * (f + dt_bias))
-    beta = _sigmoid(beta.astype(F32))
+    g = -5.0 * sigmoid(jnp.exp(a_log) * (f + dt_bias))
+    beta = sigmoid(beta.astype(F32))
     qn = q * lax.rsqrt(total(q * q) + 1e-6) * (K**-0.5)
     kn = k * lax.rsqrt(total(k * k) + 1e-6)
     decay = jnp.exp(g)
@@ -455,8 +430,8 @@ def _recurrence(
     independent given k̂, q̂): n_chunks chunks from state column col0. first_chunk() gives chunk 0 (waiting for
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
     Chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read is in
-    flight meanwhile. With per-slice TMA that load first waits for slice c + 1; waiting only when a chunk is
-    due measured the same within 1.4% either way (kda_prefetch.json@721adb5), so there is one order."""
+    flight meanwhile. With per-slice TMA that load first waits for slice c + 1 (waiting only when a chunk is
+    due measured the same, kda_prefetch.json, so there is one order)."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -477,19 +452,16 @@ def _recurrence(
         put_o(c, o_C.astype(dtype).astype(F32))
 
 
-def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0, stores="tma"):
+def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype, keep=0):
     """_recurrence with thread t owning state column t (WG_STRIDED rows, K = V = 128 threads), the tile staged
     in row slices tile_smem [K / k_rows, k_rows, V] (one TMA and barrier each). Both K-reductions are then
     sums inside each thread: no shuffles, no cross-warp barriers, and the per-row vectors (e k̂, e q̂, e, beta
     k̂) are broadcast loads of one SMEM word. Pass 1 forms Sᵀ(e k̂) and Sᵀ(e q̂) slice by slice as the slices
-    land; pass 2 rereads each slice, writes S_new in place and TMA-stores it. A slice's loads are all issued
-    before its stores, which would otherwise order each next load behind them. keep: the last `keep` slices
-    stay in registers from pass 1 (k_rows registers each), and pass 2 starts with them (last slice first).
-    stores="global": pass 2 writes each new row straight from registers (st.global, 512 contiguous bytes per
-    row), not into SMEM for a TMA store. H200 (kda_stg.json): with keep 3, 15.52 vs 15.78 us at 384 tiles and
-    30.5 vs 30.9 at 768; with keep 0 no gain, so it is not the SMEM traffic it removes that pays. The key rows
-    split over 2 warpgroups (93-124 registers, 16 warps per SM) were 1.0-3.2 us slower at 384-768 tiles
-    (kda_rows_wg2.json@721adb5), so too few warps is not what holds this path back; that form was removed."""
+    land; pass 2 rereads each slice and writes each new row straight from registers (st.global, 512 contiguous
+    bytes per row). A slice's loads are all issued before its stores, which would otherwise order each next
+    load behind them. keep: the last `keep` slices stay in registers from pass 1 (k_rows registers each), and
+    pass 2 starts with them (last slice first). With keep 3 the register stores beat SMEM + TMA stores
+    (kda_stg.json); splitting the key rows over 2 warpgroups was slower (kda_rows_wg2.json)."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
@@ -514,11 +486,7 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
         S_c = held.pop(c, None) or [tile_smem.at[c, j][...] for j in range(rows)]
         decay, bk = sliced(c, 2), sliced(c, 3)
         for j in range(rows):
-            dst = new_state_KV.at[c * rows + j] if stores == "global" else tile_smem.at[c, j]
-            dst[...] = S_c[j] * decay[j] + bk[j] * delta
-        if stores == "tma":
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[c], new_state_KV.at[pl.ds(c * rows, rows)])
+            new_state_KV.at[c * rows + j][...] = S_c[j] * decay[j] + bk[j] * delta
 
 
 def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
@@ -528,11 +496,11 @@ def _gated_norm(o_K, gate_K, onw_K, y_K, eps, dtype, total=jnp.sum):
     K = o_K.shape[-1]
     o = o_K[...]
     n = o * lax.rsqrt(total(o * o) * (1.0 / K) + eps) * onw_K
-    y_K[...] = (n * _sigmoid(gate_K.astype(F32))).astype(dtype)
+    y_K[...] = (n * sigmoid(gate_K.astype(F32))).astype(dtype)
 
 
 # f32 tile in 128-byte swizzled (8, 32) tiles: TMA writes it, WGMMA-layout loads/stores hit no bank conflicts.
-_SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+SWIZZLED = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 _STATIC = (
@@ -574,23 +542,18 @@ def decode(
     profile_dir="",
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
-    """The state tile streams straight HBM <-> registers in v_chunk column pieces, or (tma=True) is staged
-    whole through 64 KiB of SMEM by TMA, which keeps it in flight without holding registers; tma="chunked"
-    stages it the same way with one TMA load and store per v_chunk slice (compute on slice 0 starts when it
-    lands, and each slice's write starts as soon as it is updated). Measured slower at every shape and removed
-    (bench/history.md, KDA "Eighth session"): per-slice TMA loads with st.global stores from the column slices'
-    WGMMA fragments (kda_staging.json@721adb5; the rows path's whole-row st.global stores gain, kda_stg.json) and
-    16-column slices with a 64-byte swizzle (kda_v16.json@721adb5). A persistent variant (a ring of SMEM
-    slots per resident CTA) measured slower at every shape and was removed (bench/history.md, KDA "Round 3").
+    """One step over every (b, h) state tile. tma, the tile's staging (the body's tuning entry picks it):
+    False: v_chunk column pieces straight HBM <-> registers by ld/st.global, the next piece's read in flight;
+    "chunked": one TMA load and one TMA store per v_chunk column slice through swizzled SMEM (compute on slice 0
+    starts when it lands, each slice's write starts as soon as it is updated); "rows": one TMA load per k_chunk
+    state rows, thread t owning state column t, the new rows stored from registers (_recurrence_rows).
     v_split > 1: a cluster of v_split CTAs per (b, h), each owning V / v_split state columns, so at small B*H
     the serial chain of one CTA shrinks v_split-fold; each CTA recomputes the O(K) prologue, and CTA 0 gathers
     o for the gated norm, which needs the whole row, behind one cluster barrier: through GMEM (gather="gmem",
     which interpret mode runs) or by stores into CTA 0's SMEM (gather="dsmem", GPU only).
     warpgroups > 1: the same split inside one CTA, each warpgroup owning V / warpgroups columns: no cluster, and
-    o meets in WG 0's SMEM behind one CTA barrier (slower from 192 tiles on, kda_wg.json: 256-thread CTAs fit
-    fewer per SM).
+    o meets in WG 0's SMEM behind one CTA barrier (it pays only at small B*H: fewer 256-thread CTAs fit per SM).
     active_B: int [B], None = all (then no mask input, no branches); a sequence whose entry is 0 (an idle slot)
     keeps its state (value for value: updated with decay 1 and no rank-1 write, _prologue) and its conv window
     (bit for bit), so no select over the state runs after the kernel; its y is computed.
@@ -619,7 +582,6 @@ def decode(
         profile_dir=profile_dir,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
 
 
@@ -651,7 +613,6 @@ def decode_gates(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
@@ -687,7 +648,6 @@ def decode_gates(
         from_gemv=from_gemv,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
 
 
@@ -715,7 +675,6 @@ def _launch(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
-    row_stores="tma",
 ):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
@@ -727,23 +686,18 @@ def _launch(
         raise NotImplementedError(
             f"v_chunk={v_chunk}, v_split={v_split}, warpgroups={warpgroups} do not tile V={V} (tma={tma})"
         )
-    if warpgroups > 1 and (v_split > 1 or tma is True):
-        raise NotImplementedError(
-            "warpgroups > 1 takes one CTA per tile and per-slice state staging "
-            f"(tma False or 'chunked'), got v_split={v_split}, tma={tma}"
-        )
+    if warpgroups > 1 and v_split > 1:
+        raise NotImplementedError(f"warpgroups > 1 takes one CTA per tile, got v_split={v_split}")
     if gather not in ("gmem", "dsmem") or (gather == "dsmem" and interpret is not None):
         raise NotImplementedError(f"gather={gather!r}: GPU interpret mode has no peer-SMEM stores, use 'gmem'")
-    if tma not in (False, True, "chunked", "rows"):
-        raise NotImplementedError(f"tma={tma!r}: False, True, 'chunked' or 'rows'")
+    if tma not in TMA_STAGINGS:
+        raise NotImplementedError(f"tma={tma!r}: one of {TMA_STAGINGS}")
     if tma == "rows" and (parts > 1 or K % k_chunk or V != 128):
         raise NotImplementedError(
             f"tma='rows' takes one warpgroup per tile (a thread per state column, V = 128) "
             f"and k_chunk dividing K, got v_split={v_split}, warpgroups={warpgroups}, "
             f"k_chunk={k_chunk}, K={K}, V={V}"
         )
-    if row_stores not in ROW_STORES:
-        raise NotImplementedError(f"row_stores={row_stores!r}: one of {ROW_STORES}")
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
     fuse_gates = len(gate_in) == 4
     out_type = [
@@ -759,7 +713,7 @@ def _launch(
     if warpgroups > 1:  # every warpgroup's o is in WG 0's SMEM before it normalises
         scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
         if interpret is None:  # each warpgroup's own reduction scratch (_sum); interpret mode needs none
-            scratch.append(plgpu.SMEM((warpgroups, _RED_SCRATCH), F32))
+            scratch.append(plgpu.SMEM((warpgroups, RED_SCRATCH), F32))
         launch_kw = dict(num_threads=warpgroups, thread_name="wg")
     if v_split > 1:  # o gathered (through GMEM: an output nobody reads) behind one all-to-all cluster barrier
         if gather == "gmem":
@@ -778,16 +732,13 @@ def _launch(
         on_gpu=interpret is None,
         k_rows=k_chunk if tma == "rows" else 0,
         keep_slices=keep_slices,
-        row_stores=row_stores,
     )
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
     elif tma == "chunked":
         # [slice, K, v_chunk]: a TMA needs each slice contiguous in SMEM, which column slices of [K, V] are not
         n_slices = V // v_split // v_chunk  # the CTA's: all of its warpgroups'
-        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=_SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
-    elif tma:
-        scratch += [plgpu.SMEM((K, Vs), F32, transforms=_SWIZZLED), plgpu.Barrier()]
+        scratch += [plgpu.SMEM((n_slices, K, v_chunk), F32, transforms=SWIZZLED), plgpu.Barrier(num_barriers=n_slices)]
     kernel = plgpu.kernel(
         functools.partial(body, tile_layout=tile_layout, v_chunk=v_chunk, eps=eps, dtype=dtype),
         out_type=tuple(out_type),
@@ -795,7 +746,9 @@ def _launch(
         grid=(B, H),
         grid_names=("b", "h"),
         **launch_kw,
-        compiler_params=dataclasses.replace(_LANE, profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
+        compiler_params=dataclasses.replace(
+            LANE_PARAMS, profile_space=256 if profile_dir else 0, profile_dir=profile_dir
+        ),
         interpret=interpret,
     )
     outs = kernel(

@@ -19,7 +19,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK):
+def prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK):
     """Short conv + SiLU, gate, beta and the normalised q, k of one token (§4.2, §4.3)."""
     dtype = qkv_B3HK.dtype
     window_B3WHK = jnp.concatenate([conv_B3WHK, qkv_B3HK[:, :, None]], axis=2)  # oldest first, 4 taps
@@ -36,14 +36,14 @@ def _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias
     return qn_BHK, kn_BHK, v_BHK, jnp.exp(g_BHK), beta_BH, window_B3WHK[:, :, 1:]
 
 
-def _gated_norm(o_BHV, gate_BHV, o_norm_w_V, eps, dtype):
+def gated_norm(o_BHV, gate_BHV, o_norm_w_V, eps, dtype):
     """§4.6: o rounded to the compute dtype, then RMSNorm, weight and sigmoid gate in fp32, one rounding."""
     o = o_BHV.astype(dtype).astype(F32)
     n = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + eps) * o_norm_w_V
     return (n * _sigmoid(gate_BHV.astype(F32))).astype(dtype)
 
 
-def _advance(state_BHKV, kn_BHK, decay_BHK, beta_BH, delta_BHV):
+def advance(state_BHKV, kn_BHK, decay_BHK, beta_BH, delta_BHV):
     """S <- diag(decay) S + beta k̂ deltaᵀ: the only state write, shared by decode and commit."""
     return decay_BHK[..., None] * state_BHKV + (beta_BH[..., None] * kn_BHK)[..., None] * delta_BHV[..., None, :]
 
@@ -64,20 +64,20 @@ def _step(
 ):
     """One token: returns y, the new state and window, and what a commit needs to replay this step.
     active_B: see kda_decode."""
-    qn, kn, v, decay, beta, new_conv = _prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK)
+    qn, kn, v, decay, beta, new_conv = prepare(qkv_B3HK, f_BHK, beta_BH, conv_B3WHK, conv_w_3HKW, A_log_H, dt_bias_HK)
     weight_BH = beta
     if active_B is not None:  # an idle sequence advances by decay 1 and weight 0 (S * 1 + 0 = S): no select
         # after the update. The mask goes on decay before both of its uses (delta and the update), so the state
-        # loop fuses as without a mask: masking only the update's decay cost a pass (H200, 64 x 6: 47.0 vs
-        # 36.9 us, bench/results/kda_reference_mask.json); an active slot's decay is unchanged (d * 1 + 0).
+        # loop fuses as without a mask: masking only the update's decay cost XLA a pass over the state
+        # (bench/results/kda_reference_mask.json); an active slot's decay is unchanged (d * 1 + 0).
         step_B = (active_B != 0).astype(F32)
         decay = decay * step_B[:, None, None] + (1.0 - step_B[:, None, None])
         weight_BH = beta * step_B[:, None]
         new_conv = jnp.where((active_B != 0)[:, None, None, None, None], new_conv, conv_B3WHK)
     delta_BHV = v - jnp.sum(decay[..., None] * state_BHKV * kn[..., None], axis=-2)
-    new_state = _advance(state_BHKV, kn, decay, weight_BH, delta_BHV)
+    new_state = advance(state_BHKV, kn, decay, weight_BH, delta_BHV)
     o_BHV = jnp.sum(new_state * qn[..., None], axis=-2)
-    y = _gated_norm(o_BHV, gate_BHK, o_norm_w_K, eps, qkv_B3HK.dtype)
+    y = gated_norm(o_BHV, gate_BHK, o_norm_w_K, eps, qkv_B3HK.dtype)
     return y, new_state, new_conv, (kn, decay, weight_BH, delta_BHV)
 
 
@@ -100,7 +100,7 @@ def kda_decode(
     all): a sequence whose entry is 0 (an idle slot) keeps its conv window bit for bit and its state value for
     value (the update runs with decay 1 and rank-1 weight 0, so an exact -0.0 may come back +0.0, and the slot's
     inputs must be finite: 0 * inf is nan); its y is not specified (a slot nobody reads). As a select after the
-    update, XLA ran it as one more pass over the state (H200, bench/results/kda_layer.json, xla column)."""
+    update, XLA ran it as one more pass over the state (bench/results/kda_layer.json, xla column)."""
     y, new_state, new_conv, _ = _step(
         qkv_B3HK,
         f_BHK,
@@ -257,7 +257,7 @@ def kda_commit(state_BHKV, conv_B3WHK, commit_data, accepted_B):
     T = commit_data["kn_BTHK"].shape[1]
     state = state_BHKV
     for t in range(T):
-        stepped = _advance(
+        stepped = advance(
             state,
             commit_data["kn_BTHK"][:, t],
             commit_data["decay_BTHK"][:, t],

@@ -2,10 +2,10 @@
 reference.kda_commit, with kernel.py's one-read algebra of a step.
 
 verify: T = 1..8 new tokens. One CTA (one warpgroup) per (b, h), or a cluster of v_split CTAs each owning
-V / v_split state columns, like kernel.py. The state tile is read from
-HBM once and never written. First the O(K) vectors of every token are formed, one channel per thread, and
-parked in SMEM. Then the tile comes to registers v_chunk columns at a time (columns are independent given those
-vectors), and all T steps run on each piece there; the running state S_1..S_{T-1} never leaves the chip.
+V / v_split state columns, like kernel.py. The state tile is read from HBM once and never written. First the
+O(K) vectors of every token are formed, one channel per thread, and parked in SMEM. Then the tile comes to
+registers v_chunk columns at a time (columns are independent given those vectors), and all T steps run on each
+piece there; the running state S_1..S_{T-1} never leaves the chip.
 Per step, on the running S (kernel.py's rearrangement, one pass over S):
     delta_t = v_t - Sᵀ (e_t ⊙ k̂_t),   o_t = Sᵀ (e_t ⊙ q̂_t) + beta_t (k̂_t · q̂_t) delta_t,
     S      <- diag(e_t) S + beta_t k̂_t delta_tᵀ
@@ -14,16 +14,14 @@ O(T (K + V)) per head instead of T states.
 
 commit: each state tile read once, the first accepted_B[b] rank-1 updates S <- diag(decay_t) S + beta_t k̂_t
 delta_tᵀ replayed in registers (a loop of dynamic length: rejected tokens cost no FMAs, only their O(K)
-vectors are read), the tile written once;
-the conv window slides by the accepted inputs.
+vectors are read), the tile written once; the conv window slides by the accepted inputs. The commit streams
+the tile HBM <-> registers by ld/st.global, the next piece's read in flight.
 
-Both keep kernel.py's launch choices: the tile straight HBM <-> registers by ld/st.global (the next piece's read
-in flight), or (tma=True) staged whole through 64 KiB of swizzled SMEM by one TMA load issued at kernel start.
-Verify also has its own rows path (tma="rows", _steps_rows; the api's from tuning.json "verify_rows_min_tiles"
-tiles on): one TMA per 32 key rows, then the whole tile in registers with thread t owning state column t for
-all T steps, so both K-reductions are sums inside a thread, no cross-warp reductions (2.0-2.5x the column
-pieces from 96 tiles on, H200). Its key rows split over 2 warpgroups measured 1.3-1.6x slower from 384 tiles
-on (a barrier per token; bench/results/kda_verify_rows_wg2.json@721adb5) and was removed.
+Verify stages the tile like that, or (tma=True) whole through 64 KiB of swizzled SMEM by one TMA load issued at
+kernel start, or by its own rows path (tma="rows", steps_rows; the body's from tuning.json
+"verify_rows_min_tiles" tiles on): one TMA per 32 key rows, then the whole tile in registers with thread t owning
+state column t for all T steps, so both K-reductions are sums inside a thread, no cross-warp reductions (about
+twice the column pieces' speed once the tiles fill the GPU, bench/results/kda_verify_rows.json).
 """
 
 import functools
@@ -35,10 +33,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda_decode import kernel
-from pallas_kernels.kda_decode.kernel import _CONV_TAPS, _LANE, _SWIZZLED, F32, _sigmoid
+from pallas_kernels.kda_decode.kernel import CONV_TAPS, F32, LANE_PARAMS, SWIZZLED, sigmoid
 
 MAX_T = 8  # SMEM holds 7 vectors per token; the speculative block is anchor + up to 7 drafts
-_W = _CONV_TAPS - 1  # cached pre-conv inputs
+_W = CONV_TAPS - 1  # cached pre-conv inputs
 
 
 def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
@@ -49,11 +47,11 @@ def check_supported(qkv_BT3HK, state_BHKV, conv_B3WHK):
 
 
 def pick_launch(tuning, qkv_BT3HK, split=True):
-    """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (_steps_rows, k_chunk 32).
+    """Verify from tuning's "verify_rows_min_tiles" B*H tiles on: its own rows path (steps_rows, k_chunk 32).
     Otherwise kernel.pick_launch by the B*H tiles (the T tokens do not change how many tiles there are),
     without the per-slice TMA ("chunked", "rows") and the split over warpgroups, which only the decode kernel
-    has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V
-    and the rows path, which only decode and verify have."""
+    has (whole-tile TMA and one warpgroup per CTA here); split=False (commit) also drops the cluster split of V,
+    the rows path and the TMA staging, which only decode and verify have."""
     B, _, three, H, K = qkv_BT3HK.shape
     launch = kernel.pick_launch(tuning, jax.ShapeDtypeStruct((B, three, H, K), qkv_BT3HK.dtype))
     if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
@@ -61,8 +59,8 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     launch["tma"] = bool(launch["tma"])
     for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
-    if not split:
-        del launch["v_split"], launch["gather"]
+    if not split:  # the commit: one CTA per tile, the tile by ld/st.global
+        del launch["v_split"], launch["gather"], launch["tma"]
     return launch
 
 
@@ -101,7 +99,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     barrier with v_split) (+ TMA tile and barrier). With v_split, CTA s runs the T steps on its columns and
     writes their delta; CTA 0 writes the per-token vectors and, after gathering o as kernel.py does, y.
     k_rows > 0: the tile comes by one TMA per slice of k_rows rows and stays in registers, thread t owning
-    state column t, for all T steps (_steps_rows)."""
+    state column t, for all T steps (steps_rows)."""
     qkv_ref, f_ref, beta_ref, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[:10]
     y_ref, kn_ref, decay_ref, beta_out_ref, delta_ref, *rest = refs[10:]
     split = v_split > 1
@@ -122,7 +120,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # Every GMEM load of every token first (the norm's too): a load written after a GMEM store (the commit
     # vectors below, y) waits for that store, as far as the compiler knows, so per-token loads would cost one
     # HBM round trip per token twice over.
-    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(_CONV_TAPS)] for i in range(3)]
+    taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(CONV_TAPS)] for i in range(3)]
     inputs = [
         [conv_ref.at[b, i, j, h][...] for j in range(_W)] + [qkv_ref.at[b, t, i, h][...] for t in range(T)]
         for i in range(3)
@@ -132,7 +130,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     gate_T = [gate_ref.at[b, t, h][...] for t in range(T)]
     a_log, dt_bias, onw = alog_ref[h], dtb_ref.at[h][...], onw_ref[...]
     # then the state's read: issued after these small loads so they do not queue behind a whole wave's state
-    # traffic (in the decode kernel this took 18.08 -> 16.51 us at 64 x 6; kernel.py)
+    # traffic (as in kernel.py)
     if k_rows:
         tile_smem, tile_bar = tma_scratch
         for c in range(K // k_rows):  # one TMA per row slice: contiguous in GMEM and SMEM alike
@@ -143,11 +141,11 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     for t in range(T):
         x = []
         for i in range(3):
-            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t : t + _CONV_TAPS], strict=True))
-            x.append((y * _sigmoid(y)).astype(dtype).astype(F32))
+            y = sum(w * u.astype(F32) for w, u in zip(taps[i], inputs[i][t : t + CONV_TAPS], strict=True))
+            x.append((y * sigmoid(y)).astype(dtype).astype(F32))
         q, k, v = x
-        g = -5.0 * _sigmoid(jnp.exp(a_log) * (f_T[t].astype(F32) + dt_bias))
-        beta = _sigmoid(beta_T[t].astype(F32))
+        g = -5.0 * sigmoid(jnp.exp(a_log) * (f_T[t].astype(F32) + dt_bias))
+        beta = sigmoid(beta_T[t].astype(F32))
         qn = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * (K**-0.5)
         kn = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
         decay = jnp.exp(g)
@@ -194,7 +192,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
     # piece of the tile, the next piece's read in flight meanwhile, in a loop over tokens, not unrolled (the
     # code stays the size of the decode kernel's).
     if k_rows:
-        _steps_rows(*tma_scratch, vec_smem, gain_smem, dtype)
+        steps_rows(*tma_scratch, vec_smem, gain_smem, dtype)
     else:
         wait_state()
         if tma_scratch:
@@ -212,18 +210,18 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
         for t in range(T):
             o = o_src.at[t][...]
             n = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / K) + eps) * onw
-            y_ref.at[b, t, h][...] = (n * _sigmoid(gate_T[t].astype(F32))).astype(dtype)
+            y_ref.at[b, t, h][...] = (n * sigmoid(gate_T[t].astype(F32))).astype(dtype)
             if not split:
                 delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
 
     if split:
-        kernel._cluster_sync(xchg_bar, fences)
+        kernel.cluster_sync(xchg_bar, fences)
         pl.when(s == 0)(norm_rows)
     else:
         norm_rows()
 
 
-def _steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype):
+def steps_rows(tile_smem, tile_bar, vec_smem, gain_smem, dtype):
     """The T steps with thread t owning state column t (kernel._recurrence_rows' layout): the whole tile, one
     [V] row per key channel, stays in registers (K of them) from the first step to the last, and both
     K-reductions of a step are sums inside each thread over scalars broadcast from SMEM: no shuffles, no
@@ -258,7 +256,7 @@ def _tma_scratch(tma, K, V, k_chunk=32):
     slices [K / k_chunk, k_chunk, V], unswizzled (a thread's column is one bank), a barrier each."""
     if tma == "rows":
         return [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
-    return [plgpu.SMEM((K, V), F32, transforms=_SWIZZLED), plgpu.Barrier()] if tma else []
+    return [plgpu.SMEM((K, V), F32, transforms=SWIZZLED), plgpu.Barrier()] if tma else []
 
 
 def _check_chunk(V, v_chunk, tma, v_split=1, gather="gmem", interpret=None, K=128, k_chunk=32):
@@ -302,7 +300,7 @@ def verify(
 ):
     """-> (y_BTHK, commit_data) as reference.kda_verify; state_BHKV is only read. v_split, gather: kernel.decode's
     cluster split of V (the T steps on a CTA's columns are the serial chain it shortens). tma="rows": the tile
-    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (_steps_rows)."""
+    by one TMA per k_chunk rows, held in registers a column per thread for all T steps (steps_rows)."""
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
     _check_chunk(V, v_chunk, tma, v_split, gather, interpret, K, k_chunk)
@@ -338,7 +336,7 @@ def verify(
         grid=(B, H),
         grid_names=("b", "h"),
         **cluster,
-        compiler_params=_LANE,
+        compiler_params=LANE_PARAMS,
         interpret=interpret,
     )
     y, kn, decay, beta, delta, *_ = kernel_fn(
@@ -369,7 +367,7 @@ def _commit_body(
     new_conv_ref,
     vec_smem,
     window_smem,
-    *tma_scratch,
+    *,
     tile_layout,
     v_chunk,
 ):
@@ -378,8 +376,8 @@ def _commit_body(
     T, _, K = vec_smem.shape
     V = state_ref.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
-    load_state, wait_state = _tile_reader(state_ref.at[b, h], tma_scratch, tile_layout, v_chunk)
-    S_next = None if tma_scratch else load_state(0)
+    load_state, _ = _tile_reader(state_ref.at[b, h], (), tile_layout, v_chunk)
+    S_next = load_state(0)
     n = jnp.maximum(jnp.minimum(accepted_ref[b], T), 0)  # also keeps the window index in range
 
     # All T tokens' vectors, unrolled so their reads overlap (a loop to n would chain T HBM latencies).
@@ -406,35 +404,22 @@ def _commit_body(
         delta_C = plgpu.load(vec_smem.at[t, 2, cols], layout=col_layout)
         return S_KC * decay_r + bk * bcast(delta_C, 1)
 
-    wait_state()
-    if tma_scratch:
-        S_next = load_state(0)
-    tile_smem = tma_scratch[0] if tma_scratch else None
     for c in range(V // v_chunk):
         S_KC = S_next
         if c + 1 < V // v_chunk:
             S_next = load_state(c + 1)
         cols = pl.ds(c * v_chunk, v_chunk)
-        S_KC = lax.fori_loop(0, n, functools.partial(step, cols), S_KC)
-        if tma_scratch:  # in place in SMEM, then one TMA store of the tile
-            tile_smem.at[:, cols][...] = S_KC
-        else:
-            new_state_ref.at[b, h, :, cols][...] = S_KC
-    if tma_scratch:
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem, new_state_ref.at[b, h])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
+        new_state_ref.at[b, h, :, cols][...] = lax.fori_loop(0, n, functools.partial(step, cols), S_KC)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "tma", "interpret"))
-def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, tma=False, interpret=None):
-    """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens."""
+@functools.partial(jax.jit, static_argnames=("tile_layout", "v_chunk", "interpret"))
+def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_chunk=32, interpret=None):
+    """-> (new_state_BHKV, new_conv_B3WHK) as reference.kda_commit: accepted_B[b] in [0, T] tokens. The tile
+    streams HBM <-> registers by ld/st.global, v_chunk columns at a time, the next piece's read in flight."""
     qkv_BT3HK = commit_data["new_inputs_BT3HK"]
     B, T, _, H, K = qkv_BT3HK.shape
     V = state_BHKV.shape[-1]
-    if tma == "rows":
-        raise NotImplementedError("commit stages whole tiles (tma False or True); 'rows' is decode's and verify's")
-    _check_chunk(V, v_chunk, tma)
+    _check_chunk(V, v_chunk, False)
     kernel_fn = plgpu.kernel(
         functools.partial(_commit_body, tile_layout=tile_layout, v_chunk=v_chunk),
         out_type=(
@@ -444,11 +429,10 @@ def commit(state_BHKV, conv_B3WHK, commit_data, accepted_B, *, tile_layout, v_ch
         scratch_types=[
             plgpu.SMEM((T, 3, K), F32),
             plgpu.SMEM((3, _W + T, K), conv_B3WHK.dtype),
-            *_tma_scratch(tma, K, V),
         ],
         grid=(B, H),
         grid_names=("b", "h"),
-        compiler_params=_LANE,
+        compiler_params=LANE_PARAMS,
         interpret=interpret,
     )
     return kernel_fn(
