@@ -13,17 +13,22 @@ The form (one warpgroup per CTA; the grid is head groups x context splits x sequ
 - The block loop is a TMA pipeline of `stages` slots (c [64, R] and k_pe [64, E] of the block, fp8 or bf16).
   The last block of a sequence overlaps the one before instead of reading past the cache (its repeated rows
   are masked), so every load is in bounds and any capacity S >= 64 works.
-- FP8 e4m3 rows: converted to bf16 in registers (exact; through f32, since this ptxas has no direct
-  e4m3 -> bf16 cvt) into one bf16 SMEM tile that both MMAs read; the per-row scales never touch an element:
-  the c and k_pe scores come from two accumulators, each scaled per row in fp32, and c's scale is folded into
-  P before its rounding (P'_s = p_s sc_s; bf16 has fp32's range, so nothing underflows). The scales come
-  straight from GMEM (4-byte loads, the next block's in flight during this one): a TMA box of [64, 2] fp32 is
-  8 bytes wide, which TMA refuses, and interpret mode cannot reshape an SMEM ref.
+- FP8 e4m3 rows run fp16 MMAs: e4m3 -> f16 is one exact cvt per two elements (the ptxas in use has no
+  e4m3 -> bf16 cvt: through f32 it is 2-3 instructions an element), into one f16 SMEM tile that both MMAs read.
+  The per-row scales never touch an element: the c and k_pe scores come from two accumulators, each scaled per
+  row in fp32, and c's scale is folded into P before its rounding (P'_s = p_s sc_s 2^9: the factor puts P'
+  near |c|'s own range, far from f16's subnormals; divided out with the row sums). f16 has 3 more mantissa
+  bits than bf16 but a range of 65504: the wrapper scales each query column by a power of two (exact) so
+  its largest element is in [2^14, 2^15), and the scores undo it in fp32. The scales come straight from GMEM
+  (4-byte loads, the next block's in flight during this one): a TMA box of [64, 2] fp32 is 8 bytes wide, which
+  TMA refuses, and interpret mode cannot reshape an SMEM ref. (A bf16 form, e4m3 -> f32 -> bf16 with bf16 P,
+  was the first: with P' = bf16(p sc) a one-position sequence rounds its whole row twice, 1.6x the reference's
+  error against float64; f16's P' is 8x finer.)
 - Online softmax in fp32 (exp2, the scale and log2 e folded into one multiply), a column's max across the
   block's rows (a cross-warp reduction), the running row sums kept per element and reduced once at the end.
-- fp32 compute: every operand is an exact sum of bf16 pieces (q and P: 3 each, 24 bits; the rows are exact
-  in bf16), and each piece runs its own MMA into the same fp32 accumulator, so the products are exact and
-  the result is fp32-accurate (no TF32 anywhere).
+- fp32 compute: q and P are sums of 3 pieces in the MMA type (bf16 or f16: 24 bits or more; the rows are
+  exact in it), each piece its own MMA into the same fp32 accumulator, so the products are exact and the
+  result is fp32-accurate (no TF32 anywhere).
 
 acc: how P·V meets the running output. "state": the running accumulator goes into the MMA (pl.run_state,
 as jax's attention_mgpu.py). "add": a fresh accumulator per block, added in registers (twice the registers
@@ -41,13 +46,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 FP8 = jnp.float8_e4m3fn
 BLOCK = 64  # positions per block: WGMMA's M
 COL_STEP = 8  # WGMMA's N granularity: the (token, head) columns are padded to a multiple
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 ACC_MODES = ("state", "add")
 LOG2E = math.log2(math.e)
+P_SCALE = 512.0  # fp8: P' = p sc 2^9, so P' is about |c| (fp16's normal range), not |c| / 448
+Q_TOP = 14  # fp16 queries: each column scaled by a power of two into [2^14, 2^15)
 LN2 = math.log(2.0)
 
 
@@ -73,8 +80,13 @@ def _transforms(dtype, minor, gmem_minor=None):
     return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
 
 
+def mma_dtype(row_dtype):
+    """The MMA operand type: fp16 for fp8 rows (their exact, cheap conversion), bf16 for bf16 rows."""
+    return F16 if jnp.dtype(row_dtype) == FP8 else BF16
+
+
 def pieces(compute_dtype) -> int:
-    """bf16 pieces per operand: 1 for bf16 compute, 3 (24 bits) for fp32."""
+    """MMA-type pieces per operand: 1 for bf16 compute, 3 for fp32."""
     return 3 if jnp.dtype(compute_dtype) == F32 else 1
 
 
@@ -111,10 +123,11 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
         raise NotImplementedError(f"{launch.stages} stages need {need} bytes of SMEM (> {SMEM_BYTES})")
 
 
-def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages, splits, scale, acc_mode):
-    """lens [B, N] int32: the rows column n sees; maxlen [B]: their max; q [B, G, P, N, C] bf16 pieces; rows
-    [B, S, C]; (fp8: scales [B, S, 2]); out: o [B, G, splits, R, N] fp32 normalised, lse [B, G, splits, N]
-    (natural log, -inf where the split saw nothing)."""
+def _body(lens_ref, maxlen_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages, splits, acc_mode):
+    """lens [B, N] int32: the rows column n sees; maxlen [B]: their max; colscale [B, G, N] fp32: a column's
+    scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
+    MMA type; rows [B, S, C]; (fp8: scales [B, S, 2]); out: o [B, G, splits, R, N] fp32 normalised, lse
+    [B, G, splits, N] (natural log, -inf where the split saw nothing)."""
     if fp8:
         sc_ref, o_ref, lse_ref, qc_s, qe_s, c_s, e_s, cb_s, eb_s, p_s, q_bar, bar = refs
     else:
@@ -126,8 +139,9 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
     lo = sp * per  # this split's first block
     n = jnp.clip(nblk - lo, 0, per)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, g, :, :, pl.ds(0, R)], qc_s, q_bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, g, :, :, pl.ds(R, E)], qe_s, q_bar)
+    for j in range(P):  # a TMA per piece (a [P, N, C] box would need 6 strided dims; TMA takes 5)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(0, R)], qc_s.at[j], q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(R, E)], qe_s.at[j], q_bar)
 
     def first_row(i):  # the block's first row: the last one overlaps its predecessor rather than leave the cache
         return jnp.minimum((lo + i) * BLOCK, S - BLOCK)
@@ -146,6 +160,7 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
 
     col = plgpu.Layout.WGMMA.reduce(0)
     lens_N = plgpu.load(lens_ref.at[b], layout=col, optimized=False)
+    colscale_N = plgpu.load(colscale_ref.at[b, g], layout=col, optimized=False)
     m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col)
     l0 = plgpu.layout_cast(jnp.zeros((BLOCK, N), F32), plgpu.Layout.WGMMA)
     acc0 = plgpu.layout_cast(jnp.zeros((R, N), F32), plgpu.Layout.WGMMA)
@@ -162,10 +177,10 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(bar.at[slot])
         if fp8:
-            for k0 in range(0, R, 64):  # e4m3 -> bf16, 64 columns at a time (registers stay few)
+            for k0 in range(0, R, 64):  # e4m3 -> f16 (exact), 64 columns at a time (registers stay few)
                 cols = pl.ds(k0, 64)
-                cb_s.at[:, cols][...] = c_s.at[slot, :, cols][...].astype(F32).astype(BF16)
-            eb_s[...] = e_s.at[slot][...].astype(F32).astype(BF16)
+                cb_s.at[:, cols][...] = c_s.at[slot, :, cols][...].astype(F16)
+            eb_s[...] = e_s.at[slot][...].astype(F16)
             plgpu.commit_smem()
             pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # the slot is free once converted
             sc_c, sc_e = scales
@@ -182,7 +197,7 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
 
         s_c, s_e = pl.run_scoped(qk, plgpu.ACC((BLOCK, N), F32), plgpu.ACC((BLOCK, N), F32))
         s = s_c * rows_bcast(sc_c) + s_e * rows_bcast(sc_e) if fp8 else s_c + s_e
-        s = s * (scale * LOG2E)  # base-2 logits
+        s = s * cols_bcast(colscale_N)  # base-2 logits
         row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.WGMMA)
         visible = (row >= (lo + i) * BLOCK) & (row < cols_bcast(lens_N))
         s = jnp.where(visible, s, -jnp.inf)
@@ -192,9 +207,9 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
         p = jnp.exp2(s - cols_bcast(m_use))
         l = l * cols_bcast(alpha) + p
         if fp8:
-            p = p * rows_bcast(sc_c)  # c's scale, folded into P before its rounding
-        for j in range(P):  # P^T as bf16 pieces, stored [N, 64] (K-major for the MMA)
-            piece = p.astype(BF16)
+            p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
+        for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA)
+            piece = p.astype(p_s.dtype)
             p_s.at[j].T[...] = piece
             if j + 1 < P:
                 p = p - piece.astype(F32)
@@ -217,49 +232,65 @@ def _body(lens_ref, maxlen_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages,
     acc, m, l, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, scales0))
     l_N = l.sum(axis=0)
     seen = l_N > 0
+    if fp8:
+        l_N = l_N * P_SCALE  # o's share; the lse below adds log2 P_SCALE back
     o_ref.at[b, g, sp][...] = acc * cols_bcast(jnp.where(seen, 1.0 / jnp.where(seen, l_N, 1.0), 0.0), R)
-    lse_ref.at[b, g, sp][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l_N, 1.0))) * LN2, -jnp.inf)
+    log2_l = jnp.log2(jnp.where(seen, l_N, 1.0)) - (math.log2(P_SCALE) if fp8 else 0.0)
+    lse_ref.at[b, g, sp][...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
 
 
 def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Launch:
     """tuning.json's sm90 entry -> the launch for this call. Head groups: the most heads whose T x Hg columns
-    fit max_cols (registers: O^T is R x N fp32 over 128 threads). Splits: enough CTAs for `ctas` (one wave of
-    SMs), but no split shorter than min_split_blocks blocks of the capacity S (the combine reads splits x R x N
-    x 4 bytes per sequence and head group), and at most max_splits. Stages: the entry's, fewer where SMEM
-    would not hold them."""
-    max_cols = max(tuning["max_cols"], T)
-    Hg = max(d for d in range(1, H + 1) if H % d == 0 and T * d <= max_cols)
-    cols = -(-T * Hg // COL_STEP) * COL_STEP
+    fit max_cols (registers: O^T is R x N fp32 over 128 threads) and whose SMEM holds two of the entry's
+    stages (fp32's q pieces are 3x bf16's), fewer stages only where one head is too much. Splits: enough CTAs
+    for `ctas` (one wave of SMs), but no split shorter than min_split_blocks blocks of the capacity S (the
+    combine reads splits x R x N x 4 bytes per sequence and head group), and at most max_splits."""
+    want = tuning["stages"]["fp8" if jnp.dtype(row_dtype) == FP8 else "bf16"]
+
+    def stages_for(cols):
+        fits = [s for s in range(want, 0, -1) if smem_bytes(R, E, cols, s, row_dtype, compute_dtype) <= SMEM_BYTES]
+        return fits[0] if fits else 1
+
+    def cols_for(hg):
+        return -(-T * hg // COL_STEP) * COL_STEP
+
+    groups = [d for d in range(H, 0, -1) if H % d == 0 and T * d <= max(tuning["max_cols"], T)]
+    Hg = next((d for d in groups if stages_for(cols_for(d)) >= min(2, want)), groups[-1])
     G = H // Hg
     by_capacity = max(1, -(-S // BLOCK) // tuning["min_split_blocks"])
     splits = max(1, min(-(-tuning["ctas"] // (B * G)), by_capacity, tuning["max_splits"]))
-    stages = tuning["stages"]["fp8" if jnp.dtype(row_dtype) == FP8 else "bf16"]
-    while stages > 1 and smem_bytes(R, E, cols, stages, row_dtype, compute_dtype) > SMEM_BYTES:
-        stages -= 1
-    return Launch(heads_per_group=Hg, cols=cols, splits=splits, stages=stages, acc=tuning["acc"])
+    return Launch(
+        heads_per_group=Hg, cols=cols_for(Hg), splits=splits, stages=stages_for(cols_for(Hg)), acc=tuning["acc"]
+    )
 
 
-def _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N):
-    """[B, T, H, R] + [B, T, H, E] -> [B, G, P, N, C] bf16: a head group's (token, head) columns (column
-    t Hg + h), padded to N with zeros, as P bf16 pieces whose sum is q (exact for fp32 at P = 3)."""
+def _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale):
+    """[B, T, H, R] + [B, T, H, E] -> (q [B, G, P, N, C] in the MMA type, colscale [B, G, N] fp32): a head
+    group's (token, head) columns (column t Hg + h), padded to N with zeros, as P pieces whose sum is q (exact
+    for fp32 at P = 3); for fp16 each column first times a power of two that puts its largest element in
+    [2^14, 2^15) (exact), which colscale (the scores' factor: scale x log2 e) divides out again."""
     B, T, H, R = q_lat_BTHR.shape
     C = R + q_pe_BTHE.shape[-1]
     G = H // Hg
     q = jnp.concatenate([q_lat_BTHR, q_pe_BTHE], axis=-1).reshape(B, T, G, Hg, C)
     q = jnp.swapaxes(q, 1, 2).reshape(B, G, T * Hg, C)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, N - T * Hg), (0, 0)))
-    if pieces(q.dtype) == 1:
-        return q.astype(BF16)[:, :, None]
-    q = q.astype(F32)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, N - T * Hg), (0, 0))).astype(F32)
+    colscale = jnp.full((B, G, N), scale * LOG2E, F32)
+    if mdt == F16:
+        top = jnp.max(jnp.abs(q), axis=-1)
+        _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))  # top in [2^(e-1), 2^e)
+        shift = Q_TOP + 1 - e  # ldexp: exact powers of two
+        q = jnp.ldexp(q, shift[..., None])
+        colscale = jnp.ldexp(colscale, -shift)
     out = []
-    for _ in range(3):
-        piece = q.astype(BF16)
+    for _ in range(P):
+        piece = q.astype(mdt)
         out.append(piece)
         q = q - piece.astype(F32)
-    return jnp.stack(out, axis=2)
+    return jnp.stack(out, axis=2), colscale
 
 
-_STATIC = ("scale", "launch", "interpret")
+_STATIC = ("scale", "launch", "interpret")  # scale: the softmax's, (qk_nope + qk_rope)^-1/2
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -274,29 +305,28 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
     Hg, N, splits, stages = launch.heads_per_group, launch.cols, launch.splits, launch.stages
     G = H // Hg
     acc_mode = "add" if interpret is not None else launch.acc
-    q = _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N)
+    mdt = mma_dtype(rows_BSC.dtype)
+    q, colscale = _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale)
     lens_BN = jnp.pad(jnp.repeat(lens_BT.astype(jnp.int32), Hg, axis=1), ((0, 0), (0, N - T * Hg)))
     maxlen_B = jnp.max(lens_BT, axis=1).astype(jnp.int32)
     rdt = rows_BSC.dtype
     scratch = [
-        plgpu.SMEM((P, N, R), BF16, transforms=_transforms(BF16, R, C)),
-        plgpu.SMEM((P, N, E), BF16, transforms=_transforms(BF16, E, C)),
+        plgpu.SMEM((P, N, R), mdt, transforms=_transforms(mdt, R, C)),
+        plgpu.SMEM((P, N, E), mdt, transforms=_transforms(mdt, E, C)),
         plgpu.SMEM((stages, BLOCK, R), rdt, transforms=_transforms(rdt, R, C)),
         plgpu.SMEM((stages, BLOCK, E), rdt, transforms=_transforms(rdt, E, C)),
     ]
-    if fp8:  # the block converted to bf16, which both MMAs read
+    if fp8:  # the block converted to f16, which both MMAs read
         scratch += [
-            plgpu.SMEM((BLOCK, R), BF16, transforms=_transforms(BF16, R)),
-            plgpu.SMEM((BLOCK, E), BF16, transforms=_transforms(BF16, E)),
+            plgpu.SMEM((BLOCK, R), F16, transforms=_transforms(F16, R)),
+            plgpu.SMEM((BLOCK, E), F16, transforms=_transforms(F16, E)),
         ]
     scratch += [
-        plgpu.SMEM((P, N, BLOCK), BF16, transforms=_transforms(BF16, BLOCK)),
-        plgpu.Barrier(num_arrivals=2),  # q's two TMAs
+        plgpu.SMEM((P, N, BLOCK), mdt, transforms=_transforms(mdt, BLOCK)),
+        plgpu.Barrier(num_arrivals=2 * P),  # q's TMAs
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a block's c and k_pe
     ]
-    body = functools.partial(
-        _body, fp8=fp8, P=P, R=R, E=E, N=N, stages=stages, splits=splits, scale=scale, acc_mode=acc_mode
-    )
+    body = functools.partial(_body, fp8=fp8, P=P, R=R, E=E, N=N, stages=stages, splits=splits, acc_mode=acc_mode)
     kernel = plgpu.kernel(
         body,
         out_type=(
@@ -309,7 +339,7 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(lens_BN, maxlen_B, q, rows_BSC, *([scales_BS2] if fp8 else []))
+    return kernel(lens_BN, maxlen_B, colscale, q, rows_BSC, *([scales_BS2] if fp8 else []))
 
 
 def combine_splits(o_BGsRN, lse_BGsN, T, H, Hg):
