@@ -123,8 +123,8 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
         raise NotImplementedError(f"{launch.stages} stages need {need} bytes of SMEM (> {SMEM_BYTES})")
 
 
-def _body(lens_ref, maxlen_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, stages, splits, acc_mode):
-    """lens [B, N] int32: the rows column n sees; maxlen [B]: their max; colscale [B, G, N] fp32: a column's
+def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode):
+    """lens [B, T] int32: the rows token t sees (clipped to 0 .. S here); colscale [B, G, N] fp32: a column's
     scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
     MMA type; rows [B, S, C]; (fp8: scales [B, S, 2]); out: o [B, G, splits, R, N] fp32 normalised, lse
     [B, G, splits, N] (natural log, -inf where the split saw nothing)."""
@@ -134,7 +134,9 @@ def _body(lens_ref, maxlen_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R,
         o_ref, lse_ref, qc_s, qe_s, c_s, e_s, p_s, q_bar, bar = refs
     b, g, sp = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("s")
     S = rows_ref.shape[1]
-    nblk = (maxlen_ref[b] + BLOCK - 1) // BLOCK  # this sequence's valid blocks
+    lens_T = [jnp.clip(lens_ref[b, t], 0, S) for t in range(T)]  # scalars (no XLA kernel before this one)
+    maxlen = functools.reduce(jnp.maximum, lens_T)
+    nblk = (maxlen + BLOCK - 1) // BLOCK  # this sequence's valid blocks
     per = (nblk + splits - 1) // splits
     lo = sp * per  # this split's first block
     n = jnp.clip(nblk - lo, 0, per)
@@ -159,7 +161,10 @@ def _body(lens_ref, maxlen_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R,
         pl.when(j < n)(functools.partial(issue, j, j))
 
     col = plgpu.Layout.WGMMA.reduce(0)
-    lens_N = plgpu.load(lens_ref.at[b], layout=col, optimized=False)
+    token_N = plgpu.broadcasted_iota(jnp.int32, (N,), 0, layout=col) // Hg  # column t Hg + h is token t's
+    lens_N = jnp.zeros((N,), jnp.int32)  # padding columns (token T and past) see nothing
+    for t in range(T):
+        lens_N = jnp.where(token_N == t, lens_T[t], lens_N)
     colscale_N = plgpu.load(colscale_ref.at[b, g], layout=col, optimized=False)
     m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col)
     l0 = plgpu.layout_cast(jnp.zeros((BLOCK, N), F32), plgpu.Layout.WGMMA)
@@ -296,7 +301,7 @@ _STATIC = ("scale", "launch", "interpret")  # scale: the softmax's, (qk_nope + q
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, launch: Launch, interpret=None):
     """The kernel alone -> (o [B, G, splits, R, N] fp32 normalised per split, lse [B, G, splits, N] fp32).
-    lens_BT: the rows token t sees (0 .. S)."""
+    lens_BT: the rows token t sees (clipped to 0 .. S in the kernel)."""
     B, T, H, R = q_lat_BTHR.shape
     E = q_pe_BTHE.shape[-1]
     C = R + E
@@ -307,8 +312,6 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
     acc_mode = "add" if interpret is not None else launch.acc
     mdt = mma_dtype(rows_BSC.dtype)
     q, colscale = _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale)
-    lens_BN = jnp.pad(jnp.repeat(lens_BT.astype(jnp.int32), Hg, axis=1), ((0, 0), (0, N - T * Hg)))
-    maxlen_B = jnp.max(lens_BT, axis=1).astype(jnp.int32)
     rdt = rows_BSC.dtype
     scratch = [
         plgpu.SMEM((P, N, R), mdt, transforms=_transforms(mdt, R, C)),
@@ -326,7 +329,9 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
         plgpu.Barrier(num_arrivals=2 * P),  # q's TMAs
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a block's c and k_pe
     ]
-    body = functools.partial(_body, fp8=fp8, P=P, R=R, E=E, N=N, stages=stages, splits=splits, acc_mode=acc_mode)
+    body = functools.partial(
+        _body, fp8=fp8, P=P, R=R, E=E, N=N, T=T, Hg=Hg, stages=stages, splits=splits, acc_mode=acc_mode
+    )
     kernel = plgpu.kernel(
         body,
         out_type=(
@@ -339,7 +344,7 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(lens_BN, maxlen_B, colscale, q, rows_BSC, *([scales_BS2] if fp8 else []))
+    return kernel(lens_BT.astype(jnp.int32), colscale, q, rows_BSC, *([scales_BS2] if fp8 else []))
 
 
 def combine_splits(o_BGsRN, lse_BGsN, T, H, Hg):

@@ -4,7 +4,7 @@ mla_decode tuning (tuning.json)."""
 import json
 import pathlib
 
-from pallas_kernels.mla_decode import kernel, reference
+from pallas_kernels.mla_decode import kernel
 
 ARCH = "sm90"
 
@@ -30,7 +30,8 @@ def mla_decode_attention(
     rows, scales = entry["rows"], entry.get("scales")
     launch = launch_for(q_lat_BTHR, q_pe_BTHE, entry, tuning)
     kernel.check_supported(q_lat_BTHR, q_pe_BTHE, rows, scales, launch)
-    lens_BT = reference.local_lengths(key_len_BT, kv_offset, rows.shape[1])
+    # the kernel clips lengths to 0 .. S itself: an XLA kernel before it only for a slice's offset
+    lens_BT = key_len_BT if isinstance(kv_offset, int) and kv_offset == 0 else key_len_BT - kv_offset
     return kernel.attention(
         q_lat_BTHR,
         q_pe_BTHE,
