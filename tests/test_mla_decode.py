@@ -2,6 +2,7 @@
 small shapes, CUDA lowering at the real ones, real shapes on the GPU) against a float64 NumPy oracle written
 from K3_SPEC §5.3, against the naive (non-absorbed) form of §5.2, and against each other."""
 
+import functools
 import logging
 
 import jax
@@ -363,6 +364,35 @@ def test_mla_cached_reads_the_fp8_entry_as_its_dequantised_rows(rng, tiny_cfg_pa
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@cpu_only
+def test_mla_cached_runs_the_kernel_under_the_specialized_policy(rng, monkeypatch):
+    """The layer's cached path under latency_specialized reaches the kernel (interpret mode here) with the fp8
+    entry as stored, records it, and equals the XLA path to 1e-5 in float32 (a tiny config with R = 64 and
+    E = 64, widths the kernel takes)."""
+    from k3jax import cache as cache_lib
+    from k3jax import params as P
+    from k3jax.config import preset
+    from k3jax.layers import mla
+
+    cfg = preset("tiny").replace(kv_lora_rank=64, qk_rope_head_dim=64)
+    p = P.cast_params(P.init_params(cfg, int(rng.integers(1 << 30))), jnp.float32)["layers"][cfg.mla_layers[0]]["attn"]
+    B, T, S = 2, 2, 80
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+    entry = cache_lib.init_cache(cfg, B, S, jnp.float32, "fp8")["layers"][cfg.mla_layers[0]]
+    rows = jnp.asarray(rng.standard_normal((B, S, cfg.mla_cache_width)), jnp.float32)
+    entry = cache_lib.write_rows(entry, rows, jnp.broadcast_to(jnp.arange(S), (B, S)), jnp.ones((B, S), bool), 64)
+    key_len = jnp.asarray([[1, 2], [S - 1, S]], jnp.int32)
+    monkeypatch.setattr(
+        api, "_kernel_op", lambda policy: functools.partial(sm90.mla_decode_attention, interpret=interpret())
+    )
+    log = DispatchLog()
+    with recording(log), abstract_gpu("sm90"):
+        got = mla.mla_cached(p, x, cfg, entry, key_len, SPECIALIZED)
+    assert log.ops[api.OP] == {"impl": "pallas", "reason": None}
+    want = mla.mla_cached(p, x, cfg, entry, key_len, XLA)
+    assert rel_err(got, want) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def tiny_cfg_params(seed):
     """The tiny preset and its first MLA layer's random fp32 attention weights."""
@@ -422,3 +452,32 @@ def test_api_on_gpu_runs_the_kernel(rng):
     with recording(log):
         api.mla_decode_attention(q_lat, q_pe, entry, ragged_lengths(S, B, T), scale=SCALE, policy=SPECIALIZED)
     assert log.ops[api.OP] == {"impl": "pallas", "reason": None}
+
+
+@gpu_only
+def test_model_on_gpu_float32_same_logits_with_the_kernel():
+    """The whole decode step (Engine, fp8 cache) under latency_specialized against auto in float32 at a small
+    config whose MLA widths the kernel takes (R = 128, E = 64): the MLA layers run the kernel (decode_ops says
+    so) and the logits agree to 1e-5 with the same greedy tokens."""
+    from k3jax import params as params_lib
+    from k3jax.config import preset
+    from k3jax.engine import Engine
+
+    cfg = preset("demo").replace(kv_lora_rank=128, qk_rope_head_dim=64)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    params = params_lib.cast_params(params_lib.init_params(cfg, seed), jnp.float32)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (5, 3))
+    logits = {}
+    with jax.default_matmul_precision("highest"):
+        for backend in ("auto", "latency_specialized"):
+            eng = Engine(cfg, params, max_len=96, max_batch=3, dtype=jnp.float32, backend=backend)
+            step, cache, out = jax.jit(eng.step_fn), eng.new_cache(3), []
+            for t in tokens:
+                lg, cache = step(eng.params, jnp.asarray(t[:, None], jnp.int32), jnp.ones(3, jnp.int32), cache)
+                out.append(np.asarray(lg, np.float64))
+            logits[backend] = np.stack(out)
+            if backend == "latency_specialized":
+                assert eng.dispatch_logs["decode"].ops[api.OP]["impl"] == "pallas"
+    got, ref = logits["latency_specialized"], logits["auto"]
+    assert rel_err(got, ref) <= 1e-5
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
