@@ -261,12 +261,19 @@ def test_kernel_lowers_for_cuda_at_real_shapes(cache, B, T, H, S):
     assert lowered.out_info.shape == (B, T, H, 512) and lowered.out_info.dtype == jnp.bfloat16
 
 
+VARIANTS = {  # tuning changes the GPU tests run beside tuning.json's own launch
+    "add": dict(acc="add", max_cols=16),  # a fresh P·V accumulator per block: what interpret mode runs
+    "qk_regs": dict(qk_regs=True),  # fp8: the scores' MMA takes the converted chunks from registers
+}
+
+
 @cpu_only
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
-@pytest.mark.parametrize("B, T, H", [(8, 4, 12), (64, 8, 12)])
-def test_kernel_lowers_for_cuda_with_fresh_accumulators(cache, B, T, H):
-    """The "add" form (what interpret mode runs) lowers too, at 4-8 queries x TP8 heads."""
-    _lower(B, T, H, 8192, cache, tuning=dict(sm90.TUNING, acc="add", max_cols=16))
+@pytest.mark.parametrize("B, T, H", [(8, 4, 12), (64, 8, 12), (1, 1, 96)])
+def test_kernel_variants_lower_for_cuda(variant, cache, B, T, H):
+    """The launch variants lower too (qk_regs only changes the fp8 path), at 1-8 queries x TP8 / TP1 heads."""
+    _lower(B, T, H, 8192, cache, tuning=dict(sm90.TUNING, **VARIANTS[variant]))
 
 
 @cpu_only
@@ -415,16 +422,13 @@ GPU_CASES = [  # B, T, H, S: lengths 1, 17, S - 1 (+ random) in every batch
 ]
 
 
-@gpu_only
-@pytest.mark.parametrize("acc", ["state", "add"])
-@pytest.mark.parametrize("cache", ["fp8", "bf16"])
-@pytest.mark.parametrize("B, T, H, S", GPU_CASES)
-def test_kernel_on_gpu_bf16_no_less_accurate_than_reference(rng, acc, cache, B, T, H, S):
+def _gpu_bf16_case(rng, variant, cache, B, T, H, S):
     R = 512
     entry = make_entry(rng, B, S, R, cache)
     q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.bfloat16)
     key_len = ragged_lengths(S, B, T)
-    got = sm90.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE, tuning=dict(sm90.TUNING, acc=acc))
+    tuning = dict(sm90.TUNING, **VARIANTS.get(variant, {}))
+    got = sm90.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning)
     ref = reference.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)
     want = oracle(q_lat, q_pe, entry, key_len)[0]
     assert rel_err(got, want) <= 1.1 * rel_err(ref, want)
@@ -432,14 +436,35 @@ def test_kernel_on_gpu_bf16_no_less_accurate_than_reference(rng, acc, cache, B, 
 
 @gpu_only
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("B, T, H, S", GPU_CASES)
+def test_kernel_on_gpu_bf16_no_less_accurate_than_reference(rng, cache, B, T, H, S):
+    """Real widths (R = 512), lengths 1 / 17 / 8191 in one batch, 1 or 8 queries, TP16 / TP8 / TP1 heads: against
+    the float64 oracle the kernel (tuning.json's launch) is no less accurate than the reference."""
+    _gpu_bf16_case(rng, "tuned", cache, B, T, H, S)
+
+
+@gpu_only
+@pytest.mark.parametrize("variant, cache", [("add", "fp8"), ("add", "bf16"), ("qk_regs", "fp8")])
+@pytest.mark.parametrize("B, T, H, S", [(3, 1, 6, 8192), (3, 8, 12, 8192)])
+def test_kernel_variants_on_gpu_no_less_accurate_than_reference(rng, variant, cache, B, T, H, S):
+    """The launch variants (VARIANTS) likewise, at 1 and 8 queries."""
+    _gpu_bf16_case(rng, variant, cache, B, T, H, S)
+
+
+@gpu_only
+@pytest.mark.parametrize("variant", ["tuned", "qk_regs"])
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
 @pytest.mark.parametrize("B, T, H, S", [(3, 1, 6, 8192), (3, 4, 12, 8192)])
-def test_kernel_on_gpu_float32_matches_numpy(rng, cache, B, T, H, S):
-    """float32 compute on the tensor cores, exact bf16 pieces (no TF32): 1e-5 relative to the oracle."""
+def test_kernel_on_gpu_float32_matches_numpy(rng, variant, cache, B, T, H, S):
+    """float32 compute on the tensor cores, exact pieces (no TF32): 1e-5 relative to the oracle."""
+    if variant == "qk_regs" and cache == "bf16":
+        pytest.skip("qk_regs changes the fp8 path only")
     R = 512
     entry = make_entry(rng, B, S, R, cache)
     q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
     key_len = ragged_lengths(S, B, T)
-    got = sm90.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)
+    tuning = dict(sm90.TUNING, **VARIANTS.get(variant, {}))
+    got = sm90.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning)
     assert rel_err(got, oracle(q_lat, q_pe, entry, key_len)[0]) < 1e-5
 
 

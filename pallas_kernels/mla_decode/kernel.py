@@ -67,6 +67,7 @@ class Launch:
     splits: int  # CTAs per (sequence, head group) along the context
     stages: int  # TMA slots in flight
     acc: str  # "state" | "add"
+    qk_regs: bool = False  # fp8: the scores' MMA takes each converted chunk from registers (see _body)
 
 
 def _transforms(dtype, minor, gmem_minor=None):
@@ -123,7 +124,7 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
         raise NotImplementedError(f"{launch.stages} stages need {need} bytes of SMEM (> {SMEM_BYTES})")
 
 
-def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode):
+def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode, qk_regs):
     """lens [B, T] int32: the rows token t sees (clipped to 0 .. S here); colscale [B, G, N] fp32: a column's
     scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
     MMA type; rows [B, S, C]; (fp8: scales [B, S, 2]); out: o [B, G, splits, R, N] fp32 normalised, lse
@@ -182,17 +183,17 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(bar.at[slot])
         if fp8:
-            for k0 in range(0, R, 64):  # e4m3 -> f16 (exact), 64 columns at a time (registers stay few)
+            c_src, e_src = cb_s, eb_s
+            sc_c, sc_e = scales
+            scales = load_scales(i + 1)  # in flight during this block (in bounds: first_row clamps)
+        else:
+            c_src, e_src = c_s.at[slot], e_s.at[slot]
+
+        def convert():  # e4m3 -> f16 (exact), 64 columns at a time (registers stay few)
+            for k0 in range(0, R, 64):
                 cols = pl.ds(k0, 64)
                 cb_s.at[:, cols][...] = c_s.at[slot, :, cols][...].astype(F16)
             eb_s[...] = e_s.at[slot][...].astype(F16)
-            plgpu.commit_smem()
-            pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # the slot is free once converted
-            sc_c, sc_e = scales
-            scales = load_scales(i + 1)  # in flight during this block (in bounds: first_row clamps)
-            c_src, e_src = cb_s, eb_s
-        else:
-            c_src, e_src = c_s.at[slot], e_s.at[slot]
 
         def qk(acc_c, acc_e):
             for j in range(P):
@@ -200,7 +201,30 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
                 plgpu.wgmma(acc_e, e_src, qe_s.at[j].T)
             return acc_c[...], acc_e[...]
 
-        s_c, s_e = pl.run_scoped(qk, plgpu.ACC((BLOCK, N), F32), plgpu.ACC((BLOCK, N), F32))
+        def convert_and_qk(acc_c, acc_e):  # qk_regs: each converted chunk is also the MMA's A, from registers,
+            for k0 in range(0, R, 64):  # so its MMA runs while the next chunk converts
+                cols = pl.ds(k0, 64)
+                x = c_s.at[slot, :, cols][...].astype(F16)
+                cb_s.at[:, cols][...] = x
+                for j in range(P):
+                    plgpu.wgmma(acc_c, x, qc_s.at[j, :, cols].T)
+            x = e_s.at[slot][...].astype(F16)
+            eb_s[...] = x
+            for j in range(P):
+                plgpu.wgmma(acc_e, x, qe_s.at[j].T)
+            return acc_c[...], acc_e[...]
+
+        accs = (plgpu.ACC((BLOCK, N), F32), plgpu.ACC((BLOCK, N), F32))
+        if fp8 and qk_regs:
+            s_c, s_e = pl.run_scoped(convert_and_qk, *accs)
+            plgpu.commit_smem()  # P·V reads the converted tile
+            pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # the slot is free once converted
+        else:
+            if fp8:
+                convert()
+                plgpu.commit_smem()
+                pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))
+            s_c, s_e = pl.run_scoped(qk, *accs)
         s = s_c * rows_bcast(sc_c) + s_e * rows_bcast(sc_e) if fp8 else s_c + s_e
         s = s * cols_bcast(colscale_N)  # base-2 logits
         row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.WGMMA)
@@ -265,7 +289,12 @@ def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Lau
     by_capacity = max(1, -(-S // BLOCK) // tuning["min_split_blocks"])
     splits = max(1, min(-(-tuning["ctas"] // (B * G)), by_capacity, tuning["max_splits"]))
     return Launch(
-        heads_per_group=Hg, cols=cols_for(Hg), splits=splits, stages=stages_for(cols_for(Hg)), acc=tuning["acc"]
+        heads_per_group=Hg,
+        cols=cols_for(Hg),
+        splits=splits,
+        stages=stages_for(cols_for(Hg)),
+        acc=tuning["acc"],
+        qk_regs=bool(tuning.get("qk_regs", False)),
     )
 
 
@@ -330,7 +359,18 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a block's c and k_pe
     ]
     body = functools.partial(
-        _body, fp8=fp8, P=P, R=R, E=E, N=N, T=T, Hg=Hg, stages=stages, splits=splits, acc_mode=acc_mode
+        _body,
+        fp8=fp8,
+        P=P,
+        R=R,
+        E=E,
+        N=N,
+        T=T,
+        Hg=Hg,
+        stages=stages,
+        splits=splits,
+        acc_mode=acc_mode,
+        qk_regs=launch.qk_regs and interpret is None,  # interpret mode takes no MMA operand in registers
     )
     kernel = plgpu.kernel(
         body,
