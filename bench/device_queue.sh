@@ -28,6 +28,7 @@
 #   bash bench/device_queue.sh session14h    # nvidia-h200: the final tuning's sublayer table (kda_layer.json)
 #   bash bench/device_queue.sh mla           # nvidia-h200: MLA decode attention GPU tests, then the kernel against
 #                                            #   XLA at TP16 / TP8, B = 1 / 8 / 64, 1K-32K (mla_layer.{json,md}), ~8 min
+#   bash bench/device_queue.sh mla_variants  # nvidia-h200: the MLA kernel's launch variants at 8K, ~3 min
 #   bash bench/device_queue.sh gemv_mid      # nvidia-h200: the streamed GEMV alone at batch 16, 32, 64 (x unpadded)
 #   bash bench/device_queue.sh mid_batch     # nvidia-h200: the sublayer at batch 16 and 32 (the streamed GEMV, o_proj)
 #   bash bench/device_queue.sh x_slabs       # nvidia-h200: the GEMV's x slabs by TMA from x itself: tests, B <= 8 layer
@@ -307,6 +308,9 @@ case "${1:-}" in
     step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -k on_gpu
     step bench_mla 290 python3 bench/mla_layer.py "$work" --deadline-s 260
     ;;
+  mla_variants)  # the MLA kernel's launch variants at 8K (bench/mla_layer.py VARIANTS), ~3 min
+    step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200
+    ;;
   gemv)  # the decode GEMV kernel: GPU tests, then against XLA at one rank's KDA projection shapes
     step pytest_gemv 100 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k on_gpu
     step bench_gemv 200 python3 bench/gemv.py "$work"
@@ -323,7 +327,7 @@ case "${1:-}" in
       --out "$work"
     ;;
   *)
-    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|next12|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv|mla" >&2
+    echo "usage: bash bench/device_queue.sh gpu2_tests|collectives|kda_split|kda|kda_wg|kda_gemv|kda_idle|kda_rows|kda_final|kda_keep|kda_reference|next11|session11a|session11b|session11c|session11d|session11e|session11f|next12|kda_patterns|kda_table|kda_idle_cost|kda_verify|profile|sublayer_profile|moe|layer|kda_cold|gemv|mla|mla_variants" >&2
     exit 2
     ;;
 esac

@@ -4,6 +4,8 @@ batch 1 / 8 / 64, context 1K / 8K / 32K, the fp8 latent cache (k3jax.cache's def
 
   PYTHONPATH=. JAX_PLATFORMS=cuda python3 bench/mla_layer.py OUT_DIR [--quick] [--cache fp8|bf16]
       [--deadline-s 270]
+  PYTHONPATH=. JAX_PLATFORMS=cuda python3 bench/mla_layer.py OUT_DIR --variants   (launch variants, VARIANTS,
+      at TP16 / TP8 x B = 1 / 64 x 8K, equal lengths, fp8 -> OUT_DIR/mla_variants.json, ~2 min)
   (GPU; writes OUT_DIR/mla_layer.{json,md}; --quick: B = 1 and 64 at 8K only; --cache bf16: the bf16 cache,
   written as mla_layer_bf16.{json,md}; rows not started by the deadline are skipped and listed)
 
@@ -142,6 +144,64 @@ def main(out_dir, quick=False, cache="fp8", deadline_s=270.0):
     pathlib.Path(out_dir, f"{name}.md").write_text(markdown(results))
 
 
+VARIANT_CTX, VARIANT_BATCHES = 8192, (1, 64)
+VARIANTS = {  # tuning changes against tuning.json's entry
+    "tuned": {},
+    "acc add": dict(acc="add", max_cols=16),
+    "qk_regs": dict(qk_regs=True),
+    "fp8 stages 2": dict(stages={"fp8": 2, "bf16": 2}),
+    "min_split_blocks 1": dict(min_split_blocks=1),
+    "min_split_blocks 4": dict(min_split_blocks=4),
+    "ctas 264": dict(ctas=264),
+}
+
+
+def main_variants(out_dir, deadline_s=200.0):
+    """Each VARIANTS launch at the issue's target shapes (8K positions, equal lengths, fp8): device us of the
+    api path and of the Mosaic kernel alone, and the error against the XLA reference."""
+    t0 = time.time()
+    dev = jax.devices()[0]
+    results = dict(device=dev.device_kind, jax=jax.__version__, tuning=sm90.TUNING, rows=[], skipped=[])
+    S = VARIANT_CTX
+    key = jax.random.key(1)
+    for B in VARIANT_BATCHES:
+        key, k_cache, k_q = jax.random.split(key, 3)
+        entry = make_cache(k_cache, B, S, "fp8")
+        key_len = jnp.full((B, 1), S, jnp.int32)
+        nbytes = B * S * row_bytes("fp8")
+        for tp, H in HEADS.items():
+            kq1, kq2 = jax.random.split(jax.random.fold_in(k_q, tp))
+            q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
+            q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
+            want = np.asarray(F_XLA(q_lat, q_pe, entry, key_len), np.float64)
+            for name, changes in VARIANTS.items():
+                if time.time() - t0 > deadline_s:
+                    results["skipped"].append(dict(tp=tp, B=B, variant=name))
+                    continue
+                tuning = dict(sm90.TUNING, **changes)
+                f = jax.jit(
+                    lambda q_lat, q_pe, entry, key_len, tuning=tuning: sm90.mla_decode_attention(
+                        q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning
+                    )
+                )
+                row = dict(tp=tp, B=B, ctx=S, variant=name, floor_us=nbytes / HBM_PEAK * 1e6)
+                row["launch"] = dict(vars(sm90.launch_for(q_lat, q_pe, entry, tuning)))
+                try:
+                    got = np.asarray(f(q_lat, q_pe, entry, key_len), np.float64)
+                    row["rel_err_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                except Exception as e:  # noqa: BLE001
+                    row["rel_err_vs_xla"] = f"failed: {type(e).__name__}: {e}"[:300]
+                row["pallas_us"], row["pallas_kernels"] = measure(f, (q_lat, q_pe, entry, key_len))
+                mosaic = [t for k, t in row["pallas_kernels"] if "mosaic" in k.lower() or "_body" in k]
+                row["kernel_alone_us"] = sum(mosaic) if mosaic else None
+                results["rows"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "pallas_kernels"}), flush=True)
+                pathlib.Path(out_dir, "mla_variants.json").write_text(json.dumps(results, indent=1))
+        del entry
+    results["wall_s"] = time.time() - t0
+    pathlib.Path(out_dir, "mla_variants.json").write_text(json.dumps(results, indent=1))
+
+
 def _f(v, fmt="{:.2f}"):
     return fmt.format(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v)[:40])
 
@@ -193,4 +253,7 @@ if __name__ == "__main__":
     out = args[0]
     cache = args[args.index("--cache") + 1] if "--cache" in args else "fp8"
     deadline = float(args[args.index("--deadline-s") + 1]) if "--deadline-s" in args else 270.0
-    main(out, quick="--quick" in args, cache=cache, deadline_s=deadline)
+    if "--variants" in args:
+        main_variants(out, deadline_s=deadline)
+    else:
+        main(out, quick="--quick" in args, cache=cache, deadline_s=deadline)
