@@ -92,12 +92,14 @@ def pieces(compute_dtype) -> int:
 
 
 def smem_bytes(R, E, cols, stages, row_dtype, compute_dtype) -> int:
-    P, C, rb = pieces(compute_dtype), R + E, jnp.dtype(row_dtype).itemsize
-    q = P * cols * C * 2
-    stage = stages * BLOCK * C * rb
-    convert = BLOCK * C * 2 if rb == 1 else 0
-    probs = P * cols * BLOCK * 2
-    return q + stage + convert + probs + 1024  # + barriers and slack
+    """The kernel's SMEM as Pallas lays it out: each scratch buffer rounded up to 1 KiB, the 2 KiB cross-warp
+    reduction scratch, 1 KiB for the barriers."""
+    P, rb, fp8 = pieces(compute_dtype), jnp.dtype(row_dtype).itemsize, jnp.dtype(row_dtype).itemsize == 1
+    buffers = [P * cols * R, P * cols * E]  # q pieces (2-byte MMA type)
+    buffers = [2 * n for n in buffers] + [stages * BLOCK * R * rb, stages * BLOCK * E * rb]
+    buffers += [2 * BLOCK * R, 2 * BLOCK * E] if fp8 else []  # the converted block
+    buffers += [2 * P * cols * BLOCK]  # P^T pieces
+    return sum(-(-n // 1024) * 1024 for n in buffers) + 2048 + 1024
 
 
 def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch):
