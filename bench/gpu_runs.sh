@@ -17,6 +17,8 @@
 #                                 and B 64 through the api -> kda_verify_b64.*
 #   kda_layer    nvidia-h200      the whole KDA sublayer, TP16 / TP8, B 1-64 -> kda_layer.*
 #   gemv         nvidia-h200      the decode GEMV's tuned launches vs XLA, B 1-64 -> gemv.json
+#   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
+#   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k and the grouping forms, T 1-512 -> moe_route.*
 # One machine kind at a time: a switch restarts the machine.
@@ -73,6 +75,13 @@ case "${1:-}" in
     ;;
   gemv)
     step gemv 400 python3 bench/gemv.py "$work"
+    ;;
+  mla)
+    step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -m gpu -rf
+    step bench_mla 290 python3 bench/mla_layer.py "$work" --deadline-s 260
+    ;;
+  mla_variants)
+    step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200
     ;;
   moe_layer)
     step moe_layer 300 python3 bench/moe_layer.py "$work" --impls packed

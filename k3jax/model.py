@@ -145,8 +145,7 @@ def extend(
         if cfg.is_mla(L):
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, valid_BT, R)
             new_layers[L] = entry
-            rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)
+            return mla.mla_cached(p, x, cfg, entry, pos_BT + 1, comm.policy)  # the entry as stored
         if T == 1:
             out, state, conv = kda.kda_decode(
                 p, x[:, 0], cfg, entry["state"], entry["conv"], comm.policy, active_B=n_new_B

@@ -71,8 +71,7 @@ def verify(
             R = cfg.kv_lora_rank
             entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, all_valid, R)
             layers[L] = entry
-            rows = cache_lib.read_rows(entry, R, dtype)
-            return mla.mla_cached(p, x, cfg, rows, pos_BT + 1)  # causal inside the block
+            return mla.mla_cached(p, x, cfg, entry, pos_BT + 1, comm.policy)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)
         y, commit_data[L] = kda_api.kda_verify(
             qkv,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 BACKENDS = ("auto", "latency_specialized")  # auto = stock XLA everywhere (the default, as in vLLM)
 BACKEND_ALIASES = {"xla": "auto"}
 MOE_IMPLS = ("packed", "gather")  # how the XLA routed experts read MXFP4: straight from the codes, or a bf16 copy
-TUNED_OPS = ("gemv", "kda_decode", "collectives", "moe")  # ops with a tuning.json beside their api
+TUNED_OPS = ("gemv", "kda_decode", "collectives", "moe", "mla_decode")  # ops with a tuning.json beside their api
 
 
 @functools.cache

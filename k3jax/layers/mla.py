@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from k3jax.config import MLA_LOWRANK_EPS, K3Config
 from k3jax.layers.common import dot, linear, rms_norm, row_parallel
+from pallas_kernels import mla_decode
+from pallas_kernels.policy import XLA, DecodePolicy
 
 
 def queries(p, x_BTD):
@@ -54,21 +56,20 @@ def mla_full(p, x_BTD, cfg: K3Config):
     return _gate_out(p, o, x_BTD)
 
 
-def mla_cached(p, x_BTD, cfg: K3Config, cache_rows_BSC, key_len_BT):
+def mla_cached(p, x_BTD, cfg: K3Config, entry, key_len_BT, policy: DecodePolicy = XLA):
     """Absorbed MLA for T new tokens whose rows are already written into the cache.
 
-    cache_rows_BSC: the (dequantised) latent cache in the compute dtype; key_len_BT[b, t]: how many cache
-    positions token t may attend to (its own position + 1 for causal decoding; any visibility mask works,
-    which the speculative verifier uses).
+    entry: the layer's cache entry as k3jax.cache keeps it ({"rows", "scales"} fp8, or {"rows"}), or a bare
+    [B, S, C] array of rows in the compute dtype; the attention core (pallas_kernels.mla_decode, run as the
+    decode policy says) reads it as stored. key_len_BT[b, t]: how many cache positions token t may attend to
+    (its own position + 1 for causal decoding; any visibility prefix works, which the speculative verifier uses).
     """
-    N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    N = cfg.qk_nope_head_dim
     q = queries(p, x_BTD)
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")  # W_UK^T q_nope
-    c, k_pe = cache_rows_BSC[..., :R], cache_rows_BSC[..., R:]
-    s = (dot("bthr,bsr->bhts", q_lat, c) + dot("bthe,bse->bhts", q[..., N:], k_pe)) * cfg.qk_head_dim**-0.5
-    S = cache_rows_BSC.shape[1]
-    mask = jnp.arange(S)[None, None, None, :] < key_len_BT[:, None, :, None]
-    probs = _softmax_probs(s, mask, x_BTD.dtype)
-    o_lat = dot("bhts,bsr->bthr", probs, c).astype(x_BTD.dtype)
+    entry = entry if isinstance(entry, dict) else {"rows": entry}
+    o_lat = mla_decode.mla_decode_attention(
+        q_lat, q[..., N:], entry, key_len_BT, scale=cfg.qk_head_dim**-0.5, policy=policy
+    )
     o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
     return _gate_out(p, o, x_BTD)

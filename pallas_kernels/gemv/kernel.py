@@ -10,7 +10,7 @@ itself (the KDA decode kernel); with one split the kernel rounds and writes the 
 reference.gemv up to the order of the fp32 sums.
 
 Where the tokens go (x_stream; tuning.json says which batches take which):
-- "N": the weight rows on WGMMA's M and the tokens on N (PALLAS_MGPU.md: the decode GEMV orientation), a
+- "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
   [round8(B), block_k] x tile, partials [S, N, T] (token b in column b). With one split the accumulator goes
   through SMEM and each token's row is stored from it.
 - "M": the tokens on M, a [64, block_k] x tile (the TMA fills the rows past B with zeros), partials token-major

@@ -1,0 +1,5 @@
+"""MLA decode attention over the latent cache (docs/model.md §5.3): api, XLA reference, Hopper (sm90) kernel."""
+
+from pallas_kernels.mla_decode.api import combine, mla_decode_attention
+
+__all__ = ["combine", "mla_decode_attention"]

@@ -1,0 +1,86 @@
+"""Dispatch for the MLA decode attention: the Hopper kernel where the decode policy asks for kernels and it takes
+the call (sm90; bf16 or fp32 compute; fp8 e4m3 or bf16 rows; a cache of 64 positions or more), the XLA reference
+otherwise (pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends").
+
+The op is the weight-absorbed attention core of an MLA layer (reference.py has the maths): the caller absorbs
+W_UK into the queries before and W_UV into the output after.
+"""
+
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels import policy as policy_lib
+from pallas_kernels.mla_decode import reference
+from pallas_kernels.policy import XLA, DecodePolicy
+
+OP = "mla_decode_attention"
+
+
+def _kernel_op(policy: DecodePolicy):
+    arch = common.gpu_arch()
+    if arch is None:
+        raise NotImplementedError("no GPU device (Mosaic GPU needs sm90)")
+    if arch[0] != 9:
+        raise NotImplementedError(f"no MLA decode body for compute capability {arch} (the kernel is sm90)")
+    if not policy.table("mla_decode")["sm90"].get("serve", True):
+        raise NotImplementedError("the MLA decode kernel is not served yet (tuning.json 'serve': never run on a GPU)")
+    from pallas_kernels.mla_decode import sm90
+
+    return sm90.ops(policy)
+
+
+def _check(q_lat_BTHR, q_pe_BTHE, entry, key_len_BT):
+    if not isinstance(entry, dict) or "rows" not in entry:
+        raise ValueError("entry must be a cache entry dict: {'rows': [B, S, R + E]} (+ 'scales': [B, S, 2] for fp8)")
+    rows = entry["rows"]
+    if q_lat_BTHR.ndim != 4 or q_pe_BTHE.shape[:3] != q_lat_BTHR.shape[:3]:
+        raise ValueError(f"q_lat [B, T, H, R] and q_pe [B, T, H, E], got {q_lat_BTHR.shape} and {q_pe_BTHE.shape}")
+    B, T, _, R = q_lat_BTHR.shape
+    E = q_pe_BTHE.shape[-1]
+    if rows.ndim != 3 or rows.shape[0] != B or rows.shape[2] != R + E:
+        raise ValueError(f"cache rows must be [B={B}, S, R + E = {R + E}], got {list(rows.shape)}")
+    if "scales" in entry and entry["scales"].shape != rows.shape[:2] + (2,):
+        raise ValueError(f"cache scales must be [B, S, 2] beside rows {list(rows.shape)}, got {entry['scales'].shape}")
+    if key_len_BT.shape != (B, T) or not jnp.issubdtype(key_len_BT.dtype, jnp.integer):
+        raise ValueError(
+            f"key_len_BT must be an integer array of shape ({B}, {T}), got {key_len_BT.dtype}{key_len_BT.shape}"
+        )
+
+
+def mla_decode_attention(
+    q_lat_BTHR, q_pe_BTHE, entry, key_len_BT, *, scale, kv_offset=0, return_lse=False, policy: DecodePolicy = XLA
+):
+    """Absorbed MLA attention of T query tokens per sequence over the latent cache -> o_lat [B, T, H, R] in q's
+    dtype.
+
+    q_lat [B, T, H, R] (W_UKᵀ q_nope), q_pe [B, T, H, E] in the compute dtype; entry: the layer's cache entry
+    {"rows": [B, S, R + E] fp8 e4m3 or bf16, "scales": [B, S, 2] fp32 (fp8 only)} as k3jax.cache keeps it (read
+    as stored: the kernel never dequantises the whole cache); key_len_BT [B, T]: token t sees the global
+    positions below key_len[b, t] (causal decoding: its position + 1; verify: causal inside the block).
+
+    Context parallelism: the entry's rows may be a slice holding the global positions kv_offset .. kv_offset +
+    S - 1; with return_lse the op returns that slice's part (o fp32 normalised over the slice, lse [B, T, H]
+    fp32, -inf where nothing was visible) and `combine` merges the slices' parts.
+    """
+    _check(q_lat_BTHR, q_pe_BTHE, entry, key_len_BT)
+    args = (q_lat_BTHR, q_pe_BTHE, entry, key_len_BT)
+    kwargs = dict(scale=scale, kv_offset=kv_offset, return_lse=return_lse)
+    return policy_lib.dispatch(
+        OP,
+        policy,
+        lambda: _kernel_op(policy)(*args, **kwargs),
+        lambda: reference.mla_decode_attention(*args, **kwargs),
+    )
+
+
+def combine(parts, dtype=None):
+    """Merge the (o fp32, lse) parts of disjoint position slices (return_lse results) into the attention over
+    their union: o = Σ_i exp(lse_i - lse) o_i with lse = log Σ_i exp(lse_i). -> o in `dtype` (None: fp32)."""
+    o_s = jnp.stack([o for o, _ in parts])
+    lse_s = jnp.stack([lse for _, lse in parts])
+    top = jnp.max(lse_s, axis=0)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(lse_s - top)
+    total = jnp.sum(w, axis=0)
+    o = jnp.sum(o_s * w[..., None], axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o if dtype is None else o.astype(dtype)
