@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.collectives import api
-from pallas_kernels.policy import SPECIALIZED, DecodePolicy
+from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy
 
 BF16 = ml_dtypes.bfloat16
 N_GPUS = sum(d.platform == "gpu" for d in jax.devices())
@@ -98,6 +98,7 @@ def test_plan_falls_back_when_ineligible():
 
 def test_plan_blocks_tile_the_message(rng):
     """Random eligible sizes: blocks divide the rows and fit the per-CTA budget; unknown kernels are refused."""
+    t = XLA.table("collectives")  # the thresholds are the policy's tuning data
     for _ in range(200):
         n = int(rng.choice([2, 4, 8]))
         dtype = rng.choice([jnp.bfloat16, jnp.float32])
@@ -106,9 +107,9 @@ def test_plan_blocks_tile_the_message(rng):
         nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         auto = (
             "xla"
-            if nbytes < api.PSUM_BELOW_BYTES.get(n, 0)
+            if nbytes < t["psum_below_bytes"].get(str(n), 0)
             else "one_shot_st"
-            if nbytes <= api.ST_MAX_BYTES
+            if nbytes <= t["one_shot_st_max_bytes"]
             else "one_shot"
         )
         for algorithm in (None, "one_shot", "one_shot_st"):
@@ -118,7 +119,7 @@ def test_plan_blocks_tile_the_message(rng):
                 assert "measured" in plan.reason
                 continue
             assert m % plan.block_rows == 0
-            assert plan.block_rows * 128 * jnp.dtype(dtype).itemsize <= api.BLOCK_BYTES
+            assert plan.block_rows * 128 * jnp.dtype(dtype).itemsize <= t["block_bytes"]
     with pytest.raises(ValueError, match="one_shot_st"):  # two_shot: removed (never chosen, never faster)
         api.plan_all_reduce((64, 7168), jnp.bfloat16, 2, "gpu", "two_shot")
     # the measured choices at 2 ranks: psum for small messages, plain stores, then TMA; 16 KB blocks.

@@ -40,7 +40,7 @@ def sigmoid(x):
 
 
 # f32 per warpgroup, as Pallas's default (2 KiB): a [K, 32] chunk's column sum runs in two rounds of two of its
-# four 1 KiB register groups; more buys nothing and then costs occupancy (bench/results/kda_red_scratch.json)
+# four 1 KiB register groups; more buys nothing and then costs occupancy (kda_red_scratch.json@721adb5)
 RED_SCRATCH = 512
 
 
@@ -172,7 +172,7 @@ def _body(
         return plgpu.load(state_ref.at[b, h, :, gcols(c)], layout=tile_layout, optimized=False)  # ld.global
 
     # The prologue's small GMEM loads go out before the state's read, so they do not queue behind a whole
-    # wave's state traffic (bench/results/kda_loads_first.json).
+    # wave's state traffic (kda_loads_first.json@721adb5).
     H, K = conv_ref.shape[-2:]
     if from_gemv:
 
@@ -377,7 +377,7 @@ def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, wri
     was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
     correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
     (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing, where a branch in
-    the loop would (kda_idle.json, kda_idle_branch.json). Its y is the stepped one (the api leaves an idle
+    the loop would (kda_idle.json, kda_idle_branch.json@721adb5). Its y is the stepped one (the api leaves an idle
     slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
@@ -431,7 +431,7 @@ def _recurrence(
     its TMA where there is one) after the vectors are broadcast. o (rounded to dtype) goes to put_o(c, o_C).
     Chunk c + 1 is loaded into registers before chunk c is reduced and written, so an ld.global read is in
     flight meanwhile. With per-slice TMA that load first waits for slice c + 1 (waiting only when a chunk is
-    due measured the same, kda_prefetch.json, so there is one order)."""
+    due measured the same, kda_prefetch.json@721adb5, so there is one order)."""
     K = vec_smem.shape[-1]
     row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
     tile = (K, v_chunk)
@@ -461,7 +461,7 @@ def _recurrence_rows(tile_smem, tile_bar, new_state_KV, vec_smem, o_gain, dtype,
     bytes per row). A slice's loads are all issued before its stores, which would otherwise order each next
     load behind them. keep: the last `keep` slices stay in registers from pass 1 (k_rows registers each), and
     pass 2 starts with them (last slice first). With keep 3 the register stores beat SMEM + TMA stores
-    (kda_stg.json); splitting the key rows over 2 warpgroups was slower (kda_rows_wg2.json)."""
+    (kda_stg.json); splitting the key rows over 2 warpgroups was slower (kda_rows_wg2.json@721adb5)."""
     n, rows = tile_smem.shape[:2]
     held = {}
 
