@@ -6,6 +6,7 @@ kernels and the body takes the call (MXFP4 experts, bf16 activations, shapes it 
 from pallas_kernels import common
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.moe import reference
+from pallas_kernels.policy import XLA, DecodePolicy
 
 OP = "moe_routed_experts"
 
@@ -31,12 +32,11 @@ def _check(experts, z_TL, sel_Tk, w_Tk):
         raise ValueError(f"experts need w1/w3/w2 (dense) or w1/w3/w2 _codes + _scales (MXFP4), got {sorted(experts)}")
 
 
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, policy=None):
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, policy: DecodePolicy = XLA):
     """This rank's partial of sum_k w[t, k] * W2_e(SiTU-GLU(W1_e z_t, W3_e z_t)) (e = sel[t, k]) in z's dtype.
 
     experts: w1/w3/w2 `_codes` uint8 [E, out, in/2] + `_scales` uint8 [E, out, in/32] (MXFP4), or dense
     w1/w3/w2 [E, out, in] (the kernel takes the MXFP4 form). z [T, L], sel int [T, k], w fp32 [T, k]."""
-    policy = policy_lib.as_policy(policy)
     _check(experts, z_TL, sel_Tk, w_Tk)
     beta = dict(situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 

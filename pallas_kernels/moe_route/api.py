@@ -10,6 +10,7 @@ from pallas_kernels import common
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.moe_route import grouping, reference
 from pallas_kernels.moe_route.reference import ExpertGroups
+from pallas_kernels.policy import XLA, DecodePolicy
 
 GROUP_IMPLS = {"argsort": reference.group_by_expert, "keys": grouping.group_by_keys, "rank": grouping.group_by_rank}
 
@@ -38,7 +39,7 @@ def _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling):
     return kernel.route(scores_TE, biased_TE, bias_E, k=k, renormalize=renormalize, scaling=scaling)
 
 
-def route(scores_TE, biased_TE=None, *, bias_E=None, k, renormalize=True, scaling=1.0, policy=None):
+def route(scores_TE, biased_TE=None, *, bias_E=None, k, renormalize=True, scaling=1.0, policy: DecodePolicy = XLA):
     """-> (sel [T, k] int32, w [T, k] fp32). scores: the router's fp32 sigmoid scores [T, E]; the selection
     bias either already added (biased_TE = scores + bias) or as bias_E [E]. sel = lax.top_k(biased, k)'s
     indices (ties to the lower index); w = the unbiased scores there, / (their sum + 1e-20) where renormalize
@@ -52,7 +53,7 @@ def route(scores_TE, biased_TE=None, *, bias_E=None, k, renormalize=True, scalin
 
     return policy_lib.dispatch(
         "moe_route",
-        policy_lib.as_policy(policy),
+        policy,
         lambda: _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling),
         xla,
     )
