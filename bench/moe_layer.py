@@ -54,7 +54,11 @@ def inputs(key, T):
 
 
 def variants(impls):
-    out = {"kernel": policy_lib.DecodePolicy("latency_specialized")}
+    """The kernel at every T (tuning.json's launches, its serving threshold set aside) and each XLA path."""
+    moe = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
+    moe["sm90"]["serve_min_tokens"] = 1
+    tuning = policy_lib.Tuning.from_files(moe=moe)
+    out = {"kernel": policy_lib.DecodePolicy("latency_specialized", tuning=tuning)}
     out.update({f"xla_{impl}": policy_lib.DecodePolicy(moe_impl=impl) for impl in impls})
     return out
 

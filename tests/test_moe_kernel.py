@@ -58,6 +58,50 @@ def test_bit_decode_flushes_only_the_subnormal_values_of_scales_0_and_1():
     assert np.all(np.abs(want[0]) <= 6 * 2.0**-127) and np.all(np.abs(want[1][half[1]]) == 2.0**-127)
 
 
+def _decode_case(scale_bytes):
+    """Every code byte under each scale byte: codes [R, 32] (a chunk a row, 16 bytes a scale group), each scale
+    byte's two rows holding the 256 byte values; and the float64 oracle in the kernels' K order."""
+    n = len(scale_bytes)
+    codes = np.tile(np.arange(256, dtype=np.uint8), n).reshape(-1, 32)  # [8 n, 32]
+    scales = np.repeat(np.asarray(scale_bytes, np.uint8), 16).reshape(-1, 2)  # 16 groups of 16 bytes per scale
+    pad = -len(codes) % sm90.ROWS
+    codes, scales = np.pad(codes, ((0, pad), (0, 0))), np.pad(scales, ((0, pad), (0, 0)), constant_values=127)
+    want = ref.mxfp4_dequant(codes, scales)[:, sm90.K_ORDER]
+    return jnp.asarray(codes), jnp.asarray(scales), want
+
+
+def test_k_order_is_one_permutation_shared_by_both_operands():
+    """K_ORDER permutes each 64-element block within itself (each 32-element scale group stays in one lane pair's
+    columns), and permute_k applies exactly it to activations, so sum_p A[:, p] x'[p] = W @ x."""
+    assert sorted(sm90.K_ORDER) == list(range(sm90.CHUNK))
+    p = np.arange(sm90.CHUNK)
+    assert np.all(sm90.K_ORDER // 32 == ((p // 2) % 4) // 2)  # the lane pair c // 2 holds one group
+    x = np.random.default_rng().standard_normal((3, 4 * sm90.CHUNK)).astype(np.float32)
+    got = np.asarray(sm90.permute_k(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, x.reshape(3, 4, -1)[:, :, sm90.K_ORDER].reshape(3, -1))
+
+
+@cpu_only
+def test_kernel_decode_interpret_matches_numpy_in_k_order():
+    """The kernels' decode of a chunk in interpret mode (mxfp4.e2m1_bf16): every byte under scale bytes
+    2..252 bit for bit the float64 oracle's value, in K_ORDER, -0 kept."""
+    codes, scales, want = _decode_case(range(2, 253, 10))
+    with abstract_gpu("sm90"):
+        got = np.asarray(sm90.decode_tiles(codes, scales, interpret=_interpret()), np.float64)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@gpu_only
+def test_kernel_decode_on_gpu_is_exact_for_every_code_and_scale():
+    """The inline decode on the GPU (32-bit words, two bf16x2 multiplies): every byte under every scale byte
+    0..252, bit for bit the float64 oracle in K_ORDER, the bf16 subnormals (+-0.5 x 2^-127 ...) included."""
+    codes, scales, want = _decode_case(range(0, 253))
+    got = np.asarray(jax.jit(sm90.decode_tiles)(codes, scales), np.float64)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 # ----------------------------------------------------------------------------------------------- the grouping
 def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
     T, k, E = int(rng.integers(1, 40)), 4, 16
@@ -119,33 +163,21 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
     assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
 
 
-@cpu_only
-def test_kernel_interpret_fp32_sums_match_numpy():
-    """The two kernels' GEMMs to fp32 accuracy: W1 z and W3 z for every (token, expert) pair (the gate/up
-    kernel without its SiTU-GLU, fp32 out), h = SiTU-GLU of their bf16 roundings, W2 h (the down kernel's fp32
-    out), each within 1e-5 of the element's scale sum |W| |x| of the float64 product."""
-    r = rng()
-    T, E, I, L, k = 12, 10, 192, 512, 4
-    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L, k)
-    groups = grouping.group_by_expert(jnp.asarray(sel), E)
-    x2 = sm90.pair_inputs(z, groups)
-    with abstract_gpu("sm90"):
-        kw = dict(launch=LAUNCH, interpret=_interpret(), a_in_smem=True)
-        gu = np.asarray(sm90.gate_up(ex, groups.slots_3S, x2, beta=None, **kw), np.float64)
-        h = sm90.gate_up(ex, groups.slots_3S, x2, beta=(BETA1, BETA2), **kw)
-        y = np.asarray(sm90.down(ex, groups.slots_3S, h, out_dtype=jnp.float32, **kw), np.float64)
-    assert not _races_found()
-    h = np.asarray(h, np.float64)
-    order, rows, z64 = np.asarray(groups.order_P), np.asarray(groups.row_P), np.asarray(z, np.float64)
-    for pair, pos in zip(order, rows, strict=True):  # pos: the pair's row in the kernels' aligned order
+def _check_sums(np_ex, z, sel, groups, part, h, y, I, k):
+    """Each (token, expert) pair's W1 z and W3 z (the gate/up partials summed), h = SiTU-GLU of their bf16
+    roundings (in K_ORDER) and W2 h (the down kernel's fp32 out) against float64: the GEMMs within 1e-5 of the
+    element's scale sum |W| |x|."""
+    gu, h, y = (np.asarray(a, np.float64) for a in (part.sum(0), h, y))
+    z64 = np.asarray(z, np.float64)
+    unorder = np.argsort(sm90.K_ORDER)
+    natural = lambda a: a.reshape(-1, sm90.CHUNK)[:, unorder].reshape(-1)  # noqa: E731  (K_ORDER -> natural)
+    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
         t, e = pair // k, sel[pair // k, pair % k]
-        interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]  # [2 (parity), I2p] -> [I]
         for which, name in enumerate(("w1", "w3")):
             W = dequant(np_ex, name, e)
-            got = interleave(gu[which, :, pos])
-            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
-        g, u = (interleave(gu[i, :, pos]) for i in (0, 1))
-        h_pair = interleave(h[:, pos])
+            assert np.all(np.abs(gu[which, pos] - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
+        g, u = gu[0, pos], gu[1, pos]
+        h_pair = natural(h[pos])
         h_want = bf16(situ_glu(bf16(g), bf16(u)))
         # 1 bf16 ulp (the kernel's fp32 tanh / logistic before the rounding), values below fp32's normal
         # range aside (e^g of a very negative gate: CPU and GPU flush those)
@@ -155,6 +187,29 @@ def test_kernel_interpret_fp32_sums_match_numpy():
         assert not np.any(bad), (pos, h_pair[bad], h_want[bad], g[bad], u[bad])
         W2 = dequant(np_ex, "w2", e)
         assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
+
+
+@cpu_only
+def test_kernel_interpret_fp32_sums_match_numpy():
+    """The two kernels' GEMMs to fp32 accuracy in interpret mode, the gate/up K split over 2 CTAs."""
+    r = rng()
+    T, E, I, L, k = 12, 10, 192, 1024, 4
+    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L, k)
+    launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2)
+    with abstract_gpu("sm90"):
+        groups, part, h, y = sm90.grouped(
+            ex,
+            z,
+            jnp.asarray(sel),
+            **BETA,
+            launch=launch,
+            interpret=_interpret(),
+            a_in_smem=True,
+            out_dtype=jnp.float32,
+        )
+    assert not _races_found()
+    assert part.shape == (2, 2, grouping.num_rows(T, k, E), I)
+    _check_sums(np_ex, z, sel, groups, part, h, y, I, k)
 
 
 # ------------------------------------------------------------------------------------ lowering at real shapes
@@ -169,19 +224,17 @@ def _abstract_experts(E, I, L):
 
 @cpu_only
 @pytest.mark.parametrize(
-    "T, I, a_in_smem",
-    [(1, 192, False), (8, 192, False), (64, 192, False), (512, 192, False), (1, 384, False), (8, 384, False)]
-    + [(64, 384, False), (512, 384, False), (1, 3072, False), (12, 192, True)],
+    "T, I", [(1, 192), (8, 192), (64, 192), (512, 192), (1, 384), (8, 384), (64, 384), (512, 384), (1, 3072)]
 )
-def test_kernels_lower_for_cuda_at_real_shapes(T, I, a_in_smem):
+def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
-    tuning.json's launch for T: both Mosaic GPU kernels lower (A from registers; once through SMEM)."""
+    tuning.json's launch for T: both Mosaic GPU kernels lower, the inline decode with them (A from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = policy_lib.default_tuning().get("moe")
 
     def f(ex, z, sel, w):
-        return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning, a_in_smem=a_in_smem)
+        return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
 
     args = (_abstract_experts(E, I, L), sds((T, L), jnp.bfloat16), sds((T, k), jnp.int32), sds((T, k), jnp.float32))
     with abstract_gpu("sm90"):
@@ -190,7 +243,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I, a_in_smem):
 
 
 # ---------------------------------------------------------------------------------------- refusals, the api
-@pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem"])
+@pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits"])
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
     ex = _abstract_experts(E, I, L)
@@ -205,7 +258,9 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         ex = _abstract_experts(E, 48, L)
     elif bad == "tile":
         launch = sm90.Launch(12, 2, 2)
-    elif bad == "smem":  # 7 stages of two [64, 256] code tiles and two [64, 256] bf16 x tiles: 686 KB
+    elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
+        launch = sm90.Launch(8, 2, 2, up_splits=2)
+    elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
             _abstract_experts(E, I, 3584),
             jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16),
@@ -298,32 +353,19 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
 
 @gpu_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("I", [192, 384])
-def test_kernel_fp32_sums_on_gpu_match_numpy(I):
-    """A from registers on the GPU: the gate/up kernel's fp32 sums W1 z / W3 z and the down kernel's W2 h for
-    every pair of 3 tokens, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
+@pytest.mark.parametrize("I, T", [(192, 3), (384, 3), (192, 12)])
+def test_kernel_fp32_sums_on_gpu_match_numpy(I, T):
+    """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8): the gate/up
+    sums W1 z / W3 z, h and the down kernel's W2 h for every pair, at real shapes, within 1e-5 of
+    sum |W| |x| of the float64 product."""
     key = jax.random.key(int(rng().integers(1 << 30)))
-    E, L, k, T = 896, 3584, 16, 3
+    E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
     z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
-    groups = grouping.group_by_expert(sel, E)
-    x2 = sm90.pair_inputs(z, groups)
     launch = sm90.pick_launch(policy_lib.default_tuning().get("moe"), T)
-    gu = np.asarray(jax.jit(lambda *a: sm90.gate_up(*a, launch=launch, beta=None))(ex, groups.slots_3S, x2))
-    h = jax.jit(lambda *a: sm90.gate_up(*a, launch=launch, beta=(BETA1, BETA2)))(ex, groups.slots_3S, x2)
-    y = jax.jit(lambda *a: sm90.down(*a, launch=launch, out_dtype=jnp.float32))(ex, groups.slots_3S, h)
-    y, h = np.asarray(y, np.float64), np.asarray(h, np.float64)
+    groups, part, h, y = sm90.grouped(ex, z, sel, **BETA, launch=launch, out_dtype=jnp.float32)
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
-    sel, z64 = np.asarray(sel), np.asarray(z, np.float64)
-    interleave = lambda a: np.stack([a[0], a[1]], -1).reshape(-1)[:I]
-    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
-        t, e = pair // k, sel[pair // k, pair % k]
-        for which, name in enumerate(("w1", "w3")):
-            W = dequant(np_ex, name, e)
-            got = interleave(gu[which, :, pos])
-            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
-        W2, h_pair = dequant(np_ex, "w2", e), interleave(h[:, pos])
-        assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
+    _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, I, k)
 
 
 @cpu_only

@@ -50,9 +50,13 @@ def group_by_expert(sel_Tk, num_experts: int) -> Groups:
     e_sorted = flat[order]
     row = (first_row[e_sorted] + jnp.arange(T * k, dtype=I32) - starts[e_sorted]).astype(I32)
     token = jnp.zeros((num_rows(T, k, num_experts),), I32).at[row].set(order // k)
-    (active,) = jnp.nonzero(counts > 0, size=S, fill_value=0)
-    active = active.astype(I32)
-    used = jnp.arange(S, dtype=I32) < jnp.sum(counts > 0)
+    # the chosen experts in ascending order: a prefix count gives each its slot (a scatter, not nonzero's
+    # compare-and-reduce over slots x experts: 23 us on the H200 at every T >= 4)
+    chosen = counts > 0
+    slot_of = jnp.cumsum(chosen, dtype=I32) - 1
+    idx = jnp.where(chosen, slot_of, S)  # experts nobody chose: dropped
+    active = jnp.zeros((S,), I32).at[idx].set(jnp.arange(num_experts, dtype=I32), mode="drop")
+    used = jnp.arange(S, dtype=I32) <= slot_of[-1]
     slots = jnp.stack([active, first_row[active], jnp.where(used, counts[active], 0)])
     return Groups(order_P=order, row_P=row, token_R=token, slots_3S=slots)
 

@@ -1,28 +1,36 @@
 """Hopper (sm90) body of the routed experts: two grouped MXFP4 kernels that read each selected expert's bytes
-once and skip the experts nobody chose, with XLA around them for the grouping and the final weighted sum.
+once and skip the experts nobody chose, with XLA around them for the grouping, the GLU and the weighted sum.
 
 1. XLA (grouping.py): the T x k (token, expert) pairs sorted by expert, a static table of min(E, T x k) slots
-   (expert, first sorted pair, group size; idle slots size 0), z's even and odd columns gathered in pair
-   order x [2, P, L/2] (P = T x k).
-2. gate/up kernel, grid (slot, parity, row block): W1 and W3 rows 2i + parity, i in a 64-row block (a free
-   reshape [E, I/2, 2, L/2] picks them in one TMA box), streamed over K in 256-byte steps with their scale
-   tiles [64, 16]; out h [2, P, I/2 (padded to 64s)] bf16 = SiTU-GLU(bf16(W1 z), bf16(W3 z)), the parity
-   index first: h[p, pair, i] = h_pair[2i + p], so the down kernel's even and odd inputs are two plain tiles.
-3. down kernel, grid (slot, 64-row block of L): W2's rows over K = I/2 bytes (one step at TP16 / TP8), its
-   scales read by ld.global (a W2 scale row is I/32 = 6-12 bytes: no TMA view has 16-byte strides); out
-   y [P, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
-4. XLA finalize: the y rows back in (token, choice) order, the fp32 weighted sum over k rounded once
-   (reference.combine, the same expression as the reference). It costs 2 x P x L x 2 bytes (the kernel's
-   write and XLA's read: 0.23 MB at T = 1, 117 MB at T = 512 against 985 MB of TP16 weights).
+   (expert, first row, group size; idle slots size 0) over an aligned pair order of R rows; z in that order
+   with its columns in the kernels' K order (permute_k) -> x [R, L].
+2. gate/up kernel, grid (slot, 64-row block of I, K split): W1 and W3 rows of the block streamed over the
+   split's share of K in 256-byte steps with their scale tiles [64, 16]; out the fp32 partial sums
+   [splits, 2 (W1, W3), R, I]. Splitting K gives the small steps (T <= 8: 16-118 experts) enough CTAs.
+3. XLA: the splits summed, h = SiTU-GLU(bf16(W1 z), bf16(W3 z)) rounded to bf16 (the spec's roundings), its
+   columns put in the K order -> [R, I]. One small fusion (R x I x 4 bytes per split, against each expert's
+   1.1 MB at TP16).
+4. down kernel, grid (slot, group of 64-row blocks of L): the group's W2 row blocks streamed, each over K = I
+   whole, their scales read by ld.global (a W2 scale row is I/32 = 6-12 bytes: no TMA view has 16-byte
+   strides); out y [R, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
+5. XLA finalize: the y rows back in (token, choice) order, the fp32 weighted sum over k rounded once
+   (reference.combine, the same expression as the reference).
 
 Each 64-row tile has the weight rows on WGMMA's M and the group's tokens on N (8-64 per tile, padded to 8 by
 the TMA's zero fill; "swap-AB", as the decode GEMV). A group larger than a tile runs its tiles one after the
-other in the same CTA (the weight tile again, from L2). MXFP4 -> bf16 happens in registers and exactly
-(mxfp4.e2m1_bf16: integer bit building, no float multiply, so no flush to zero): a [64, 16·n] byte block's
-low nibbles are the even elements of its n groups and its high nibbles the odd ones, so they decode as two
-bf16 A operands that meet x's even and odd columns, one scale per (row, 16-byte group). On the GPU the A
-operand goes from registers (plgpu.wgmma(acc, a_regs, b_smem)); interpret mode cannot run a register A, so
-there it goes through a swizzled SMEM tile (a_in_smem), the decode being the same code.
+other in the same CTA (the weight tile again, from L2).
+
+The decode (the kernels' cost: an ALU-bound ~15-17 integer instructions per weight in the first version, ncu
+on the H200, bench/NOTES.md) works on 32-bit words, two weights per instruction. A thread's WGMMA A fragment
+of a 64-column K chunk is 8 registers of bf16 pairs; it loads the two code words (16 codes, one scale group)
+that feed them, and each register is one word's codes k and k + 4 moved into bf16 bit positions by two
+shifts and two masks: (code & 7) << 6 | sign << 15 is E2M1 x 2^-126 exactly (+-0.5 a bf16 subnormal), then
+two bf16x2 multiplies, by 2^126 and by the scale 2^(e - 127), give the exact value for every scale byte
+e = 0..254. So the A columns come in a fixed order within each 64-element block of K (K_ORDER): the
+activations of both GEMMs are put in the same order (x by XLA's gather, h by XLA's GLU fusion), and
+the products are summed over the same K. On the GPU the decode is inline Mosaic GPU code (the register
+moves and the bf16x2 multiplies Pallas cannot express); interpret mode, which cannot run it nor a register
+A, decodes the same tile with mxfp4.e2m1_bf16 into a swizzled SMEM tile (a_in_smem), in the same K order.
 """
 
 import dataclasses
@@ -30,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -39,20 +48,176 @@ from pallas_kernels.moe import grouping, mxfp4, reference
 
 F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
 ROWS = 64  # WGMMA's M: weight rows per tile
-GROUP_BYTES = mxfp4.GROUP // 2  # codes bytes per scale
+CHUNK = 64  # K elements per decoded A chunk: 32 code bytes, two scale groups, four k16 WGMMAs
+CHUNK_BYTES = CHUNK // 2
 UP_BLOCK = 256  # codes bytes per K step of W1/W3: its scale tile [64, 16] is the TMA's 16-byte minimum
-DOWN_MAX_BLOCK = 256  # codes bytes per K step of W2 (the whole I/2 = 96 / 192 at TP16 / TP8)
 MAX_TOKENS_PER_TILE = 64
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a value per accumulator row
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+def _k_order() -> np.ndarray:
+    """K_ORDER[p] = the element of a 64-element block that A's column p holds. Thread lane c of a row holds A
+    columns 8G + 2c + i (G = 0..7, i = 0..1: WGMMA's fragment); it loads the block's code words 2c + q
+    (q = 0, 1) and makes register G = 4q + k from word 2c + q's codes k (i = 0) and k + 4 (i = 1), so column
+    p = 32q + 8k + 2c + i holds element 8 (2c + q) + k + 4i = 16c + 8q + 4i + k (one scale group per lane
+    pair: c // 2)."""
+    p = np.arange(CHUNK)
+    q, k, c, i = p // 32, (p // 8) % 4, (p // 2) % 4, p % 2
+    return 16 * c + 8 * q + 4 * i + k
+
+
+K_ORDER = _k_order()
+
+
+def permute_k(x):
+    """x [..., K] -> its columns in the kernels' K order (K_ORDER within each 64-element block)."""
+    *lead, K = x.shape
+    blocks = x.reshape(*lead, K // CHUNK, 4, 2, 2, 4)  # element 16c + 8q + 4i + k: [c, q, i, k]
+    return jnp.moveaxis(blocks, (-4, -3, -2, -1), (-2, -4, -1, -3)).reshape(*lead, K)  # -> [q, k, c, i]
+
+
+# ------------------------------------------------------------------------------------------------ the decode
+def _swizzle(k_elems: int) -> int:
+    """The widest swizzle (bytes) whose bf16 row (swizzle / 2 elements) divides k: the x tiles' layout."""
+    for sw in (128, 64, 32):
+        if k_elems % (sw // 2) == 0:
+            return sw
+    raise NotImplementedError(f"K = {k_elems} elements is not a multiple of 16")
+
+
+def _codes_swizzle(k_bytes: int) -> int:
+    """The widest swizzle whose row divides a codes tile's k_bytes (96 -> 32, 192 -> 64, 256 -> 128)."""
+    for sw in (128, 64, 32):
+        if k_bytes % sw == 0:
+            return sw
+    raise NotImplementedError(f"a codes tile of {k_bytes} bytes per row is not a multiple of 32")
+
+
+def _tiled(sw: int, elem_bytes: int = 2):
+    return (plgpu.TilingTransform((8, sw // elem_bytes)), plgpu.SwizzleTransform(sw))
+
+
+def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
+    """A [64, 64] bf16 in WGMMA's register layout = chunk `chunk` (32 bytes) of the codes tile [64, Kb] uint8
+    (TMA-tiled (8, sw) and swizzled) decoded in K_ORDER, s_lo / s_hi: the chunk's two scale groups per row
+    (ROW_LAYOUT uint8). Inline Mosaic GPU: per thread and row, one 8-byte ld.shared of its two words, 4 integer
+    operations and 2 bf16x2 multiplies per register of two weights."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    kb = codes_smem.shape[-1]
+    sw = _codes_swizzle(kb)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(_tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
+        return_type=plgpu.ShapeDtypeStruct((ROWS, CHUNK), BF16, layout=plgpu.Layout.WGMMA),
+    )
+    def decode(ctx, ref, lo, hi):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        c = lambda v: utils.c(v, i32)  # noqa: E731
+        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        lane = arith.andi(tid, c(31))
+        col = arith.andi(lane, c(3))  # WGMMA's c: the lane's column pair
+        row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
+        base = llvm.ptrtoint(i32, utils.memref_ptr(ref))
+        upper = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(col, c(2)), c(0))  # lanes 2, 3: the second group
+        c126 = c(0x7E807E80)  # 2^126 in both bf16 halves
+        regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((ROWS, CHUNK)), dtype=object)
+        for h in range(2):
+            row = arith.addi(row0, c(8 * h))
+            byte = arith.addi(c(chunk * CHUNK_BYTES), arith.muli(col, c(8)))  # the lane's words 2c, 2c + 1
+            tile = arith.addi(arith.muli(arith.shrui(row, c(3)), c(kb // sw)), arith.divui(byte, c(sw)))
+            off = arith.addi(arith.muli(tile, c(8 * sw)), arith.muli(arith.andi(row, c(7)), c(sw)))
+            addr = arith.addi(base, arith.addi(off, arith.remui(byte, c(sw))))
+            addr = arith.xori(addr, arith.andi(arith.shrui(addr, c(3)), c((sw // 16 - 1) << 4)))  # the TMA swizzle
+            words = utils.inline_ptx("ld.shared.v2.b32 {$0, $1}, [$2];", addr, result_types=[i32, i32])
+            s = arith.extui(
+                i32,
+                arith.select(upper, utils.bitcast(hi.registers.flat[h], i8), utils.bitcast(lo.registers.flat[h], i8)),
+            )
+            bits = arith.shli(s, c(7))
+            bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c(0)), c(0x40), bits)  # 2^-127: subnormal
+            scale = arith.ori(bits, arith.shli(bits, c(16)))
+            for q, w in enumerate(words):
+                for k in range(4):
+                    sh = 6 - 4 * k
+                    mag = arith.shli(w, c(sh)) if sh >= 0 else arith.shrui(w, c(-sh))
+                    sign = arith.shli(w, c(12 - 4 * k)) if k < 3 else w
+                    v = arith.ori(arith.andi(mag, c(0x01C001C0)), arith.andi(sign, c(0x80008000)))
+                    v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, c126, result_types=i32)
+                    v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, scale, result_types=i32)
+                    idx = [0] * regs.ndim
+                    idx[1], idx[4] = 4 * q + k, h
+                    regs[tuple(idx)] = utils.bitcast(v, ir.VectorType.get((2,), ir.BF16Type.get()))
+        return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode(codes_smem, s_lo, s_hi)
+
+
+def _decode_interpret(codes_smem, s_lo, s_hi, *, chunk: int):
+    """_decode_gpu's A as an array, for interpret mode: the chunk's codes by mxfp4.e2m1_bf16 (exact for scale
+    bytes >= 2), its columns in K_ORDER."""
+    codes = codes_smem[:, pl.ds(chunk * CHUNK_BYTES, CHUNK_BYTES)].astype(U16)  # [64, 32]
+    nib = jnp.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(ROWS, CHUNK)  # element 2b + (0 lo, 1 hi)
+    terms = [mxfp4.e2m1_scale_terms(s) for s in (s_lo, s_hi)]
+    exp_term = jnp.concatenate([jnp.broadcast_to(t[:, None], (ROWS, 32)) for t, _ in terms], axis=1)
+    mag_mask = jnp.concatenate([jnp.broadcast_to(m[:, None], (ROWS, 32)) for _, m in terms], axis=1)
+    return permute_k(mxfp4.e2m1_bf16(nib, exp_term, mag_mask))
+
+
+def decode_tiles(codes_R32, scales_R2, *, interpret=None):
+    """The decode alone (tests): codes [R, 32] uint8 (one 64-element chunk per row, R % 64 == 0) and their two
+    E8M0 scale groups [R, 2] -> A [R, 64] bf16 in K_ORDER, as the kernels feed it to WGMMA."""
+    R = codes_R32.shape[0]
+
+    def body(codes_ref, scales_ref, out_ref):
+        def step(idx, codes):
+            rows = pl.ds(idx[0] * ROWS, ROWS)
+            lo, hi = (_load_row(scales_ref.at[rows, g]) for g in (0, 1))
+            decode = _decode_gpu if interpret is None else _decode_interpret
+            out_ref[rows, :] = decode(codes, lo, hi, chunk=0)
+
+        spec = plgpu.BlockSpec((ROWS, CHUNK_BYTES), lambda r: (r, 0), transforms=_tiled(CHUNK_BYTES, 1))
+        plgpu.emit_pipeline(step, grid=(R // ROWS,), max_concurrent_steps=2, in_specs=[spec])(codes_ref)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((R, CHUNK), BF16), compiler_params=_LANE, interpret=interpret
+    )
+    return kernel(codes_R32, scales_R2)
+
+
+def _mma_tile(acc_ref, codes_smem, scale_rows, x_smem, a_smem):
+    """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8, scale_rows: the step's Kb / 16
+    per-group E8M0 rows ([64] each, ROW_LAYOUT), x [N, 2 Kb] bf16 (in K_ORDER). a_smem: None (A from registers,
+    decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode)."""
+    for j in range(codes_smem.shape[1] // CHUNK_BYTES):
+        x = x_smem.at[:, pl.ds(j * CHUNK, CHUNK)].transpose((1, 0))
+        lo, hi = scale_rows[2 * j], scale_rows[2 * j + 1]
+        if a_smem is None:
+            plgpu.wgmma(acc_ref, _decode_gpu(codes_smem, lo, hi, chunk=j), x)
+        else:
+            a_smem[...] = _decode_interpret(codes_smem, lo, hi, chunk=j)
+            plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
+            plgpu.wgmma(acc_ref, a_smem, x)
+            plgpu.wgmma_wait(0)  # the A tile is rewritten next
+    plgpu.wgmma_wait(0)  # the pipeline reuses the step's x tile once the step returns
+
+
+# ------------------------------------------------------------------------------------------------ the launch
 @dataclasses.dataclass(frozen=True)
 class Launch:
     tokens_per_tile: int  # WGMMA's N: a group's tokens per tile (8..64, a multiple of 8)
     up_steps: int  # pipeline stages in flight in the gate/up kernel
     down_steps: int  # ... in the down kernel (its K steps: 1 at TP16 / TP8)
+    up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
+    down_row_blocks: int = 1  # 64-row blocks of W2 one down CTA streams (a divisor of L / 64)
 
 
 def pick_launch(tuning: dict, T: int) -> Launch:
@@ -63,23 +228,13 @@ def pick_launch(tuning: dict, T: int) -> Launch:
         raise NotImplementedError(
             f"T = {T} tokens: no routed-experts launch in tuning.json (it serves up to {entries[-1]['max_tokens']})"
         )
-    return Launch(entry["tokens_per_tile"], entry["up_steps"], entry["down_steps"])
-
-
-def _swizzle(k_elems: int) -> int:
-    """The widest swizzle (bytes) whose bf16 row (swizzle / 2 elements) divides k: WGMMA's K per A chunk."""
-    for sw in (128, 64, 32):
-        if k_elems % (sw // 2) == 0:
-            return sw
-    raise NotImplementedError(f"K = {k_elems} elements per parity is not a multiple of 16")
-
-
-def _tiled(sw: int):
-    return (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
-
-
-def _down_block(I2: int) -> int:
-    return I2 if I2 <= DOWN_MAX_BLOCK else DOWN_MAX_BLOCK
+    return Launch(
+        entry["tokens_per_tile"],
+        entry["up_steps"],
+        entry["down_steps"],
+        entry.get("up_splits", 1),
+        entry.get("down_row_blocks", 1),
+    )
 
 
 def _shapes(experts):
@@ -89,16 +244,24 @@ def _shapes(experts):
 
 def smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> tuple[int, int]:
     """(gate/up, down) kernels' SMEM: pipeline stages, the [64, N] fp32 tile the outputs are written from, and
-    (a_in_smem) the two decoded A chunks."""
+    (a_in_smem) the decoded A tile."""
     N = launch.tokens_per_tile
-    up_stages = min(launch.up_steps, (L // 2) // UP_BLOCK)
-    up = up_stages * (2 * ROWS * UP_BLOCK + 2 * ROWS * GROUP_BYTES + 2 * N * UP_BLOCK * 2)
-    blk = _down_block(I // 2)
-    down = min(launch.down_steps, (I // 2) // blk) * (ROWS * blk + 2 * N * blk * 2)
+    up_stages = min(launch.up_steps, (L // 2) // UP_BLOCK // launch.up_splits)
+    up = up_stages * (2 * ROWS * UP_BLOCK + 2 * ROWS * UP_BLOCK // 16 + N * UP_BLOCK * 2 * 2)
     out = ROWS * N * 4
-    a_up = 2 * ROWS * (_swizzle(UP_BLOCK) // 2) * 2 if a_in_smem else 0
-    a_down = 2 * ROWS * (_swizzle(blk) // 2) * 2 if a_in_smem else 0
-    return up + out + a_up, down + out + a_down
+    a = ROWS * CHUNK * 2 if a_in_smem else 0
+    return up + out + a, down_stages(launch, I, out + a) * _down_stage_bytes(launch, I) + out + a
+
+
+def _down_stage_bytes(launch: Launch, I: int) -> int:
+    return ROWS * I // 2 + launch.tokens_per_tile * I * 2  # a W2 row block's codes (K = I whole), the h tile
+
+
+def down_stages(launch: Launch, I: int, other_bytes: int) -> int:
+    """The down kernel's pipeline stages: down_steps, at most its row blocks, and as many as SMEM holds (TP1's
+    K = 3072 codes rows take 96 KB a block)."""
+    fit = (SMEM_BYTES - other_bytes) // _down_stage_bytes(launch, I)
+    return max(1, min(launch.down_steps, launch.down_row_blocks, fit))
 
 
 def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = False):
@@ -118,14 +281,12 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
             raise NotImplementedError(f"{name}_codes {experts[name + '_codes'].shape}: expected {shape}")
     if (L // 2) % UP_BLOCK:
         raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
-    I2 = I // 2
-    if I % mxfp4.GROUP or (I2 > DOWN_MAX_BLOCK and I2 % DOWN_MAX_BLOCK):
-        raise NotImplementedError(
-            f"intermediate {I}: W2 streams its K = I/2 = {I2} bytes whole up to {DOWN_MAX_BLOCK}, else in "
-            f"{DOWN_MAX_BLOCK}-byte steps"
-        )
-    if L % ROWS:
-        raise NotImplementedError(f"latent width {L} is not a multiple of {ROWS} rows")
+    if ((L // 2) // UP_BLOCK) % launch.up_splits:
+        raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
+    if I % ROWS:
+        raise NotImplementedError(f"intermediate {I}: W1 / W3 stream in 64-row blocks, W2 in 64-element K chunks")
+    if L % (ROWS * launch.down_row_blocks):
+        raise NotImplementedError(f"latent width {L} is not a multiple of {launch.down_row_blocks} x {ROWS} rows")
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
@@ -135,40 +296,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
-def _bcast(row, cols):
-    """A per-row value [64] -> [64, cols] in the WGMMA layout (layout_cast tells the lowering which)."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(row, (ROWS, cols), (0,)), plgpu.Layout.WGMMA)
-
-
-def _mma_tile(acc_ref, codes_smem, scale_rows, xe_smem, xo_smem, a_smem):
-    """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8 (the lo / hi nibbles: Kb even / odd
-    elements), scale_rows: the step's Kb / 16 per-group E8M0 rows ([64] each, row layout), xe / xo [N, Kb] bf16
-    (x's even / odd elements). Decoded in chunks of WGMMA's swizzle width; a_smem: None (A from registers) or
-    the two [64, chunk] SMEM tiles A goes through (interpret mode)."""
-    Kb = codes_smem.shape[1]
-    chunk = _swizzle(Kb) // 2
-    groups = chunk // GROUP_BYTES
-    for c in range(Kb // chunk):
-        cols = pl.ds(c * chunk, chunk)
-        terms = [mxfp4.e2m1_scale_terms(scale_rows[c * groups + g]) for g in range(groups)]
-        exp_term = jnp.concatenate([_bcast(t, GROUP_BYTES) for t, _ in terms], axis=1)
-        mag_mask = jnp.concatenate([_bcast(m, GROUP_BYTES) for _, m in terms], axis=1)
-        codes = plgpu.load(codes_smem.at[:, cols], layout=plgpu.Layout.WGMMA, optimized=False).astype(U16)
-        lo = mxfp4.e2m1_bf16(codes & 0x0F, exp_term, mag_mask)
-        hi = mxfp4.e2m1_bf16(codes >> 4, exp_term, mag_mask)
-        xe, xo = xe_smem.at[:, cols].transpose((1, 0)), xo_smem.at[:, cols].transpose((1, 0))
-        if a_smem is None:
-            plgpu.wgmma(acc_ref, lo, xe)
-            plgpu.wgmma(acc_ref, hi, xo)
-        else:
-            a_smem[0][...] = lo
-            a_smem[1][...] = hi
-            plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
-            plgpu.wgmma(acc_ref, a_smem[0], xe)
-            plgpu.wgmma(acc_ref, a_smem[1], xo)
-        plgpu.wgmma_wait(0)  # the A chunk (registers or SMEM) is rewritten next
-
-
 def _load_row(ref):
     return plgpu.load(ref, layout=ROW_LAYOUT, optimized=False)
 
@@ -187,15 +314,15 @@ def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
             dst[...] = _load_row(out_smem.at[:, t]).astype(dst.dtype)
 
 
-def _up_body(slots_ref, w1c, w3c, w1s, w3s, x2_ref, h_ref, out_smem, *a_smem, n_tokens, steps, beta):
-    """Grid (slot, parity p, row block b). w1c / w3c [E, I/2, 2, L/2] uint8, w1s / w3s [E, I/2, 2, L/32],
-    x2 [2, P, L/2] bf16 (z's even / odd columns in pair order) -> h [2, P, I2p]: h[p, pair, 64b + r] for the
-    slot's pairs, rows past I/2 (the TMA's zero fill) land in I2p's padding."""
-    s, p, b = lax.axis_index("s"), lax.axis_index("p"), lax.axis_index("b")
+def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps):
+    """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
+    (z in pair order and K_ORDER) -> part [splits, 2, R, I] fp32: the split's W1 / W3 sums of rows
+    64b .. 64b + 63 for the slot's pairs."""
+    s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
-    n_k = w1c.shape[-1] // UP_BLOCK
-    sw = _swizzle(UP_BLOCK)
-    a_smem = a_smem or None
+    n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
+    k0 = kk * n_k
+    a_smem = a_smem[0] if a_smem else None
 
     @pl.when(count > 0)
     def _():
@@ -204,43 +331,41 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x2_ref, h_ref, out_smem, *a_smem, n_
             row0 = start + tile * n_tokens
 
             def scope(acc1, acc3):
-                def step(_, c1, c3, s1, s3, xe, xo):
+                def step(_, c1, c3, s1, s3, x):
                     for acc, codes, scales in ((acc1, c1, s1), (acc3, c3, s3)):
-                        rows = [_load_row(scales.at[:, g]) for g in range(UP_BLOCK // GROUP_BYTES)]
-                        _mma_tile(acc, codes, rows, xe, xo, a_smem)
+                        rows = [_load_row(scales.at[:, g]) for g in range(UP_BLOCK // 16)]
+                        _mma_tile(acc, codes, rows, x, a_smem)
 
-                w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k))
-                s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // GROUP_BYTES), lambda k: (b, k))
-                x_spec = plgpu.BlockSpec((pl.Element(n_tokens), UP_BLOCK), lambda k: (row0, k), transforms=_tiled(sw))
+                w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=_tiled(128, 1))
+                s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
+                x_spec = plgpu.BlockSpec(
+                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=_tiled(128)
+                )
                 plgpu.emit_pipeline(
                     step,
                     grid=(n_k,),
                     max_concurrent_steps=min(steps, n_k),
-                    in_specs=[w_spec, w_spec, s_spec, s_spec, x_spec, x_spec],
-                )(w1c.at[e, :, p], w3c.at[e, :, p], w1s.at[e, :, p], w3s.at[e, :, p], x2_ref.at[0], x2_ref.at[1])
+                    in_specs=[w_spec, w_spec, s_spec, s_spec, x_spec],
+                )(w1c.at[e], w3c.at[e], w1s.at[e], w3s.at[e], x_ref)
                 return acc1[...], acc3[...]
 
             acc = plgpu.ACC((ROWS, n_tokens), F32)
             g, u = pl.run_scoped(scope, acc, acc)
             store = functools.partial(_store_columns, tile_first=tile * n_tokens, count=count, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            if beta is None:  # the GEMMs' fp32 sums themselves (tests): h_ref [2 (gate, up), 2, P, I2p] fp32
-                store(g, out_smem, lambda t: h_ref.at[0, p, row0 + t, cols])
-                store(u, out_smem, lambda t: h_ref.at[1, p, row0 + t, cols])
-            else:
-                h = common.situ_glu(g.astype(BF16), u.astype(BF16), *beta)  # the spec's two roundings, then one
-                store(h.astype(F32), out_smem, lambda t: h_ref.at[p, row0 + t, cols])
+            store(g, out_smem, lambda t: part_ref.at[kk, 0, row0 + t, cols])
+            store(u, out_smem, lambda t: part_ref.at[kk, 1, row0 + t, cols])
 
 
-def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, block):
-    """Grid (slot, 64-row block r of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32], h [2, P, I2p] bf16 ->
-    y [P, L]: y[pair, 64r : 64r + 64] for the slot's pairs."""
+def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks):
+    """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
+    h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
+    through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
+    50 K CTAs of 12 K weights each at T = 64 ran at 31% of HBM)."""
     s, r = lax.axis_index("s"), lax.axis_index("r")
     e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
-    n_k = w2c.shape[-1] // block
-    rows = pl.ds(r * ROWS, ROWS)
-    groups = block // GROUP_BYTES
-    a_smem = a_smem or None
+    block = w2c.shape[-1]
+    a_smem = a_smem[0] if a_smem else None
 
     @pl.when(count > 0)
     def _():
@@ -248,89 +373,93 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
         def _(tile):
             row0 = start + tile * n_tokens
 
-            def scope(acc):
-                def step(idx, codes, he, ho):
-                    # ld.global of the step's scale rows, all issued before the first decode needs one
-                    srows = [_load_row(w2s.at[e, rows, idx[0] * groups + g]) for g in range(groups)]
-                    _mma_tile(acc, codes, srows, he, ho, a_smem)
+            def step(idx, codes, h):
+                rows = pl.ds((r * row_blocks + idx[0]) * ROWS, ROWS)
+                # ld.global of the block's scale rows, all issued before the first decode needs one
+                srows = [_load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
 
-                w_spec = plgpu.BlockSpec((ROWS, block), lambda k: (r, k))
-                x_spec = plgpu.BlockSpec(
-                    (pl.Element(n_tokens), block), lambda k: (row0, k), transforms=_tiled(_swizzle(block))
+                def mma(acc):
+                    _mma_tile(acc, codes, srows, h, a_smem)
+                    return acc[...]
+
+                y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
+                if y_ref.dtype != F32:
+                    y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
+                _store_columns(
+                    y,
+                    out_smem,
+                    lambda t: y_ref.at[row0 + t, rows],
+                    tile_first=tile * n_tokens,
+                    count=count,
+                    n_tokens=n_tokens,
                 )
-                plgpu.emit_pipeline(
-                    step, grid=(n_k,), max_concurrent_steps=min(steps, n_k), in_specs=[w_spec, x_spec, x_spec]
-                )(w2c.at[e], h_ref.at[0], h_ref.at[1])
-                return acc[...]
 
-            y = pl.run_scoped(scope, plgpu.ACC((ROWS, n_tokens), F32))
-            if y_ref.dtype != F32:
-                y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-            _store_columns(
-                y,
-                out_smem,
-                lambda t: y_ref.at[row0 + t, rows],
-                tile_first=tile * n_tokens,
-                count=count,
-                n_tokens=n_tokens,
+            w_spec = plgpu.BlockSpec(
+                (ROWS, block), lambda i: (r * row_blocks + i, 0), transforms=_tiled(_codes_swizzle(block), 1)
             )
+            x_spec = plgpu.BlockSpec(
+                (pl.Element(n_tokens), 2 * block), lambda i: (row0, 0), transforms=_tiled(_swizzle(2 * block))
+            )
+            plgpu.emit_pipeline(
+                step, grid=(row_blocks,), max_concurrent_steps=min(steps, row_blocks), in_specs=[w_spec, x_spec]
+            )(w2c.at[e], h_ref)
 
 
-def _a_scratch(k_elems):
-    sw = _swizzle(k_elems)
-    return [plgpu.SMEM((ROWS, sw // 2), BF16, transforms=_tiled(sw)) for _ in range(2)]
+def _a_scratch():
+    return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=_tiled(128))]
 
 
-def gate_up(experts, slots_3S, x2_2PL, *, launch: Launch, beta, interpret=None, a_in_smem=False):
-    """The gate/up kernel -> h [2, P, I2p] bf16 (h[p, pair, i] = SiTU-GLU of pair's row 2i + p); beta = None:
-    the two GEMMs' fp32 sums instead, [2 (W1, W3), 2, P, I2p] (what a test checks to fp32 accuracy)."""
+def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None, a_in_smem=False):
+    """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), R, I] of W1 x and W3 x per row."""
     E, I, L = _shapes(experts)
-    S, P = slots_3S.shape[1], x2_2PL.shape[1]
-    I2p = pl.cdiv(I // 2, ROWS) * ROWS
-    par = lambda a: a.reshape(E, I // 2, 2, a.shape[-1])  # free: rows 2i + p  # noqa: E731
-    N = launch.tokens_per_tile
+    S, R = slots_3S.shape[1], x_RL.shape[0]
+    N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
-        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, beta=beta),
-        out_type=jax.ShapeDtypeStruct((2, P, I2p), BF16) if beta else jax.ShapeDtypeStruct((2, 2, P, I2p), F32),
-        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch(UP_BLOCK) if a_in_smem else []),
-        grid=(S, 2, I2p // ROWS),
-        grid_names=("s", "p", "b"),
+        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps),
+        out_type=jax.ShapeDtypeStruct((splits, 2, R, I), F32),
+        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
+        grid=(S, I // ROWS, splits),
+        grid_names=("s", "b", "kk"),
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(
-        slots_3S,
-        par(experts["w1_codes"]),
-        par(experts["w3_codes"]),
-        par(experts["w1_scales"]),
-        par(experts["w3_scales"]),
-        x2_2PL,
-    )
+    return kernel(slots_3S, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, slots_3S, h_2PI, *, launch: Launch, out_dtype=BF16, interpret=None, a_in_smem=False):
-    """The down kernel -> y [P, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
+def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=None, a_in_smem=False):
+    """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
     E, I, L = _shapes(experts)
-    S, P = slots_3S.shape[1], h_2PI.shape[1]
-    block = _down_block(I // 2)
+    S, R = slots_3S.shape[1], h_RI.shape[0]
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
-        functools.partial(_down_body, n_tokens=N, steps=launch.down_steps, block=block),
-        out_type=jax.ShapeDtypeStruct((P, L), out_dtype),
-        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch(block) if a_in_smem else []),
-        grid=(S, L // ROWS),
+        functools.partial(
+            _down_body,
+            n_tokens=N,
+            steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
+            row_blocks=launch.down_row_blocks,
+        ),
+        out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
+        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
+        grid=(S, L // ROWS // launch.down_row_blocks),
         grid_names=("s", "r"),
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_2PI)
+    return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
 def pair_inputs(z_TL, groups: grouping.Groups):
-    """z's even and odd columns gathered in the aligned pair order: [2, R, L/2] (the gate/up kernel's N side)."""
-    T, L = z_TL.shape
-    z_eo = z_TL.reshape(T, L // 2, 2).transpose(2, 0, 1)
-    return z_eo[:, groups.token_R]
+    """z in the aligned pair order with its columns in K_ORDER: [R, L] (the gate/up kernel's N side)."""
+    return permute_k(z_TL)[groups.token_R]
+
+
+def glu(part, *, situ_beta, situ_linear_beta):
+    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side): the spec's
+    bf16 rounding of each GEMM, SiTU-GLU in fp32, rounded once (common.situ_glu)."""
+    g, u = jnp.sum(part, axis=0)
+    # reduce_precision, not an astype pair: XLA:GPU's excess-precision rewrite removes f32 -> bf16 -> f32
+    g, u = (lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) for a in (g, u))
+    return permute_k(common.situ_glu(g, u, situ_beta, situ_linear_beta).astype(BF16))
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
@@ -340,14 +469,14 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", 
 def grouped(
     experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, a_in_smem=False, out_dtype=BF16
 ):
-    """Grouping and both kernels -> (groups, h [2, P, I2p], y [P, L] in pair order): the pieces tests check."""
+    """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = grouping.group_by_expert(sel_Tk, E)
-    x2 = pair_inputs(z_TL, groups)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
-    h = gate_up(experts, groups.slots_3S, x2, beta=(situ_beta, situ_linear_beta), **kw)
+    part = gate_up(experts, groups.slots_3S, pair_inputs(z_TL, groups), **kw)
+    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     y = down(experts, groups.slots_3S, h, out_dtype=out_dtype, **kw)
-    return groups, h, y
+    return groups, part, h, y
 
 
 def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, interpret=None, a_in_smem=None):
@@ -357,7 +486,7 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
     launch = pick_launch(tuning, T)
     a_in_smem = interpret is not None if a_in_smem is None else a_in_smem
     check_supported(experts, z_TL, sel_Tk, launch, a_in_smem)
-    groups, _, y = grouped(
+    groups, _, _, y = grouped(
         experts,
         z_TL,
         sel_Tk,
