@@ -412,6 +412,20 @@ def test_api_falls_back_to_the_reference_off_hopper(rng, caplog):
         assert any("mla_decode_attention" in r.message and "no GPU" in r.message for r in caplog.records)
 
 
+def test_api_serves_the_kernel_by_tuning_json():
+    """On an sm90 device the shipped tuning serves the kernel (serve: true since its H200 run); a table with
+    serve false makes the api refuse it, saying so (the XLA fallback then runs)."""
+    from pallas_kernels.policy import Tuning
+
+    table = sm90.load_tuning()
+    assert table["serve"] is True
+    off = SPECIALIZED.replace(tuning=Tuning.from_files(mla_decode={"sm90": dict(table, serve=False)}))
+    with abstract_gpu("sm90"):
+        assert callable(api._kernel_op(SPECIALIZED))
+        with pytest.raises(NotImplementedError, match="switched off"):
+            api._kernel_op(off)
+
+
 @pytest.mark.parametrize("bad", ["not_a_dict", "rows_width", "scales_shape", "key_len_shape", "key_len_float"])
 def test_api_refuses_malformed_input(rng, bad):
     B, T, H, R, S = 2, 1, 2, 64, 80
