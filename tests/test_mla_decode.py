@@ -229,6 +229,84 @@ def test_kernel_interpret_slices_and_lse(rng):
     assert rel_err(api.combine(parts), oracle(q_lat, q_pe, entry, key_len)[0]) < 1e-5
 
 
+# ---- float32 as XLA GPU compiles the wrapper --------------------------------------------------------------
+# XLA GPU's excess-precision pass (SimplifyFPConversions) folds a chain of float converts into its input, so
+# q - f32(bf16(q)) is 0 there; XLA:CPU runs the same pass where its oneDNN custom calls are on. Compiling the
+# kernel's XLA wrapper with this option reproduces on CPU what the H200 ran (the float32 failure of issue 27:
+# every q piece after the first was 0, so float32 was bf16- or f16-accurate).
+GPU_CONVERT_FOLDING = {"xla_cpu_experimental_onednn_custom_call": True}
+
+
+def compiled_like_gpu(fn, *args, static=()):
+    """fn(*args) compiled on CPU with XLA GPU's convert folding (static: the positions of static arguments)."""
+    dyn = [a for i, a in enumerate(args) if i not in static]
+    return jax.jit(fn, static_argnums=static).lower(*args).compile(compiler_options=GPU_CONVERT_FOLDING)(*dyn)
+
+
+@cpu_only
+def test_cpu_compile_option_folds_converts_as_xla_gpu_does(rng):
+    """The emulation the tests below rely on: with it, f32 -> bf16 -> f32 is folded away (x - x' = 0); without
+    it the rounding stays (if XLA:CPU changes, this says the tests below no longer reproduce the GPU)."""
+    x = jnp.asarray(rng.standard_normal(64), jnp.float32)
+
+    def residual(x):
+        return x - x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    assert np.any(np.asarray(jax.jit(residual)(x)) != 0)
+    np.testing.assert_array_equal(np.asarray(compiled_like_gpu(residual, x)), 0.0)
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_q_pieces_sum_to_q_as_xla_gpu_compiles_them(rng, cache):
+    """float32 queries become 3 pieces in the MMA type (bf16, or f16 with a power-of-two column scaling) whose
+    sum is q to fp32's precision, also when XLA folds convert pairs: each later piece is nonzero and the sum,
+    the scaling undone, is q to 2^-32 of its column's largest element."""
+    B, T, H, R = 2, 3, 4, 128
+    q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
+    rows_dtype = jnp.float8_e4m3fn if cache == "fp8" else jnp.bfloat16
+    launch = kernel.pick_launch(sm90.TUNING, B, T, H, R, E, 1024, rows_dtype, jnp.float32)
+    Hg, N = launch.heads_per_group, launch.cols
+    args = (q_lat, q_pe, Hg, N, kernel.mma_dtype(rows_dtype), 3, SCALE)
+    q_BGPNC, colscale_BGN = compiled_like_gpu(kernel._q_pieces, *args, static=(2, 3, 4, 5, 6))
+    pieces = np.asarray(q_BGPNC.astype(jnp.float32), np.float64)
+    undo = np.asarray(colscale_BGN, np.float64) / np.float64(np.float32(SCALE * kernel.LOG2E))  # powers of two
+    got = pieces.sum(axis=2) * undo[..., None]  # [B, G, N, C]
+    G = H // Hg
+    want = np.concatenate([np.asarray(q_lat, np.float64), np.asarray(q_pe, np.float64)], axis=-1)
+    want = want.reshape(B, T, G, Hg, R + E).swapaxes(1, 2).reshape(B, G, T * Hg, R + E)
+    got, later = got[:, :, : T * Hg], pieces[:, :, 1:, : T * Hg]
+    assert np.all(np.abs(later).max(axis=-1) > 0), "a later piece is all zeros: the convert pair was folded"
+    err = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+    assert err.max() <= 2.0**-32
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_kernel_interpret_float32_with_the_wrapper_as_xla_gpu_compiles_it(rng, cache):
+    """The H200's float32 failure at reduced width: the q pieces made as XLA GPU compiles them, the kernel
+    (interpret mode, tuning.json's launch: several context splits) over long ragged lengths 1 / 17 / S - 1,
+    the splits combined: 1e-5 relative to the float64 oracle and to the reference."""
+    B, T, H, R, S = 3, 2, 3, 128, 1100
+    entry = make_entry(rng, B, S, R, cache)
+    q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
+    key_len = ragged_lengths(S, B, T)
+    launch = sm90.launch_for(q_lat, q_pe, entry)
+    assert launch.splits > 1
+    mdt = kernel.mma_dtype(entry["rows"].dtype)
+    args = (q_lat, q_pe, launch.heads_per_group, launch.cols, mdt, 3, SCALE)
+    q_BGPNC, colscale_BGN = compiled_like_gpu(kernel._q_pieces, *args, static=(2, 3, 4, 5, 6))
+    rows, scales = entry["rows"], entry.get("scales")
+    with abstract_gpu("sm90"):  # the kernel compiled as usual: on the GPU Mosaic, not XLA, compiles its body
+        o, lse = kernel.partials_from_pieces(
+            q_BGPNC, colscale_BGN, rows, scales, key_len, R=R, launch=launch, interpret=interpret()
+        )
+    got = kernel.combine_splits(o, lse, T, H, launch.heads_per_group)[0]
+    ref = reference.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)
+    assert rel_err(got, oracle(q_lat, q_pe, entry, key_len)[0]) < 1e-5
+    assert rel_err(got, ref) < 1e-5
+
+
 # ---- CUDA lowering at the real shapes ------------------------------------------------------------------------
 def _lower(B, T, H, S, cache, dtype=jnp.bfloat16, tuning=None, return_lse=False):
     sd = jax.ShapeDtypeStruct
@@ -332,6 +410,20 @@ def test_api_falls_back_to_the_reference_off_hopper(rng, caplog):
     assert log.ops[api.OP]["impl"] == "xla"
     if jax.default_backend() == "cpu":
         assert any("mla_decode_attention" in r.message and "no GPU" in r.message for r in caplog.records)
+
+
+def test_api_serves_the_kernel_by_tuning_json():
+    """On an sm90 device the shipped tuning serves the kernel (serve: true since its H200 run); a table with
+    serve false makes the api refuse it, saying so (the XLA fallback then runs)."""
+    from pallas_kernels.policy import Tuning
+
+    table = sm90.load_tuning()
+    assert table["serve"] is True
+    off = SPECIALIZED.replace(tuning=Tuning.from_files(mla_decode={"sm90": dict(table, serve=False)}))
+    with abstract_gpu("sm90"):
+        assert callable(api._kernel_op(SPECIALIZED))
+        with pytest.raises(NotImplementedError, match="switched off"):
+            api._kernel_op(off)
 
 
 @pytest.mark.parametrize("bad", ["not_a_dict", "rows_width", "scales_shape", "key_len_shape", "key_len_float"])

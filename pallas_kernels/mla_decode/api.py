@@ -23,7 +23,7 @@ def _kernel_op(policy: DecodePolicy):
     if arch[0] != 9:
         raise NotImplementedError(f"no MLA decode body for compute capability {arch} (the kernel is sm90)")
     if not policy.table("mla_decode")["sm90"].get("serve", True):
-        raise NotImplementedError("the MLA decode kernel is not served yet (tuning.json 'serve': never run on a GPU)")
+        raise NotImplementedError("the MLA decode kernel is switched off (tuning.json sm90 'serve': false)")
     from pallas_kernels.mla_decode import sm90
 
     return sm90.ops(policy)

@@ -28,7 +28,12 @@ The form (one warpgroup per CTA; the grid is head groups x context splits x sequ
   block's rows (a cross-warp reduction), the running row sums kept per element and reduced once at the end.
 - fp32 compute: q and P are sums of 3 pieces in the MMA type (bf16 or f16: 24 bits or more; the rows are
   exact in it), each piece its own MMA into the same fp32 accumulator, so the products are exact and the
-  result is fp32-accurate (no TF32 anywhere).
+  result is fp32-accurate (no TF32 anywhere). q's pieces are cut in the XLA wrapper through reduce_precision
+  (collectives/reference.py::round_to): XLA GPU folds a convert pair f32 -> bf16 -> f32 into its input, which
+  made q's later pieces 0 (float32 only bf16/f16-accurate on the H200, issue 27). P's are cut in the kernel,
+  which Mosaic compiles (arith.truncf / extf without fast-math flags: MLIR and LLVM keep the pair). Interpret
+  mode runs the body as XLA code, which a CPU compile emulating that folding would fold too, so the CPU test of
+  it hands the kernel q pieces made that way (partials_from_pieces) and compiles the kernel as usual.
 
 acc: how P·V meets the running output. "state": the running accumulator goes into the MMA (pl.run_state,
 as jax's attention_mgpu.py). "add": a fresh accumulator per block, added in registers (twice the registers
@@ -45,6 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.collectives.reference import round_to
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 FP8 = jnp.float8_e4m3fn
@@ -239,7 +246,8 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
         l = l * cols_bcast(alpha) + p
         if fp8:
             p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
-        for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA)
+        for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA); Mosaic keeps
+            # the astype pair below (no XLA here on the GPU: see the module docstring)
             piece = p.astype(p_s.dtype)
             p_s.at[j].T[...] = piece
             if j + 1 < P:
@@ -319,8 +327,10 @@ def _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale):
         q = jnp.ldexp(q, shift[..., None])
         colscale = jnp.ldexp(colscale, -shift)
     out = []
-    for _ in range(P):
-        piece = q.astype(mdt)
+    for j in range(P):
+        # round_to, not astype: XLA GPU drops the convert pair f32 -> mdt -> f32, which made every residual
+        # q - piece 0 (float32 was bf16-accurate on the H200); the last piece needs no residual after it
+        piece = round_to(q, mdt) if j + 1 < P else q.astype(mdt)
         out.append(piece)
         q = q - piece.astype(F32)
     return jnp.stack(out, axis=2), colscale
@@ -333,16 +343,24 @@ _STATIC = ("scale", "launch", "interpret")  # scale: the softmax's, (qk_nope + q
 def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, launch: Launch, interpret=None):
     """The kernel alone -> (o [B, G, splits, R, N] fp32 normalised per split, lse [B, G, splits, N] fp32).
     lens_BT: the rows token t sees (clipped to 0 .. S in the kernel)."""
-    B, T, H, R = q_lat_BTHR.shape
-    E = q_pe_BTHE.shape[-1]
-    C = R + E
+    mdt, P = mma_dtype(rows_BSC.dtype), pieces(q_lat_BTHR.dtype)
+    q, colscale = _q_pieces(q_lat_BTHR, q_pe_BTHE, launch.heads_per_group, launch.cols, mdt, P, scale)
+    return partials_from_pieces(
+        q, colscale, rows_BSC, scales_BS2, lens_BT, R=q_lat_BTHR.shape[-1], launch=launch, interpret=interpret
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("R", "launch", "interpret"))
+def partials_from_pieces(q_BGPNC, colscale_BGN, rows_BSC, scales_BS2, lens_BT, *, R, launch: Launch, interpret=None):
+    """The kernel on queries already in pieces (_q_pieces: q [B, G, P, N, C] in the MMA type, colscale [B, G, N]),
+    R of C = R + E the latent part -> partials' (o, lse). Tests hand it pieces made as XLA GPU compiles them."""
+    B, G, P, N, C = q_BGPNC.shape
+    E = C - R
+    T = lens_BT.shape[1]
     fp8 = rows_BSC.dtype == FP8
-    P = pieces(q_lat_BTHR.dtype)
-    Hg, N, splits, stages = launch.heads_per_group, launch.cols, launch.splits, launch.stages
-    G = H // Hg
+    Hg, splits, stages = launch.heads_per_group, launch.splits, launch.stages
     acc_mode = "add" if interpret is not None else launch.acc
-    mdt = mma_dtype(rows_BSC.dtype)
-    q, colscale = _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale)
+    mdt = q_BGPNC.dtype
     rdt = rows_BSC.dtype
     scratch = [
         plgpu.SMEM((P, N, R), mdt, transforms=_transforms(mdt, R, C)),
@@ -386,7 +404,7 @@ def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, lau
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(lens_BT.astype(jnp.int32), colscale, q, rows_BSC, *([scales_BS2] if fp8 else []))
+    return kernel(lens_BT.astype(jnp.int32), colscale_BGN, q_BGPNC, rows_BSC, *([scales_BS2] if fp8 else []))
 
 
 def combine_splits(o_BGsRN, lse_BGsN, T, H, Hg):
