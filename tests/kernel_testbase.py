@@ -5,6 +5,9 @@ NumPy implementation written from docs/model.md, or a body against its XLA refer
 """
 
 import contextlib
+import fcntl
+import os
+import tempfile
 
 import jax
 import numpy as np
@@ -19,6 +22,19 @@ def gpu_only(test):
 
 
 cpu_only = pytest.mark.skipif(ON_GPU, reason="interpret-mode test, CPU only")
+
+
+@pytest.fixture
+def one_heavy_gpu_test_at_a_time():
+    """Holds a file lock for the test: the GPU suite's xdist workers share one GPU, and tests that hold one rank's
+    whole expert set (1-2 GB) plus its XLA references (several GB more) ran it out of memory side by side (the
+    suite runs with XLA_PYTHON_CLIENT_ALLOCATOR=platform, so a finished test's memory goes back to the GPU)."""
+    with open(os.path.join(tempfile.gettempdir(), "k3jax_heavy_gpu_test.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 DEVICE_KINDS = {"sm90": "NVIDIA H100 80GB HBM3", "sm100": "NVIDIA B200"}
 

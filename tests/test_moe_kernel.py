@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
+from kernel_testbase import abstract_gpu, cpu_only, gpu_only, one_heavy_gpu_test_at_a_time, rng  # noqa: F401
 from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle, situ_glu
 
 from pallas_kernels import policy as policy_lib
@@ -324,7 +324,7 @@ def _device_routing(key, T, E, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 8, 12, 64, 512])
 @pytest.mark.parametrize("I", [192, 384])
-def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
+def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I, one_heavy_gpu_test_at_a_time):
     """One TP16 / TP8 rank's experts (E = 896, L = 3584, k = 16), tuning.json's launch, A from registers:
     the kernel against the XLA reference (packed and gather) within a few bf16 ulps of each token's scale, and
     no less accurate than the XLA path against the same maths in float32 (the bf16 rule of the project)."""
@@ -354,7 +354,7 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("I, T", [(192, 3), (384, 3), (192, 12)])
-def test_kernel_fp32_sums_on_gpu_match_numpy(I, T):
+def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, one_heavy_gpu_test_at_a_time):
     """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8): the gate/up
     sums W1 z / W3 z, h and the down kernel's W2 h for every pair, at real shapes, within 1e-5 of
     sum |W| |x| of the float64 product."""

@@ -2,9 +2,9 @@
 
 import os
 
-import nbformat
 import pytest
 
+nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NB = os.path.join(os.path.dirname(__file__), "..", "notebooks", "01_tour.ipynb")
