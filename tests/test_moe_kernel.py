@@ -179,11 +179,12 @@ def _check_sums(np_ex, z, sel, groups, part, h, y, I, k):
         g, u = gu[0, pos], gu[1, pos]
         h_pair = natural(h[pos])
         h_want = bf16(situ_glu(bf16(g), bf16(u)))
-        # 1 bf16 ulp (the kernel's fp32 tanh / logistic before the rounding), values below fp32's normal
-        # range aside (e^g of a very negative gate: CPU and GPU flush those)
+        # 1 bf16 ulp (<= 2^-7 |h|: XLA's fp32 tanh / logistic before the rounding against NumPy's; 11.8125 vs
+        # 11.875 on the H200), values below fp32's normal range aside (e^g of a very negative gate: CPU and GPU
+        # flush those)
         # (+ a sigmoid(g) below fp32's normal range that a device flushes to 0 moves h by at most
         # beta1 * 2^-126 * |u|, since |SiTU(g)| <= beta1 * sigmoid(g) and |cap(u)| <= |u| there)
-        bad = np.abs(h_pair - h_want) > 2**-8 * np.abs(h_want) + 2.0**-126 * (1 + BETA1 * np.abs(u))
+        bad = np.abs(h_pair - h_want) > 2**-7 * np.abs(h_want) + 2.0**-126 * (1 + BETA1 * np.abs(u))
         assert not np.any(bad), (pos, h_pair[bad], h_want[bad], g[bad], u[bad])
         W2 = dequant(np_ex, "w2", e)
         assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
