@@ -36,6 +36,7 @@ def one_heavy_gpu_test_at_a_time():
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
+
 DEVICE_KINDS = {"sm90": "NVIDIA H100 80GB HBM3", "sm100": "NVIDIA B200"}
 
 

@@ -323,9 +323,10 @@ def _device_routing(key, T, E, k):
 
 @gpu_only
 @pytest.mark.gpu
+@pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
 @pytest.mark.parametrize("T", [1, 5, 8, 12, 64, 512])
 @pytest.mark.parametrize("I", [192, 384])
-def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I, one_heavy_gpu_test_at_a_time):
+def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
     """One TP16 / TP8 rank's experts (E = 896, L = 3584, k = 16), tuning.json's launch, A from registers:
     the kernel against the XLA reference (packed and gather) within a few bf16 ulps of each token's scale, and
     no less accurate than the XLA path against the same maths in float32 (the bf16 rule of the project)."""
@@ -354,8 +355,9 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I, one_heavy_gpu_
 
 @gpu_only
 @pytest.mark.gpu
+@pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
 @pytest.mark.parametrize("I, T", [(192, 3), (384, 3), (192, 12)])
-def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, one_heavy_gpu_test_at_a_time):
+def test_kernel_fp32_sums_on_gpu_match_numpy(I, T):
     """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8): the gate/up
     sums W1 z / W3 z, h and the down kernel's W2 h for every pair, at real shapes, within 1e-5 of
     sum |W| |x| of the float64 product."""
