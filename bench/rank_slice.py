@@ -8,8 +8,8 @@ so the collective term is added separately from bench/collectives.py measurement
 - Weights: the tensor table with every tp-mapped axis divided by tp, generated on the GPU by one jitted
   `params.init_tensor` program per layer kind (~97 GB for the release at tp=16).
 - Timing: CUPTI per-kernel device time of single decode steps (the cache is donated and threaded through, so
-  the MLA cache write is in place as in serving); kernels are attributed to layers through the optimised HLO
-  (fusion name -> the `layerL_kind` named_scope in its op_name; library kernels inherit their neighbour's).
+  the MLA cache write is in place as in serving); kernels are put in layers by launch order (each sublayer
+  ends in an AttnRes join) and in decode ops by their fusion's op_name label in the optimised HLO.
 - Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read)
   / 4.8 TB/s, and / the copy bandwidth measured here.
 
@@ -332,13 +332,13 @@ def hlo_scopes(hlo_text: str) -> dict[str, tuple[int | None, str]]:
 
 
 def attribute(kernels, scopes, cfg: K3Config):
-    """-> one dict per kernel: name, us, layer (None: embed/head), kind, op.
+    """-> one dict per kernel: name, us, layer (None: embed/head), kind, op, named, sublayer.
 
-    XLA reuses one compiled kernel for identical fusions, under the name of the FIRST fusion: a name maps to
-    the earliest layer that has it. Layers run in order, so the layer is the running maximum of the mapped
-    layers (each layer starts with a kernel of its own: the AttnRes stack over a new number of sources).
-    Library kernels (cuBLAS, Mosaic) carry no HLO name and belong to the running layer; kernels with no layer
-    scope are embed/head only before the first and after the last layer-mapped kernel."""
+    The op label comes from the HLO (the fusion's op_name); the layer from the kernel ORDER (`segment`): a
+    kernel name does not say its layer. XLA reuses one compiled kernel for identical fusions under one fusion's
+    name, and that fusion need not be the earliest (under latency_specialized the step's first kernels carry
+    names of layer 3's fusions, so a running maximum of the mapped layers put every kernel in layer >= 3), and
+    Mosaic and library kernels have no HLO name at all."""
     rows = []
     for name, us in kernels:
         hit = scopes.get(_norm(name))
@@ -351,10 +351,64 @@ def attribute(kernels, scopes, cfg: K3Config):
                 "named": hit is not None,
             }
         )
-    return relayer(rows, cfg)
+    return assign_layers(rows, cfg)
+
+
+_BOUNDARY_LABELS = frozenset(("n...d,d->n...", "n...,n...d->...d", "reduce_precision"))
+_LIBRARY_NAMES = ("gemm", "nvjet", "cutlass", "cublas", "xmma")
+
+
+def _opens_sublayer(r) -> bool:
+    """A kernel that only a sublayer's own work launches (never a join): a projection or primitive labelled
+    with a non-boundary op, a library GEMM, a Mosaic kernel, or a kernel traced inside a kernel wrapper."""
+    lab, n = _label(r["op"]), r["name"].lower()
+    if lab in _OP_OF_LABEL:
+        return _OP_OF_LABEL[lab] != "boundary"
+    return "mosaic" in n or any(k in n for k in _LIBRARY_NAMES) or lab.startswith(_WRAPPERS)
+
+
+def segment(rows, n_layers: int) -> list[tuple[int, int] | None] | None:
+    """(layer, sublayer: 0 attention, 1 FFN) of each kernel from the launch order alone, or None when the
+    sequence does not split into n_layers layers.
+
+    Every sublayer ends in a join (the AttnRes mix and norm: kernels labelled with the boundary einsums or
+    reduce_precision), so a step is: embed, then per layer [attention, join, FFN, join], then the head. A join
+    runs from its first boundary-labelled kernel to the next kernel that opens a sublayer (the generic norm
+    kernels between are the join's); the kernels before the first sublayer-opening kernel are the embedding,
+    those after the 2 x n_layers-th join the head."""
+    joins, open_join, started = 0, False, False
+    out = []
+    for r in rows:
+        if _label(r["op"]) in _BOUNDARY_LABELS:
+            open_join = started  # a boundary label before any sublayer is the embedding's norm
+        elif _opens_sublayer(r):
+            joins += open_join
+            open_join, started = False, True
+        inside = started and joins < 2 * n_layers
+        out.append((joins // 2, joins % 2) if inside else None)
+    joins += open_join
+    return out if joins == 2 * n_layers else None
+
+
+def assign_layers(rows, cfg: K3Config):
+    """Each row's layer, sublayer and kind: from `segment`; where the order does not split into the config's
+    layers (never seen so far), from the HLO scopes' running maximum (`relayer`), marked segmented=False."""
+    seg = segment(rows, cfg.num_hidden_layers)
+    if seg is None:
+        rows = relayer(rows, cfg)
+        for r in rows:
+            r["sublayer"], r["segmented"] = None, False
+        return rows
+    for r, s in zip(rows, seg, strict=True):
+        r["layer"], r["sublayer"] = s if s else (None, None)
+        r["segmented"] = True
+        r["kind"] = cfg.layer_kind(r["layer"]) if r["layer"] is not None else "embed/head"
+    return rows
 
 
 def relayer(rows, cfg: K3Config):
+    """The layer as the running maximum of the HLO-mapped layers (right only where each reused kernel is named
+    after its earliest fusion, as under XLA; the fallback of `assign_layers`)."""
     mapped = [i for i, r in enumerate(rows) if r["named"] and r["layer"] is not None]
     first, last = (mapped[0], mapped[-1]) if mapped else (len(rows), -1)
     running = None
@@ -415,6 +469,7 @@ def summarize(rows, cfg: K3Config) -> dict:
         "us": total,
         "kernels": len(rows),
         "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
+        "layers_from": "launch order" if rows and rows[0].get("segmented") else "HLO scopes",
         "by_kind": kinds,
         "top_ops": [
             {
@@ -473,34 +528,63 @@ _HANDS_OVER = {
     "tkl,tk->tl": "latent",
 }
 _LIBRARY = ("gemm", "nvjet", "cutlass", "cublas")
+# labels of the ops traced inside a Pallas kernel's jitted wrapper (its function name): the routed-experts
+# kernel's grouping, the MLA decode kernel's split partials and combine
+_WRAPPERS = ("jit(grouped)", "jit(attention)")
+_OP_OF_WRAPPER = {"jit(grouped)": "routed experts", "jit(attention)": "MLA"}
+_ROUTING = ("top_k", "moe_route")  # the top-k selection: the router's, also amid the routed experts' kernels
 
 
 def _label(op: str) -> str:
     return op.split("/dot_general")[0]
 
 
+def _attention_op(r) -> str:
+    return "MLA" if r.get("kind", "").startswith("mla") else "KDA"
+
+
 def decode_ops(rows) -> list[str]:
-    """The decode op (OPS) of each kernel of one step, in launch order (rows: attribute()'s dicts)."""
-    inside = [r["layer"] is not None for r in rows]
-    if not any(inside):
-        return ["embed/head"] * len(rows)
-    first = inside.index(True)
-    # the head (final norm, lm_head, argmax) starts after the last kernel a layer's scope names
-    last = max(i for i, r in enumerate(rows) if r["layer"] is not None and r["op"] != r["name"])
+    """The decode op (OPS) of each kernel of one step, in launch order (rows: attribute()'s dicts).
+
+    Mosaic kernels carry no label (anonymous_mosaic_gpu_kernel): in an attention sublayer they are its layer
+    kind's attention (KDA: the projections, the recurrence, o_proj; MLA: the decode kernel), in an FFN sublayer
+    the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's."""
+    if not rows or rows[0].get("segmented"):
+        inside = [r["layer"] is not None for r in rows]
+        first, last = (inside.index(True), len(rows) - 1 - inside[::-1].index(True)) if any(inside) else (0, -1)
+    else:  # HLO running maximum: the head starts after the last kernel a layer's scope names
+        inside = [r["layer"] is not None for r in rows]
+        if not any(inside):
+            return ["embed/head"] * len(rows)
+        first = inside.index(True)
+        last = max(i for i, r in enumerate(rows) if r["layer"] is not None and r["op"] != r["name"])
     out, current = [], "boundary"
     for i, r in enumerate(rows):
-        lab = _label(r["op"])
-        if i < first or i > last:
+        lab, name, sub = _label(r["op"]), r["name"].lower(), r.get("sublayer")
+        wrapper = next((w for w in _WRAPPERS if lab.startswith(w)), None)
+        if i < first or i > last or not inside[i]:
             op = "embed/head"
-        elif lab in _OP_OF_LABEL:
+        elif any(k in name or k == lab for k in _ROUTING):
+            op = "router"
+            if current != "routed experts":
+                current = "routed experts" if "mosaic" in name else op  # the kernel's outputs feed the grouping
+        elif wrapper:
+            op = current = _OP_OF_WRAPPER[wrapper]
+        elif "mosaic" in name:
+            if sub == 0 or (sub is None and current in ("boundary", "KDA", "MLA")):
+                op = current = _attention_op(r)
+            else:
+                op = current = "routed experts" if current in ("router", "routed experts") else "FFN"
+        elif lab in _OP_OF_LABEL and not (sub == 1 and _OP_OF_LABEL[lab] in ("KDA", "MLA")):
+            # (an attention label in an FFN sublayer is a generic one, e.g. the grouping's scatter)
             op = _OP_OF_LABEL[lab]
             if not (op == "FFN" and current == "routed experts"):  # shared-expert GEMVs amid the routed ones
                 current = _HANDS_OVER.get(lab, op)
-        elif current == "boundary" and any(k in r["name"].lower() for k in _LIBRARY):
-            # a library GEMM after a boundary opens the next sublayer: the op of the next labelled kernel, or
-            # (no projection before the next boundary) layer 0's dense FFN
+        elif current == "boundary" and any(k in name for k in _LIBRARY):
+            # a library GEMM after a boundary opens the next sublayer: the attention in an attention sublayer,
+            # else the op of the next labelled kernel, or (no projection before the next boundary) layer 0's FFN
             nxt = next((_OP_OF_LABEL[_label(x["op"])] for x in rows[i + 1 :] if _label(x["op"]) in _OP_OF_LABEL), "")
-            op = current = "FFN" if nxt in ("", "boundary") else nxt
+            op = current = _attention_op(r) if sub == 0 else "FFN" if nxt in ("", "boundary") else nxt
         else:
             op = current
         out.append(op)
@@ -751,8 +835,9 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
-        "Per layer kind: device time per layer / kernels per layer (kernels attributed through the HLO "
-        "named scopes; 'named' = share of kernels matched directly):",
+        "Per layer kind: device time per layer / kernels per layer (kernels put in layers by launch order: "
+        "every sublayer ends in an AttnRes join; 'named' = share of kernels with an HLO fusion name, whose "
+        "op_name labels the op):",
         "",
         "| layers | backend | batch | " + " | ".join(_KINDS) + " | named |",
         "|" + "---|" * (len(_KINDS) + 4),
@@ -900,7 +985,7 @@ def resummarize(path: str) -> dict:
         if not r.get("kernels"):
             continue
         c = truncate(preset(result["preset"]), r["layers"])
-        rows = relayer(
+        rows = assign_layers(
             [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in r["kernels"]], c
         )
         r["summary"] = summarize(rows, c)

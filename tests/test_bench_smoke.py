@@ -6,6 +6,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+from collections import Counter
 
 import jax.numpy as jnp
 import numpy as np
@@ -293,3 +294,84 @@ def test_every_result_file_is_in_the_index():
     }
     unlisted = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md" and p.name not in stems)
     assert not unlisted, f"bench/results/README.md does not say what these are: {unlisted}"
+
+
+def _synthetic_step(rng, cfg, wrong_layer):
+    """A latency_specialized-like step of `cfg`'s layers as CUPTI lists it: (name, us, HLO layer, op label).
+    Mosaic kernels have no HLO name; the fusions' HLO layers are `wrong_layer` (a reused kernel named after a
+    later layer's fusion), so only the launch order tells the layers. -> (kernels, want layer, want op)."""
+    us = lambda: float(rng.uniform(1, 20))  # noqa: E731
+    mosaic = "anonymous_mosaic_gpu_kernel"
+    join = [
+        ("input_reduce_fusion_1", "n...d,d->n.../dot_general", "boundary"),
+        ("loop_divide_fusion", "div", "boundary"),
+        ("loop_reduce_fusion_2", "reduce_precision", "boundary"),
+        ("loop_multiply_fusion", "mul", "boundary"),
+    ]
+    seq = [("loop_gather_fusion", "gather", None, "embed/head"), ("fusion_0", "mul", None, "embed/head")]
+    for L, kind in enumerate(cfg.layer_kinds):
+        if kind.startswith("kda"):
+            attn = [(mosaic, mosaic, "KDA"), ("loop_add_fusion", "add", "KDA"), (mosaic, mosaic, "KDA")]
+            attn += [(mosaic, mosaic, "KDA")]
+        else:
+            attn = [("gemm_fusion_dot_3", "btd,dq->btq/dot_general", "MLA"), ("fusion_4", "reduce_max", "MLA")]
+            attn += [("loop_convert_fusion", "jit(attention)/jit(partials)/convert_element_type", "MLA")]
+            attn += [(mosaic, mosaic, "MLA"), ("fusion_5", "jit(attention)/exp", "MLA")]
+        if kind.endswith("moe"):
+            ffn = [("gemm_fusion_dot_6", "td,de->te/dot_general", "router"), ("fusion_7", "neg", "router")]
+            ffn += [("moe_route_topk_mosaic_gpu_kernel", "moe_route_topk_mosaic_gpu_kernel", "router")]
+            ffn += [("input_scatter_fusion", "scatter", "routed experts")]  # the grouping's, not MLA's
+            ffn += [
+                ("loop_gather_fusion_9", "jit(grouped)/gather", "routed experts"),
+                (mosaic, mosaic, "routed experts"),
+            ]
+            ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
+            ffn += [("gemm_fusion_dot_9", "tl,ld->td/dot_general", "latent")]
+        else:
+            ffn = [
+                ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),
+                ("fusion_10", "convert_element_type", "FFN"),
+            ]
+        seq += [(n, op, L, want) for n, op, want in attn + join + ffn + join]
+    seq += [("loop_select_fusion", "jit(take_along_axis)/select_n", None, "embed/head")]
+    seq += [("gemm_fusion_dot_11", "gemm_fusion_dot_11", None, "embed/head")]
+    kernels = [(n, us(), None if n == op else wrong_layer, op) for n, op, _, _ in seq]
+    return kernels, [L for _, _, L, _ in seq], [w for _, _, _, w in seq]
+
+
+def test_layers_follow_the_launch_order_not_the_kernel_names(rng):
+    """Issue 28: under latency_specialized every kernel landed in layer 3, the running maximum of the layers
+    that reused kernels' names map to. The layers come from the launch order (each sublayer ends in a join),
+    from the live attribution and from a saved JSON's kernel list alike; kind sums add up to the step."""
+    cfg = rs.truncate(preset("k3"), 8)  # kda_dense, kda_moe x2, mla_moe, kda_moe x3, mla_moe
+    kernels, want_layer, want_op = _synthetic_step(rng, cfg, wrong_layer=3)
+    scopes = {rs._norm(n): (L, op) for n, _, L, op in kernels if n != op}
+    for rows in (
+        rs.attribute([(n, us) for n, us, _, _ in kernels], scopes, cfg),
+        rs.assign_layers(
+            [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in kernels], cfg
+        ),
+    ):
+        assert [r["layer"] for r in rows] == want_layer
+        assert rs.decode_ops(rows) == want_op
+        s = rs.summarize(rows, cfg)
+        assert s["layers_from"] == "launch order"
+        assert math.isclose(sum(v["us_total"] for v in s["by_kind"].values()), sum(us for _, us, _, _ in kernels))
+        assert {k: v["layers"] for k, v in s["by_kind"].items() if k != "embed/head"} == dict(Counter(cfg.layer_kinds))
+        n_kda = sum(k.startswith("kda") for k in cfg.layer_kinds)
+        ops = rs.decode_ops(rows)
+        assert (
+            sum(r["name"].startswith("anonymous") for r, op in zip(rows, ops, strict=True) if op == "KDA") == 3 * n_kda
+        )
+
+
+def test_layers_fall_back_to_the_hlo_scopes_when_the_order_does_not_split(rng):
+    """A sequence with a join missing does not split into the config's layers: the HLO running maximum, marked."""
+    cfg = rs.truncate(preset("k3"), 4)
+    kernels, _, _ = _synthetic_step(rng, cfg, wrong_layer=1)
+    cut = max(i for i, k in enumerate(kernels) if k[3] == "reduce_precision")
+    kernels = [k for i, k in enumerate(kernels) if not (cut - 3 <= i <= cut)]  # drop the last join's labels
+    rows = rs.assign_layers(
+        [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in kernels], cfg
+    )
+    assert not rows[0]["segmented"] and rs.summarize(rows, cfg)["layers_from"] == "HLO scopes"
