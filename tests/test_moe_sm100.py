@@ -69,6 +69,22 @@ def test_decode_interpret_is_exact_in_the_natural_k_order():
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+@cpu_only
+@pytest.mark.parametrize("isa", [0, sm100.NATIVE_CVT_PTX])
+def test_decode_lowers_for_cuda_both_ways(isa, monkeypatch):
+    """The inline GPU decode lowers for a B200 with the native e2m1x2 -> bf16x2 convert (ptxas PTX >= 9.2) and with
+    sm90's integer construction (older ptxas; CPU reports none). Run on a Blackwell: neither yet."""
+    monkeypatch.setattr(sm100, "ptxas_isa_version", lambda: isa)
+    sds = jax.ShapeDtypeStruct
+    with abstract_gpu("sm100"):
+        lowered = (
+            jax.jit(lambda c, s: sm100.decode_tiles(c, s))  # a fresh function: traced again, not from jit's cache
+            .trace(sds((256, 32), jnp.uint8), sds((256, 2), jnp.uint8))
+            .lower(lowering_platforms=("cuda",))
+        )
+    assert lowered.as_text().count("mosaic_gpu") >= 1 and lowered.out_info.shape == (256, 64)
+
+
 # --------------------------------------------------------------------------------- the kernels, interpret mode
 @cpu_only
 @pytest.mark.parametrize("T, E, I, L", [(1, 8, 64, 512), (5, 12, 192, 1024), (12, 10, 128, 512)])
@@ -130,10 +146,11 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 @cpu_only
 @pytest.mark.parametrize("I", [192, 384, 3072])
 @pytest.mark.parametrize("T", [1, 8, 64, 512])
-def test_kernels_lower_for_cuda_at_real_shapes(T, I):
+def test_kernels_lower_for_cuda_at_real_shapes(T, I, monkeypatch):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with tuning.json's
-    sm100 launch for T: both Mosaic GPU kernels lower for a B200, the inline decode (native e2m1x2 convert) and
-    the tcgen05 MMAs with them."""
+    sm100 launch for T: both Mosaic GPU kernels lower for a B200, the inline decode and the tcgen05 MMAs with them
+    (the native-convert decode at T = 64, the integer one elsewhere)."""
+    monkeypatch.setattr(sm100, "ptxas_isa_version", lambda: sm100.NATIVE_CVT_PTX if T == 64 else 0)
     sds = jax.ShapeDtypeStruct
     tuning = policy_lib.default_tuning().get("moe")
 

@@ -58,12 +58,25 @@ _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 # ------------------------------------------------------------------------------------------------ the decode
+NATIVE_CVT_PTX = 92  # the PTX ISA (x 10) from which ptxas takes cvt.rn.bf16x2.e2m1x2 (Mosaic GPU's own cutoff)
+
+
+def ptxas_isa_version() -> int:
+    """The PTX ISA version (x 10) of the ptxas Mosaic GPU compiles with; 0 where none is loaded (CPU)."""
+    try:
+        from jax._src.lib import mosaic_gpu as mgpu_lib
+    except ImportError:
+        return 0
+    return 0 if mgpu_lib is None else mgpu_lib._mosaic_gpu_ext._get_ptxas_isa_version()
+
+
 def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int, row0: int):
     """A half [64, 64] bf16 in WGMMA's register layout = rows row0 .. row0 + 63, chunk `chunk` (32 bytes) of
     the codes tile [rows, Kb] uint8 (TMA-tiled (8, sw) and swizzled), decoded in the natural K order; s_lo /
     s_hi: the chunk's two scale groups per row (ROW_LAYOUT uint8). Inline Mosaic GPU: per thread and row two
     16-byte ld.shared, then per register of two weights a shift, a native e2m1x2 -> bf16x2 convert and one
-    bf16x2 multiply by the scale."""
+    bf16x2 multiply by the scale; with a ptxas before PTX 9.2 (no bf16x2 destination for that convert) sm90's
+    integer construction of E2M1 x 2^-126 and two bf16x2 multiplies (by 2^126, by the scale) instead."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, llvm
     from jax.experimental.mosaic import gpu as mgpu
@@ -72,6 +85,7 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int, row0: int):
 
     kb = codes_smem.shape[-1]
     sw = _codes_swizzle(kb)
+    native = ptxas_isa_version() >= NATIVE_CVT_PTX
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(_tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
@@ -103,15 +117,21 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int, row0: int):
                 e = arith.extui(i32, utils.bitcast(s.registers.flat[h], i8))
                 bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, e, c(0)), c(0x40), arith.shli(e, c(7)))
                 scales.append(arith.ori(bits, arith.shli(bits, c(16))))  # 2^(e - 127) in both bf16 halves
-            for g, w in enumerate(words):  # register G = 4q + ...: byte c of word G holds columns 8G + 2c, + 1
-                b16 = arith.trunci(i16, arith.shrui(w, shift))
-                v = utils.inline_ptx(
-                    "{ .reg .b8 p; .reg .b32 r; mov.b16 {p, _}, $1; cvt.rn.bf16x2.e2m1x2 r, p; "
-                    "mul.rn.bf16x2 $0, r, $2; }",
-                    b16,
-                    scales[g // 4],
-                    result_types=i32,
-                )
+            for g, w in enumerate(words):  # register G: byte c of word G holds columns 8G + 2c and 8G + 2c + 1
+                t = arith.shrui(w, shift)
+                if native:
+                    v = utils.inline_ptx(
+                        "{ .reg .b8 p; .reg .b32 r; mov.b16 {p, _}, $1; cvt.rn.bf16x2.e2m1x2 r, p; "
+                        "mul.rn.bf16x2 $0, r, $2; }",
+                        arith.trunci(i16, t),
+                        scales[g // 4],
+                        result_types=i32,
+                    )
+                else:  # sm90's bits: (code & 7) << 6 | sign << 15 is E2M1 x 2^-126 exactly, per half
+                    parts = [(6, 0x1C0), (12, 0x8000), (18, 0x01C00000), (24, 0x80000000)]
+                    v = functools.reduce(arith.ori, [arith.andi(arith.shli(t, c(sh)), c(m)) for sh, m in parts])
+                    v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, c(0x7E807E80), result_types=i32)  # 2^126
+                    v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, scales[g // 4], result_types=i32)
                 idx = [0] * regs.ndim
                 idx[1], idx[4] = g, h
                 regs[tuple(idx)] = utils.bitcast(v, ir.VectorType.get((2,), ir.BF16Type.get()))
