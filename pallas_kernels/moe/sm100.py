@@ -13,13 +13,14 @@ Blackwell here): interpret-tested on CPU and lowered for CUDA under an abstract 
    no TMA view), out y [R, L] bf16 in pair order.
 5. XLA finalize: reference.combine over the pairs back in (token, choice) order.
 
-Each MMA is M = 128 weight rows x N = the group's tokens in a tile (8-64, a multiple of 8; the TMA zero-fills
-past the group) x K = 64: A is the decoded [128, 64] bf16 tile in swizzled SMEM (tcgen05 reads A from SMEM or
-TMEM, never registers), B the x / h tile [N, 64] (K-major, transposed view), the accumulator [128, N] fp32 in
-TMEM. A is double-buffered: the threads decode chunk j + 1 while the tensor core multiplies chunk j; each MMA
-arrives on its buffer's barrier, waited before the buffer is rewritten and at the end of each pipeline step
-(the step's TMA buffers are reused once it returns). The tile's sums come back by tcgen05.ld, through SMEM,
-one [128] row per token to HBM.
+Each MMA is M = 128 weight rows x N = the group's tokens in a tile (16-64, a multiple of 16: tcgen05's N at
+M = 128; rows past the group are other groups' or the TMA's zero fill, never stored) x K = 64: A is the
+decoded [128, 64] bf16 tile in swizzled SMEM (tcgen05 reads A from SMEM or TMEM, never registers), B the
+x / h tile [N, 64] (K-major, transposed view), the accumulator [128, N] fp32 in TMEM. A is double-buffered:
+the threads decode chunk j + 1 while the tensor core multiplies chunk j; each MMA arrives on its buffer's
+barrier, waited before the buffer is rewritten and at the end of each pipeline step (the step's TMA buffers
+are reused once it returns). The tile's sums come back by tcgen05.ld, through SMEM, one [128] row per token
+to HBM.
 
 The decode (GPU): each thread of the warpgroup holds A's WGMMA-layout fragment of one 64-row half (two rows,
 columns 8G + 2c + {0, 1}: the two weights of code byte 4G + c), loads its rows' 32 code bytes with two
@@ -51,6 +52,7 @@ HALF = 64  # rows per decode call (a warpgroup's WGMMA-layout fragment); W1 / W3
 CHUNK = 64  # K elements per MMA: one 128-byte swizzled bf16 row of A, two scale groups
 CHUNK_BYTES = CHUNK // 2
 DOWN_K_BYTES = 256  # the down kernel's K step at most (code bytes a row): TP1's 1536 in 6 steps
+MIN_TOKENS_PER_TILE = 16  # tcgen05's N at M = 128: a multiple of 16 (PTX ISA; Mosaic GPU 0.11.2 also takes 8)
 MAX_TOKENS_PER_TILE = 64
 SMEM_BYTES = 227 * 1024  # sm100's per-CTA maximum (as sm90's)
 COL_LAYOUT = plgpu.Layout.TCGEN05.reduce(1)  # a value per row of a [128, N] tile (tcgen05.ld's layout)
@@ -230,7 +232,7 @@ def _store_columns(mma: Mma, out_smem, out_row, *, tile_first, count, n_tokens, 
 # ------------------------------------------------------------------------------------------------ the launch
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    tokens_per_tile: int  # tcgen05's N: a group's tokens per tile (8..64, a multiple of 8)
+    tokens_per_tile: int  # tcgen05's N: a group's tokens per tile (16..64, a multiple of 16)
     up_steps: int  # pipeline stages in flight in the gate/up kernel
     down_steps: int  # ... in the down kernel
     up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
@@ -320,8 +322,9 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     if L % (ROWS * launch.down_row_blocks):
         raise NotImplementedError(f"latent width {L} is not a multiple of {launch.down_row_blocks} x {ROWS} rows")
     N = launch.tokens_per_tile
-    if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
-        raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
+    lo = MIN_TOKENS_PER_TILE
+    if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
+        raise NotImplementedError(f"tokens_per_tile {N}: tcgen05's N at M = 128, a multiple of {lo} in [{lo}, 64]")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
