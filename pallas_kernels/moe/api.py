@@ -1,6 +1,7 @@
-"""Dispatch for the routed experts of the latent MoE: the Hopper (sm90) kernel where the policy asks for
-kernels and the body takes the call (MXFP4 experts, bf16 activations, shapes it tiles), the XLA reference
-(policy.moe_impl: "packed" or "gather") otherwise; the refusal is logged once and recorded (pallas_kernels.policy).
+"""Dispatch for the routed experts of the latent MoE: the Hopper (sm90) or Blackwell (sm100, GB300 included)
+kernel where the policy asks for kernels and the body takes the call (MXFP4 experts, bf16 activations, shapes it
+tiles), the XLA reference (policy.moe_impl: "packed" or "gather") otherwise; the refusal is logged once and recorded
+(pallas_kernels.policy). Each body launches by its own tuning.json section (body.ARCH).
 """
 
 from pallas_kernels import common
@@ -14,12 +15,16 @@ OP = "moe_routed_experts"
 def _body():
     arch = common.gpu_arch()
     if arch is None:
-        raise NotImplementedError("no GPU device (the routed-experts kernel needs sm90)")
+        raise NotImplementedError("no GPU device (the routed-experts kernel needs sm90 or sm100)")
     if arch[0] == 9:
         from pallas_kernels.moe import sm90
 
         return sm90
-    raise NotImplementedError(f"no routed-experts body for compute capability {arch} (sm90 only so far)")
+    if arch[0] == 10:  # B200 / GB200 (10.0), GB300 (10.3)
+        from pallas_kernels.moe import sm100
+
+        return sm100
+    raise NotImplementedError(f"no routed-experts body for compute capability {arch} (sm90 and sm100 only)")
 
 
 def _check(experts, z_TL, sel_Tk, w_Tk):
@@ -43,7 +48,7 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
     def kernel():
         body = _body()
         tuning = policy.table("moe")
-        least = tuning["sm90"].get("serve_min_tokens", 1)
+        least = tuning[body.ARCH].get("serve_min_tokens", 1)
         if z_TL.shape[0] < least:
             raise NotImplementedError(
                 f"{z_TL.shape[0]} tokens: the kernel is served from {least} (tuning.json serve_min_tokens), "

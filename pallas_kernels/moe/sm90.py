@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 from pallas_kernels.moe import grouping, mxfp4, reference
 
+ARCH = "sm90"  # its tuning.json section
 F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
 ROWS = 64  # WGMMA's M: weight rows per tile
 CHUNK = 64  # K elements per decoded A chunk: 32 code bytes, two scale groups, four k16 WGMMAs
