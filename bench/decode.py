@@ -16,7 +16,8 @@ Two modes:
 Writes decode_<tag>.json / .md / .png into --out with machine, jax version, config and date.
   CPU smoke:  python bench/decode.py --preset demo --batches 1,2 --input-len 8 --output-len 3 --out /tmp/d
   speculative: python bench/decode.py --preset demo --speculative synthetic --acceptance-length 6 --num-draft 7
-  report:     python bench/decode.py --rank-slice bench/results/rank_slice_packed.json --out bench/results
+  report:     python bench/decode.py --rank-slice bench/results/rank_slice_kernels.json --tag rank_slice_kernels \
+                --out bench/results
 """
 
 from __future__ import annotations

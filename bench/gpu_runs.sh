@@ -8,8 +8,8 @@
 #   gpu_tests    nvidia-h200      every one-GPU test (pytest -m "gpu and not gpu2", 8 xdist workers, ~4.5 min)
 #   gpu2_tests   nvidia-h200-x2   every 2-GPU test: collectives, fused projection, the TP2 model vs XLA (~4 min)
 #   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
-#   rank_slice   nvidia-h200      the TP16 rank slice, 24 layers, B 1 and 64, both backends, and its decode report
-#                                 -> rank_slice_packed.*, decode_rank_slice.*
+#   rank_slice   nvidia-h200      the TP16 rank slice, 12 layers, B 1 and 64, both backends (~4 min), and its decode
+#                                 report -> rank_slice_kernels.*, decode_rank_slice_kernels.*
 #   decode       nvidia-h200      the engine on 4 real-width layers, B 1 and 8 -> decode_k3_4layers_auto_tp1.*
 #   kda_decode   nvidia-h200      the KDA decode table, fla's numbers reused from results -> kda_decode.*
 #   kda_cold     nvidia-h200      the KDA decode with a cold L2 -> kda_decode_cold.json
@@ -51,9 +51,9 @@ case "${1:-}" in
     ;;
   rank_slice)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95  # the rank slice's weights fill most of the H200
-    step rank_slice 520 python3 bench/rank_slice.py --layers 24 --batches 1,64 \
-      --backends xla,latency_specialized --out "$work" --tag _packed
-    step decode_report 60 env JAX_PLATFORMS=cpu python3 bench/decode.py --rank-slice "$work/rank_slice_packed.json" \
+    step rank_slice 400 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
+      --backends xla,latency_specialized --out "$work" --tag _kernels
+    step decode_report 60 env JAX_PLATFORMS=cpu python3 bench/decode.py --rank-slice "$work/rank_slice_kernels.json" --tag rank_slice_kernels \
       --out "$work"
     ;;
   decode)
