@@ -41,9 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
-from pallas_kernels.moe import grouping, mxfp4, reference
-from pallas_kernels.moe.sm90 import ROW_LAYOUT, UP_BLOCK, _codes_swizzle, _load_row, _swizzle, _tiled
+from pallas_kernels.moe import bodies, grouping, mxfp4, reference
+from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
 ARCH = "sm100"
 F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
@@ -86,11 +85,11 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int, row0: int):
     from jax.experimental.mosaic.gpu import utils
 
     kb = codes_smem.shape[-1]
-    sw = _codes_swizzle(kb)
+    sw = bodies.codes_swizzle(kb)
     native = ptxas_isa_version() >= NATIVE_CVT_PTX
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(_tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
+        arg_types=(plgpu.RefType(tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
         return_type=plgpu.ShapeDtypeStruct((HALF, CHUNK), BF16, layout=plgpu.Layout.WGMMA),
     )
     def decode(ctx, ref, lo, hi):
@@ -166,10 +165,10 @@ def decode_tiles(codes_R32, scales_R2, *, interpret=None):
     def body(codes_ref, scales_ref, out_ref):
         def step(idx, codes):
             rows = pl.ds(idx[0] * HALF, HALF)
-            lo, hi = (_load_row(scales_ref.at[rows, g]) for g in (0, 1))
+            lo, hi = (load_row(scales_ref.at[rows, g]) for g in (0, 1))
             out_ref[rows, :] = decode(codes, lo, hi, chunk=0, row0=0)
 
-        spec = plgpu.BlockSpec((HALF, CHUNK_BYTES), lambda r: (r, 0), transforms=_tiled(CHUNK_BYTES, 1))
+        spec = plgpu.BlockSpec((HALF, CHUNK_BYTES), lambda r: (r, 0), transforms=tiled(CHUNK_BYTES, 1))
         plgpu.emit_pipeline(step, grid=(R // HALF,), max_concurrent_steps=2, in_specs=[spec])(codes_ref)
 
     kernel = plgpu.kernel(
@@ -230,31 +229,8 @@ def _store_columns(mma: Mma, out_smem, out_row, *, tile_first, count, n_tokens, 
 
 
 # ------------------------------------------------------------------------------------------------ the launch
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    tokens_per_tile: int  # tcgen05's N: a group's tokens per tile (16..64, a multiple of 16)
-    up_steps: int  # pipeline stages in flight in the gate/up kernel
-    down_steps: int  # ... in the down kernel
-    up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
-    down_row_blocks: int = 1  # 128-row blocks of W2 one down CTA streams (a divisor of L / 128)
-
-
 def pick_launch(tuning: dict, T: int) -> Launch:
-    """tuning.json's sm100 launch for T tokens: the first entry whose max_tokens covers T."""
-    entries = tuning[ARCH]["launch"]
-    entry = next((e for e in entries if T <= e["max_tokens"]), None)
-    if entry is None:
-        raise NotImplementedError(
-            f"T = {T} tokens: no sm100 routed-experts launch in tuning.json (it serves up to "
-            f"{entries[-1]['max_tokens']})"
-        )
-    fields = {f.name for f in dataclasses.fields(Launch)}
-    return Launch(**{k: v for k, v in entry.items() if k in fields})
-
-
-def _shapes(experts):
-    E, I, L2 = experts["w1_codes"].shape
-    return E, I, 2 * L2
+    return bodies.pick_launch(tuning, ARCH, T)
 
 
 def down_k_bytes(I: int) -> int:
@@ -300,27 +276,8 @@ def smem_bytes(launch: Launch, I: int, L: int) -> tuple[int, int]:
 
 def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
-    if "w1_codes" not in experts:
-        raise NotImplementedError("dense (bf16) experts: the kernel reads MXFP4 codes + scales")
-    if z_TL.dtype != BF16:
-        raise NotImplementedError(f"z is {z_TL.dtype}: the kernel takes bf16 activations (a bf16 tcgen05 MMA)")
-    E, I, L = _shapes(experts)
-    T, k = sel_Tk.shape
-    if T == 0:
-        raise NotImplementedError("no tokens")
-    if z_TL.shape != (T, L):
-        raise NotImplementedError(f"z {list(z_TL.shape)} does not match the experts' latent width {L}")
-    for name, shape in (("w3", (E, I, L // 2)), ("w2", (E, L, I // 2))):
-        if experts[name + "_codes"].shape != shape:
-            raise NotImplementedError(f"{name}_codes {experts[name + '_codes'].shape}: expected {shape}")
-    if (L // 2) % UP_BLOCK:
-        raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
-    if ((L // 2) // UP_BLOCK) % launch.up_splits:
-        raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
-    if I % HALF:
-        raise NotImplementedError(f"intermediate {I}: W1 / W3 stream in 64-row blocks, W2 in 64-element K chunks")
-    if L % (ROWS * launch.down_row_blocks):
-        raise NotImplementedError(f"latent width {L} is not a multiple of {launch.down_row_blocks} x {ROWS} rows")
+    bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
+    _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE
     if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
@@ -334,7 +291,7 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch):
 def _scratch(N: int):
     return [
         plgpu.TMEM((ROWS, N), F32),
-        plgpu.SMEM((2, ROWS, CHUNK), BF16, transforms=_tiled(128)),
+        plgpu.SMEM((2, ROWS, CHUNK), BF16, transforms=tiled(128)),
         plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
         plgpu.SMEM((ROWS, N), F32),
     ]
@@ -357,13 +314,13 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, 
             row0 = start + tile * n_tokens
 
             def step(idx, c1, c3, s1, s3, x):
-                rows = [[_load_row(sc.at[:, g]) for g in range(UP_BLOCK // 16)] for sc in (s1, s3)]
+                rows = [[load_row(sc.at[:, g]) for g in range(UP_BLOCK // 16)] for sc in (s1, s3)]
                 _mma_step(mma, [(c1, 0, rows[0]), (c3, 0, rows[1])], x, first=idx[0] == 0, decode=decode)
 
-            w_spec = plgpu.BlockSpec((HALF, UP_BLOCK), lambda k: (b, k0 + k), transforms=_tiled(128, 1))
+            w_spec = plgpu.BlockSpec((HALF, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
             s_spec = plgpu.BlockSpec((HALF, UP_BLOCK // 16), lambda k: (b, k0 + k))
             x_spec = plgpu.BlockSpec(
-                (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=_tiled(128)
+                (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=tiled(128)
             )
             plgpu.emit_pipeline(
                 step,
@@ -405,7 +362,7 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *
                 # ld.global of the step's scale rows (both halves), all issued before the first decode needs one
                 groups = [ks * (kb // 16) + g for g in range(kb // 16)]
                 halves = [
-                    (codes, HALF * i, [_load_row(w2s.at[e, pl.ds(first + HALF * i, HALF), g]) for g in groups])
+                    (codes, HALF * i, [load_row(w2s.at[e, pl.ds(first + HALF * i, HALF), g]) for g in groups])
                     for i in range(2)
                 ]
                 _mma_step(mma, halves, h, first=ks == 0, decode=decode)
@@ -423,10 +380,10 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *
                     )
 
             w_spec = plgpu.BlockSpec(
-                (ROWS, kb), lambda i, k: (r * row_blocks + i, k), transforms=_tiled(_codes_swizzle(kb), 1)
+                (ROWS, kb), lambda i, k: (r * row_blocks + i, k), transforms=tiled(bodies.codes_swizzle(kb), 1)
             )
             x_spec = plgpu.BlockSpec(
-                (pl.Element(n_tokens), 2 * kb), lambda i, k: (row0, k), transforms=_tiled(_swizzle(2 * kb))
+                (pl.Element(n_tokens), 2 * kb), lambda i, k: (row0, k), transforms=tiled(bodies.x_swizzle(2 * kb))
             )
             plgpu.emit_pipeline(step, grid=(row_blocks, n_k), max_concurrent_steps=steps, in_specs=[w_spec, x_spec])(
                 w2c.at[e], h_ref
@@ -435,7 +392,7 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *
 
 def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None):
     """The gate/up kernel -> the fp32 partial sums [splits, R, 2 I] (per 64-row block: its W1 x, then W3 x)."""
-    E, I, L = _shapes(experts)
+    E, I, L = expert_shapes(experts)
     S, R = slots_3S.shape[1], x_RL.shape[0]
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
@@ -452,7 +409,7 @@ def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None):
 
 def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=None):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
-    E, I, L = _shapes(experts)
+    E, I, L = expert_shapes(experts)
     S, R = slots_3S.shape[1], h_RI.shape[0]
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
@@ -481,11 +438,8 @@ def gate_up_sums(part):
 
 
 def glu(part, *, situ_beta, situ_linear_beta):
-    """The gate/up partials -> h [R, I] bf16 (the down kernel's N side): the spec's bf16 rounding of each GEMM,
-    SiTU-GLU in fp32, rounded once (common.situ_glu)."""
-    # reduce_precision, not an astype pair: XLA:GPU's excess-precision rewrite removes f32 -> bf16 -> f32
-    g, u = (lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) for a in gate_up_sums(part))
-    return common.situ_glu(g, u, situ_beta, situ_linear_beta).astype(BF16)
+    """The gate/up partials -> h [R, I] bf16 (the down kernel's N side, natural order)."""
+    return bodies.glu(*gate_up_sums(part), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")

@@ -33,7 +33,6 @@ moves and the bf16x2 multiplies Pallas cannot express); interpret mode, which ca
 A, decodes the same tile with mxfp4.e2m1_bf16 into a swizzled SMEM tile (a_in_smem), in the same K order.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -43,18 +42,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
-from pallas_kernels.moe import grouping, mxfp4, reference
+from pallas_kernels.moe import bodies, grouping, mxfp4, reference
+from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
 ARCH = "sm90"  # its tuning.json section
 F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
 ROWS = 64  # WGMMA's M: weight rows per tile
 CHUNK = 64  # K elements per decoded A chunk: 32 code bytes, two scale groups, four k16 WGMMAs
 CHUNK_BYTES = CHUNK // 2
-UP_BLOCK = 256  # codes bytes per K step of W1/W3: its scale tile [64, 16] is the TMA's 16-byte minimum
 MAX_TOKENS_PER_TILE = 64
 SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
-ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a value per accumulator row
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
@@ -80,24 +77,6 @@ def permute_k(x):
 
 
 # ------------------------------------------------------------------------------------------------ the decode
-def _swizzle(k_elems: int) -> int:
-    """The widest swizzle (bytes) whose bf16 row (swizzle / 2 elements) divides k: the x tiles' layout."""
-    for sw in (128, 64, 32):
-        if k_elems % (sw // 2) == 0:
-            return sw
-    raise NotImplementedError(f"K = {k_elems} elements is not a multiple of 16")
-
-
-def _codes_swizzle(k_bytes: int) -> int:
-    """The widest swizzle whose row divides a codes tile's k_bytes (96 -> 32, 192 -> 64, 256 -> 128)."""
-    for sw in (128, 64, 32):
-        if k_bytes % sw == 0:
-            return sw
-    raise NotImplementedError(f"a codes tile of {k_bytes} bytes per row is not a multiple of 32")
-
-
-def _tiled(sw: int, elem_bytes: int = 2):
-    return (plgpu.TilingTransform((8, sw // elem_bytes)), plgpu.SwizzleTransform(sw))
 
 
 def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
@@ -112,10 +91,10 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
     from jax.experimental.mosaic.gpu import utils
 
     kb = codes_smem.shape[-1]
-    sw = _codes_swizzle(kb)
+    sw = bodies.codes_swizzle(kb)
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(_tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
+        arg_types=(plgpu.RefType(tiled(sw, 1)), ROW_LAYOUT, ROW_LAYOUT),
         return_type=plgpu.ShapeDtypeStruct((ROWS, CHUNK), BF16, layout=plgpu.Layout.WGMMA),
     )
     def decode(ctx, ref, lo, hi):
@@ -181,11 +160,11 @@ def decode_tiles(codes_R32, scales_R2, *, interpret=None):
     def body(codes_ref, scales_ref, out_ref):
         def step(idx, codes):
             rows = pl.ds(idx[0] * ROWS, ROWS)
-            lo, hi = (_load_row(scales_ref.at[rows, g]) for g in (0, 1))
+            lo, hi = (load_row(scales_ref.at[rows, g]) for g in (0, 1))
             decode = _decode_gpu if interpret is None else _decode_interpret
             out_ref[rows, :] = decode(codes, lo, hi, chunk=0)
 
-        spec = plgpu.BlockSpec((ROWS, CHUNK_BYTES), lambda r: (r, 0), transforms=_tiled(CHUNK_BYTES, 1))
+        spec = plgpu.BlockSpec((ROWS, CHUNK_BYTES), lambda r: (r, 0), transforms=tiled(CHUNK_BYTES, 1))
         plgpu.emit_pipeline(step, grid=(R // ROWS,), max_concurrent_steps=2, in_specs=[spec])(codes_ref)
 
     kernel = plgpu.kernel(
@@ -212,35 +191,8 @@ def _mma_tile(acc_ref, codes_smem, scale_rows, x_smem, a_smem):
 
 
 # ------------------------------------------------------------------------------------------------ the launch
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    tokens_per_tile: int  # WGMMA's N: a group's tokens per tile (8..64, a multiple of 8)
-    up_steps: int  # pipeline stages in flight in the gate/up kernel
-    down_steps: int  # ... in the down kernel (its K steps: 1 at TP16 / TP8)
-    up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
-    down_row_blocks: int = 1  # 64-row blocks of W2 one down CTA streams (a divisor of L / 64)
-
-
 def pick_launch(tuning: dict, T: int) -> Launch:
-    """tuning.json's sm90 launch for T tokens: the first entry whose max_tokens covers T."""
-    entries = tuning["sm90"]["launch"]
-    entry = next((e for e in entries if T <= e["max_tokens"]), None)
-    if entry is None:
-        raise NotImplementedError(
-            f"T = {T} tokens: no routed-experts launch in tuning.json (it serves up to {entries[-1]['max_tokens']})"
-        )
-    return Launch(
-        entry["tokens_per_tile"],
-        entry["up_steps"],
-        entry["down_steps"],
-        entry.get("up_splits", 1),
-        entry.get("down_row_blocks", 1),
-    )
-
-
-def _shapes(experts):
-    E, I, L2 = experts["w1_codes"].shape
-    return E, I, 2 * L2
+    return bodies.pick_launch(tuning, ARCH, T)
 
 
 def smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> tuple[int, int]:
@@ -267,27 +219,8 @@ def down_stages(launch: Launch, I: int, other_bytes: int) -> int:
 
 def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = False):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
-    if "w1_codes" not in experts:
-        raise NotImplementedError("dense (bf16) experts: the kernel reads MXFP4 codes + scales")
-    if z_TL.dtype != BF16:
-        raise NotImplementedError(f"z is {z_TL.dtype}: the kernel takes bf16 activations (WGMMA's A from registers)")
-    E, I, L = _shapes(experts)
-    T, k = sel_Tk.shape
-    if T == 0:
-        raise NotImplementedError("no tokens")
-    if z_TL.shape != (T, L):
-        raise NotImplementedError(f"z {list(z_TL.shape)} does not match the experts' latent width {L}")
-    for name, shape in (("w3", (E, I, L // 2)), ("w2", (E, L, I // 2))):
-        if experts[name + "_codes"].shape != shape:
-            raise NotImplementedError(f"{name}_codes {experts[name + '_codes'].shape}: expected {shape}")
-    if (L // 2) % UP_BLOCK:
-        raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
-    if ((L // 2) // UP_BLOCK) % launch.up_splits:
-        raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
-    if I % ROWS:
-        raise NotImplementedError(f"intermediate {I}: W1 / W3 stream in 64-row blocks, W2 in 64-element K chunks")
-    if L % (ROWS * launch.down_row_blocks):
-        raise NotImplementedError(f"latent width {L} is not a multiple of {launch.down_row_blocks} x {ROWS} rows")
+    bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
+    _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
@@ -297,8 +230,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
-def _load_row(ref):
-    return plgpu.load(ref, layout=ROW_LAYOUT, optimized=False)
 
 
 def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
@@ -312,7 +243,7 @@ def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
         @pl.when(tile_first + t < count)
         def _(t=t):  # traced here and now: the default only tells the linter so
             dst = out_row(t)
-            dst[...] = _load_row(out_smem.at[:, t]).astype(dst.dtype)
+            dst[...] = load_row(out_smem.at[:, t]).astype(dst.dtype)
 
 
 def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps):
@@ -334,13 +265,13 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
             def scope(acc1, acc3):
                 def step(_, c1, c3, s1, s3, x):
                     for acc, codes, scales in ((acc1, c1, s1), (acc3, c3, s3)):
-                        rows = [_load_row(scales.at[:, g]) for g in range(UP_BLOCK // 16)]
+                        rows = [load_row(scales.at[:, g]) for g in range(UP_BLOCK // 16)]
                         _mma_tile(acc, codes, rows, x, a_smem)
 
-                w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=_tiled(128, 1))
+                w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
                 s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
                 x_spec = plgpu.BlockSpec(
-                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=_tiled(128)
+                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=tiled(128)
                 )
                 plgpu.emit_pipeline(
                     step,
@@ -377,7 +308,7 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
             def step(idx, codes, h):
                 rows = pl.ds((r * row_blocks + idx[0]) * ROWS, ROWS)
                 # ld.global of the block's scale rows, all issued before the first decode needs one
-                srows = [_load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
+                srows = [load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
 
                 def mma(acc):
                     _mma_tile(acc, codes, srows, h, a_smem)
@@ -396,10 +327,10 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                 )
 
             w_spec = plgpu.BlockSpec(
-                (ROWS, block), lambda i: (r * row_blocks + i, 0), transforms=_tiled(_codes_swizzle(block), 1)
+                (ROWS, block), lambda i: (r * row_blocks + i, 0), transforms=tiled(bodies.codes_swizzle(block), 1)
             )
             x_spec = plgpu.BlockSpec(
-                (pl.Element(n_tokens), 2 * block), lambda i: (row0, 0), transforms=_tiled(_swizzle(2 * block))
+                (pl.Element(n_tokens), 2 * block), lambda i: (row0, 0), transforms=tiled(bodies.x_swizzle(2 * block))
             )
             plgpu.emit_pipeline(
                 step, grid=(row_blocks,), max_concurrent_steps=min(steps, row_blocks), in_specs=[w_spec, x_spec]
@@ -407,12 +338,12 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
 
 
 def _a_scratch():
-    return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=_tiled(128))]
+    return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
 
 def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None, a_in_smem=False):
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), R, I] of W1 x and W3 x per row."""
-    E, I, L = _shapes(experts)
+    E, I, L = expert_shapes(experts)
     S, R = slots_3S.shape[1], x_RL.shape[0]
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
@@ -429,7 +360,7 @@ def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None, a_in_sme
 
 def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=None, a_in_smem=False):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
-    E, I, L = _shapes(experts)
+    E, I, L = expert_shapes(experts)
     S, R = slots_3S.shape[1], h_RI.shape[0]
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
@@ -455,12 +386,9 @@ def pair_inputs(z_TL, groups: grouping.Groups):
 
 
 def glu(part, *, situ_beta, situ_linear_beta):
-    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side): the spec's
-    bf16 rounding of each GEMM, SiTU-GLU in fp32, rounded once (common.situ_glu)."""
+    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side)."""
     g, u = jnp.sum(part, axis=0)
-    # reduce_precision, not an astype pair: XLA:GPU's excess-precision rewrite removes f32 -> bf16 -> f32
-    g, u = (lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) for a in (g, u))
-    return permute_k(common.situ_glu(g, u, situ_beta, situ_linear_beta).astype(BF16))
+    return permute_k(bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta))
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")

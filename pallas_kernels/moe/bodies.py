@@ -1,0 +1,103 @@
+"""What the sm90 and sm100 bodies of the routed experts share: the launch (read from each body's tuning.json
+section), the checks that do not depend on the MMA, the swizzled tile layouts, the per-row scale loads and the
+GLU between the two kernels."""
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+UP_BLOCK = 256  # codes bytes per K step of W1/W3: its scale tile [64, 16] is the TMA's 16-byte minimum
+W1_ROWS = 64  # W1 / W3 rows per gate/up tile (sm100 stacks W1's over W3's into its 128-row MMA)
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a 64-row WGMMA-layout fragment
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    tokens_per_tile: int  # the MMA's N: a group's tokens per tile (sm90: 8..64 in 8s; sm100: 16..64 in 16s)
+    up_steps: int  # pipeline stages in flight in the gate/up kernel
+    down_steps: int  # ... in the down kernel
+    up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
+    down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
+
+
+def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
+    """tuning.json's `arch` launch for T tokens: the first entry whose max_tokens covers T."""
+    entries = tuning[arch]["launch"]
+    entry = next((e for e in entries if T <= e["max_tokens"]), None)
+    if entry is None:
+        raise NotImplementedError(
+            f"T = {T} tokens: no {arch} routed-experts launch in tuning.json (it serves up to "
+            f"{entries[-1]['max_tokens']})"
+        )
+    fields = {f.name for f in dataclasses.fields(Launch)}
+    return Launch(**{k: v for k, v in entry.items() if k in fields})
+
+
+def expert_shapes(experts):
+    """(E, I, L) of MXFP4 experts: w1 codes [E, I, L/2]."""
+    E, I, L2 = experts["w1_codes"].shape
+    return E, I, 2 * L2
+
+
+def check_shapes(experts, z_TL, sel_Tk, launch: Launch, *, down_rows: int):
+    """NotImplementedError for inputs neither body takes: dense experts, non-bf16 activations, shapes that do not
+    match, a latent width the K steps, the K split or the W2 row blocks of down_rows do not tile."""
+    if "w1_codes" not in experts:
+        raise NotImplementedError("dense (bf16) experts: the kernel reads MXFP4 codes + scales")
+    if z_TL.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"z is {z_TL.dtype}: the kernels take bf16 activations (bf16 MMAs)")
+    E, I, L = expert_shapes(experts)
+    T, k = sel_Tk.shape
+    if T == 0:
+        raise NotImplementedError("no tokens")
+    if z_TL.shape != (T, L):
+        raise NotImplementedError(f"z {list(z_TL.shape)} does not match the experts' latent width {L}")
+    for name, shape in (("w3", (E, I, L // 2)), ("w2", (E, L, I // 2))):
+        if experts[name + "_codes"].shape != shape:
+            raise NotImplementedError(f"{name}_codes {experts[name + '_codes'].shape}: expected {shape}")
+    if (L // 2) % UP_BLOCK:
+        raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
+    if ((L // 2) // UP_BLOCK) % launch.up_splits:
+        raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
+    if I % W1_ROWS:
+        raise NotImplementedError(f"intermediate {I}: W1 / W3 stream in 64-row blocks, W2 in 64-element K chunks")
+    if L % (down_rows * launch.down_row_blocks):
+        raise NotImplementedError(f"latent width {L} is not a multiple of {launch.down_row_blocks} x {down_rows} rows")
+
+
+def x_swizzle(k_elems: int) -> int:
+    """The widest swizzle (bytes) whose bf16 row (swizzle / 2 elements) divides k: the x tiles' layout."""
+    for sw in (128, 64, 32):
+        if k_elems % (sw // 2) == 0:
+            return sw
+    raise NotImplementedError(f"K = {k_elems} elements is not a multiple of 16")
+
+
+def codes_swizzle(k_bytes: int) -> int:
+    """The widest swizzle whose row divides a codes tile's k_bytes (96 -> 32, 192 -> 64, 256 -> 128)."""
+    for sw in (128, 64, 32):
+        if k_bytes % sw == 0:
+            return sw
+    raise NotImplementedError(f"a codes tile of {k_bytes} bytes per row is not a multiple of 32")
+
+
+def tiled(sw: int, elem_bytes: int = 2):
+    """The TMA-tiled, swizzled SMEM layout of rows of sw bytes."""
+    return (plgpu.TilingTransform((8, sw // elem_bytes)), plgpu.SwizzleTransform(sw))
+
+
+def load_row(ref):
+    """A [64] column (a value per row) in ROW_LAYOUT: a scale group of a row block, or a token's outputs."""
+    return plgpu.load(ref, layout=ROW_LAYOUT, optimized=False)
+
+
+def glu(g, u, *, situ_beta, situ_linear_beta):
+    """W1 x and W3 x (fp32) -> h in bf16: the spec's bf16 rounding of each GEMM, SiTU-GLU in fp32, rounded once
+    (common.situ_glu). reduce_precision, not an astype pair: XLA:GPU's excess-precision rewrite removes
+    f32 -> bf16 -> f32."""
+    g, u = (lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) for a in (g, u))
+    return common.situ_glu(g, u, situ_beta, situ_linear_beta).astype(jnp.bfloat16)
