@@ -1,6 +1,7 @@
 """Shared pieces of the routed-experts tests: random MXFP4 experts with the extreme codes and scales, routings
 with shared and unchosen experts, and float64 NumPy oracles written from docs/model.md §3 / §6 / §7.2."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import np_reference as ref
@@ -78,3 +79,66 @@ def oracle(np_ex, z, sel, w, rounded):
             y[t] += float(w[t, j]) * rnd(W2 @ h)
             scale[t] += float(w[t, j]) * (np.abs(W2) @ np.abs(h))
     return (rnd(y) if rounded else y), scale
+
+
+def interpret_params():
+    """Interpret mode with the race detector on."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def races_found():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return get_races().races_found
+
+
+def abstract_experts(E, I, L):
+    """MXFP4 experts as ShapeDtypeStructs (what lowering and the refusals need)."""
+    sds = jax.ShapeDtypeStruct
+    ex = {}
+    for name, (out, inp) in dict(w1=(I, L), w3=(I, L), w2=(L, I)).items():
+        ex[name + "_codes"] = sds((E, out, inp // 2), jnp.uint8)
+        ex[name + "_scales"] = sds((E, out, inp // 32), jnp.uint8)
+    return ex
+
+
+def inputs(r, T, E, I, L, k=4):
+    """Random experts, z [T, L] bf16 and a routing (with a shared expert from T = 2 on)."""
+    np_ex, ex = make_experts(r, E, I, L)
+    z = jnp.asarray(r.standard_normal((T, L)), jnp.bfloat16)
+    sel, w = make_routing(r, T, k, E, everyone=T > 1)
+    return np_ex, ex, z, sel, w
+
+
+def check_against_reference_and_numpy(got, reference_out, np_ex, z, sel, w):
+    """A kernel's bf16 y [T, L] against the XLA reference's (the same rounding points: within 2^-6 of the
+    element's scale sum_k w |W2| |h|) and against float64 NumPy (no less accurate than the reference)."""
+    got, want = np.asarray(got, np.float64), np.asarray(reference_out, np.float64)
+    exact, scale = oracle(np_ex, z, sel, w, rounded=False)
+    assert np.all(np.abs(got - want) <= 2**-6 * scale), np.max(np.abs(got - want) / scale)
+    err_kernel, err_ref = (np.mean(np.abs(a - exact) / scale) for a in (got, want))
+    assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
+
+
+def check_sums(np_ex, z, sel, groups, g_RI, u_RI, h_RI, y_RL, k):
+    """Each (token, expert) pair's W1 z and W3 z (g, u: the gate/up partials summed), h = SiTU-GLU of their bf16
+    roundings (natural order) and W2 h (the down kernel's fp32 out) against float64: the GEMMs within 1e-5 of
+    the element's scale sum |W| |x|; h within one bf16 ulp (<= 2^-7 |h|: XLA's fp32 tanh / logistic before the
+    rounding against NumPy's; 11.8125 vs 11.875 on the H200), values below fp32's normal range aside (a
+    sigmoid(g) that a device flushes to 0 moves h by at most beta1 * 2^-126 * |u|, since
+    |SiTU(g)| <= beta1 * sigmoid(g) and |cap(u)| <= |u| there)."""
+    g_all, u_all, h, y = (np.asarray(a, np.float64) for a in (g_RI, u_RI, h_RI, y_RL))
+    z64 = np.asarray(z, np.float64)
+    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
+        t, e = pair // k, sel[pair // k, pair % k]
+        for got, name in ((g_all[pos], "w1"), (u_all[pos], "w3")):
+            W = dequant(np_ex, name, e)
+            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
+        g, u = g_all[pos], u_all[pos]
+        h_want = bf16(situ_glu(bf16(g), bf16(u)))
+        bad = np.abs(h[pos] - h_want) > 2**-7 * np.abs(h_want) + 2.0**-126 * (1 + BETA1 * np.abs(u))
+        assert not np.any(bad), (pos, h[pos][bad], h_want[bad], g[bad], u[bad])
+        W2 = dequant(np_ex, "w2", e)
+        assert np.all(np.abs(y[pos] - W2 @ h[pos]) <= 1e-5 * (np.abs(W2) @ np.abs(h[pos]))), pos

@@ -10,7 +10,18 @@ import np_reference as ref
 import numpy as np
 import pytest
 from kernel_testbase import abstract_gpu, cpu_only, gpu_only, one_heavy_gpu_test_at_a_time, rng  # noqa: F401
-from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle, situ_glu
+from moe_testbase import (
+    BETA1,
+    BETA2,
+    abstract_experts,
+    check_against_reference_and_numpy,
+    check_sums,
+    inputs,
+    interpret_params,
+    make_experts,
+    make_routing,
+    races_found,
+)
 
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.moe import api, grouping, mxfp4, reference, sm90
@@ -18,18 +29,6 @@ from pallas_kernels.moe import api, grouping, mxfp4, reference, sm90
 BETA = dict(situ_beta=BETA1, situ_linear_beta=BETA2)
 LAUNCH = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2)
 TUNING = {"sm90": {"launch": [{"max_tokens": 512, "tokens_per_tile": 8, "up_steps": 2, "down_steps": 2}]}}
-
-
-def _interpret():
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.InterpretGPUParams(detect_races=True)
-
-
-def _races_found():
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    return get_races().races_found
 
 
 # ------------------------------------------------------------------------------------------------ the decode
@@ -87,7 +86,7 @@ def test_kernel_decode_interpret_matches_numpy_in_k_order():
     2..252 bit for bit the float64 oracle's value, in K_ORDER, -0 kept."""
     codes, scales, want = _decode_case(range(2, 253, 10))
     with abstract_gpu("sm90"):
-        got = np.asarray(sm90.decode_tiles(codes, scales, interpret=_interpret()), np.float64)
+        got = np.asarray(sm90.decode_tiles(codes, scales, interpret=interpret_params()), np.float64)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
@@ -133,13 +132,6 @@ def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
 
 
 # --------------------------------------------------------------------------------- the kernels, interpret mode
-def _inputs(r, T, E, I, L, k=4):
-    np_ex, ex = make_experts(r, E, I, L)
-    z = jnp.asarray(r.standard_normal((T, L)), jnp.bfloat16)
-    sel, w = make_routing(r, T, k, E, everyone=T > 1)
-    return np_ex, ex, z, sel, w
-
-
 @cpu_only
 @pytest.mark.parametrize("T, E, I, L", [(1, 8, 64, 512), (5, 12, 192, 1024), (12, 10, 128, 512)])
 def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
@@ -148,46 +140,23 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
     accurate than the reference). I = 64 / 192: W1 / W3 row blocks past I/2 (the TMA's zero fill); T = 12 with
     one expert every token chose: a group of 12 in tiles of 8; 3 experts nobody chose."""
     r = rng()
-    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L)
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L)
     with abstract_gpu("sm90"):
         got = sm90.routed_experts(
-            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=TUNING, interpret=_interpret()
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=TUNING, interpret=interpret_params()
         )
-    assert not _races_found()
+    assert not races_found()
     assert got.dtype == jnp.bfloat16 and got.shape == (T, L)
-    got = np.asarray(got, np.float64)
-    want = np.asarray(reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA), np.float64)
-    exact, scale = oracle(np_ex, z, sel, w, rounded=False)
-    assert np.all(np.abs(got - want) <= 2**-6 * scale), np.max(np.abs(got - want) / scale)
-    err_kernel, err_ref = (np.mean(np.abs(a - exact) / scale) for a in (got, want))
-    assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
 
 
-def _check_sums(np_ex, z, sel, groups, part, h, y, I, k):
-    """Each (token, expert) pair's W1 z and W3 z (the gate/up partials summed), h = SiTU-GLU of their bf16
-    roundings (in K_ORDER) and W2 h (the down kernel's fp32 out) against float64: the GEMMs within 1e-5 of the
-    element's scale sum |W| |x|."""
-    gu, h, y = (np.asarray(a, np.float64) for a in (part.sum(0), h, y))
-    z64 = np.asarray(z, np.float64)
+def _check_sums(np_ex, z, sel, groups, part, h_RI, y, k):
+    """moe_testbase.check_sums on sm90's outputs: the partials [splits, 2, R, I] summed, h back from K_ORDER."""
     unorder = np.argsort(sm90.K_ORDER)
-    natural = lambda a: a.reshape(-1, sm90.CHUNK)[:, unorder].reshape(-1)  # noqa: E731  (K_ORDER -> natural)
-    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
-        t, e = pair // k, sel[pair // k, pair % k]
-        for which, name in enumerate(("w1", "w3")):
-            W = dequant(np_ex, name, e)
-            assert np.all(np.abs(gu[which, pos] - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
-        g, u = gu[0, pos], gu[1, pos]
-        h_pair = natural(h[pos])
-        h_want = bf16(situ_glu(bf16(g), bf16(u)))
-        # 1 bf16 ulp (<= 2^-7 |h|: XLA's fp32 tanh / logistic before the rounding against NumPy's; 11.8125 vs
-        # 11.875 on the H200), values below fp32's normal range aside (e^g of a very negative gate: CPU and GPU
-        # flush those)
-        # (+ a sigmoid(g) below fp32's normal range that a device flushes to 0 moves h by at most
-        # beta1 * 2^-126 * |u|, since |SiTU(g)| <= beta1 * sigmoid(g) and |cap(u)| <= |u| there)
-        bad = np.abs(h_pair - h_want) > 2**-7 * np.abs(h_want) + 2.0**-126 * (1 + BETA1 * np.abs(u))
-        assert not np.any(bad), (pos, h_pair[bad], h_want[bad], g[bad], u[bad])
-        W2 = dequant(np_ex, "w2", e)
-        assert np.all(np.abs(y[pos] - W2 @ h_pair) <= 1e-5 * (np.abs(W2) @ np.abs(h_pair))), pos
+    h_natural = np.asarray(h_RI, np.float64).reshape(-1, sm90.CHUNK)[:, unorder].reshape(h_RI.shape)
+    g, u = np.asarray(part, np.float64).sum(0)
+    check_sums(np_ex, z, sel, groups, g, u, h_natural, y, k)
 
 
 @cpu_only
@@ -195,7 +164,7 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     """The two kernels' GEMMs to fp32 accuracy in interpret mode, the gate/up K split over 2 CTAs."""
     r = rng()
     T, E, I, L, k = 12, 10, 192, 1024, 4
-    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L, k)
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
     launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2)
     with abstract_gpu("sm90"):
         groups, part, h, y = sm90.grouped(
@@ -204,25 +173,16 @@ def test_kernel_interpret_fp32_sums_match_numpy():
             jnp.asarray(sel),
             **BETA,
             launch=launch,
-            interpret=_interpret(),
+            interpret=interpret_params(),
             a_in_smem=True,
             out_dtype=jnp.float32,
         )
-    assert not _races_found()
+    assert not races_found()
     assert part.shape == (2, 2, grouping.num_rows(T, k, E), I)
-    _check_sums(np_ex, z, sel, groups, part, h, y, I, k)
+    _check_sums(np_ex, z, sel, groups, part, h, y, k)
 
 
 # ------------------------------------------------------------------------------------ lowering at real shapes
-def _abstract_experts(E, I, L):
-    sds = jax.ShapeDtypeStruct
-    ex = {}
-    for name, (out, inp) in dict(w1=(I, L), w3=(I, L), w2=(L, I)).items():
-        ex[name + "_codes"] = sds((E, out, inp // 2), jnp.uint8)
-        ex[name + "_scales"] = sds((E, out, inp // 32), jnp.uint8)
-    return ex
-
-
 @cpu_only
 @pytest.mark.parametrize(
     "T, I", [(1, 192), (8, 192), (64, 192), (512, 192), (1, 384), (8, 384), (64, 384), (512, 384), (1, 3072)]
@@ -237,7 +197,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
 
-    args = (_abstract_experts(E, I, L), sds((T, L), jnp.bfloat16), sds((T, k), jnp.int32), sds((T, k), jnp.float32))
+    args = (abstract_experts(E, I, L), sds((T, L), jnp.bfloat16), sds((T, k), jnp.int32), sds((T, k), jnp.float32))
     with abstract_gpu("sm90"):
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2 and lowered.out_info.shape == (T, L)
@@ -247,23 +207,23 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
 @pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits"])
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
-    ex = _abstract_experts(E, I, L)
+    ex = abstract_experts(E, I, L)
     z = jax.ShapeDtypeStruct((T, L), jnp.float32 if bad == "fp32" else jnp.bfloat16)
     sel = jax.ShapeDtypeStruct((T, 4), jnp.int32)
     launch = LAUNCH
     if bad == "dense":
         ex = {n: jax.ShapeDtypeStruct((E, 1, 1), jnp.bfloat16) for n in ("w1", "w3", "w2")}
     elif bad == "latent":
-        ex, z = _abstract_experts(E, I, 768), jax.ShapeDtypeStruct((T, 768), jnp.bfloat16)
+        ex, z = abstract_experts(E, I, 768), jax.ShapeDtypeStruct((T, 768), jnp.bfloat16)
     elif bad == "intermediate":
-        ex = _abstract_experts(E, 48, L)
+        ex = abstract_experts(E, 48, L)
     elif bad == "tile":
         launch = sm90.Launch(12, 2, 2)
     elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
         launch = sm90.Launch(8, 2, 2, up_splits=2)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
-            _abstract_experts(E, I, 3584),
+            abstract_experts(E, I, 3584),
             jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16),
             sm90.Launch(64, 8, 2),
         )
@@ -279,7 +239,7 @@ def test_launches_cover_the_tokens_they_claim():
     tuning = policy_lib.default_tuning().get("moe")
     served = tuning["sm90"]["launch"][-1]["max_tokens"]
     for I in (192, 384, 3072):
-        ex = _abstract_experts(896, I, 3584)
+        ex = abstract_experts(896, I, 3584)
         for T in range(1, served + 1):
             z, sel = jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16), jax.ShapeDtypeStruct((T, 16), jnp.int32)
             for a_in_smem in (False, True):
@@ -292,7 +252,7 @@ def test_launches_cover_the_tokens_they_claim():
 def test_api_off_hopper_runs_the_reference_and_says_why(impl):
     """On CPU the kernel refuses (no GPU): the reference in the policy's moe_impl runs, and the log says so."""
     r = rng()
-    _, ex, z, sel, w = _inputs(r, 3, 8, 64, 512)
+    _, ex, z, sel, w = inputs(r, 3, 8, 64, 512)
     pol = policy_lib.DecodePolicy("latency_specialized", moe_impl=impl)
     with policy_lib.recording(policy_lib.DispatchLog()) as log:
         got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=pol)
@@ -368,7 +328,7 @@ def test_kernel_fp32_sums_on_gpu_match_numpy(I, T):
     launch = sm90.pick_launch(policy_lib.default_tuning().get("moe"), T)
     groups, part, h, y = sm90.grouped(ex, z, sel, **BETA, launch=launch, out_dtype=jnp.float32)
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
-    _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, I, k)
+    _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, k)
 
 
 @cpu_only

@@ -11,7 +11,18 @@ import np_reference as ref
 import numpy as np
 import pytest
 from kernel_testbase import abstract_gpu, cpu_only, rng
-from moe_testbase import BETA1, BETA2, bf16, dequant, make_experts, make_routing, oracle, situ_glu
+from moe_testbase import (
+    BETA1,
+    BETA2,
+    abstract_experts,
+    check_against_reference_and_numpy,
+    check_sums,
+    inputs,
+    interpret_params,
+    make_experts,
+    make_routing,
+    races_found,
+)
 
 from pallas_kernels import policy as policy_lib
 from pallas_kernels.moe import api, grouping, reference, sm90, sm100
@@ -19,34 +30,6 @@ from pallas_kernels.moe import api, grouping, reference, sm90, sm100
 BETA = dict(situ_beta=BETA1, situ_linear_beta=BETA2)
 TUNING = {"sm100": {"launch": [{"max_tokens": 512, "tokens_per_tile": 16, "up_steps": 2, "down_steps": 2}]}}
 E_REAL, L_REAL, K_REAL = 896, 3584, 16  # one rank's experts, the latent width, experts per token
-
-
-def _interpret():
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.InterpretGPUParams(detect_races=True)
-
-
-def _races_found():
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    return get_races().races_found
-
-
-def _abstract_experts(E, I, L):
-    sds = jax.ShapeDtypeStruct
-    ex = {}
-    for name, (out, inp) in dict(w1=(I, L), w3=(I, L), w2=(L, I)).items():
-        ex[name + "_codes"] = sds((E, out, inp // 2), jnp.uint8)
-        ex[name + "_scales"] = sds((E, out, inp // 32), jnp.uint8)
-    return ex
-
-
-def _inputs(r, T, E, I, L, k=4):
-    np_ex, ex = make_experts(r, E, I, L)
-    z = jnp.asarray(r.standard_normal((T, L)), jnp.bfloat16)
-    sel, w = make_routing(r, T, k, E, everyone=T > 1)
-    return np_ex, ex, z, sel, w
 
 
 # ------------------------------------------------------------------------------------------------ the decode
@@ -62,7 +45,7 @@ def test_decode_interpret_is_exact_in_the_natural_k_order():
     pad = -len(codes) % sm100.HALF
     codes, scales = np.pad(codes, ((0, pad), (0, 0))), np.pad(scales, ((0, pad), (0, 0)), constant_values=127)
     with abstract_gpu("sm100"):
-        got = sm100.decode_tiles(jnp.asarray(codes), jnp.asarray(scales), interpret=_interpret())
+        got = sm100.decode_tiles(jnp.asarray(codes), jnp.asarray(scales), interpret=interpret_params())
     got = np.asarray(got, np.float64)
     want = ref.mxfp4_dequant(codes, scales)
     np.testing.assert_array_equal(got, want)
@@ -94,19 +77,15 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
     than the reference). T = 5 / 18: groups off a multiple of 8; T = 18 with one expert every token chose: a group
     of 18 in tiles of 16; 3 experts nobody chose."""
     r = rng()
-    np_ex, ex, z, sel, w = _inputs(r, T, E, I, L)
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L)
     with abstract_gpu("sm100"):
         got = sm100.routed_experts(
-            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=TUNING, interpret=_interpret()
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=TUNING, interpret=interpret_params()
         )
-    assert not _races_found()
+    assert not races_found()
     assert got.dtype == jnp.bfloat16 and got.shape == (T, L)
-    got = np.asarray(got, np.float64)
-    want = np.asarray(reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA), np.float64)
-    exact, scale = oracle(np_ex, z, sel, w, rounded=False)
-    assert np.all(np.abs(got - want) <= 2**-6 * scale), np.max(np.abs(got - want) / scale)
-    err_kernel, err_ref = (np.mean(np.abs(a - exact) / scale) for a in (got, want))
-    assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
 
 
 @cpu_only
@@ -117,29 +96,15 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     r = rng()
     T, E, I, L, k = 17, 7, 576, 1024, 4
     assert sm100.down_k_bytes(I) < I // 2  # the down kernel streams K
-    np_ex, ex, z, sel, _ = _inputs(r, T, E, I, L, k)
+    np_ex, ex, z, sel, _ = inputs(r, T, E, I, L, k)
     launch = sm100.Launch(tokens_per_tile=16, up_steps=2, down_steps=2, up_splits=2, down_row_blocks=2)
     with abstract_gpu("sm100"):
         groups, part, h, y = sm100.grouped(
-            ex, z, jnp.asarray(sel), **BETA, launch=launch, interpret=_interpret(), out_dtype=jnp.float32
+            ex, z, jnp.asarray(sel), **BETA, launch=launch, interpret=interpret_params(), out_dtype=jnp.float32
         )
-    assert not _races_found()
+    assert not races_found()
     assert part.shape == (2, grouping.num_rows(T, k, E), 2 * I)
-    g_all, u_all = (np.asarray(a, np.float64) for a in sm100.gate_up_sums(part))
-    h, y, z64 = (np.asarray(a, np.float64) for a in (h, y, z))
-    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
-        t, e = pair // k, sel[pair // k, pair % k]
-        for got, name in ((g_all[pos], "w1"), (u_all[pos], "w3")):
-            W = dequant(np_ex, name, e)
-            assert np.all(np.abs(got - W @ z64[t]) <= 1e-5 * (np.abs(W) @ np.abs(z64[t]))), (name, pos)
-        g, u = g_all[pos], u_all[pos]
-        h_want = bf16(situ_glu(bf16(g), bf16(u)))
-        # 1 bf16 ulp (XLA's fp32 tanh / logistic before the rounding against NumPy's), values below fp32's normal
-        # range aside (a sigmoid(g) that CPU flushes to 0 moves h by at most beta1 * 2^-126 * |u|)
-        bad = np.abs(h[pos] - h_want) > 2**-7 * np.abs(h_want) + 2.0**-126 * (1 + BETA1 * np.abs(u))
-        assert not np.any(bad), (pos, h[pos][bad], h_want[bad])
-        W2 = dequant(np_ex, "w2", e)
-        assert np.all(np.abs(y[pos] - W2 @ h[pos]) <= 1e-5 * (np.abs(W2) @ np.abs(h[pos]))), pos
+    check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
 
 
 # ------------------------------------------------------------------------------------ lowering at real shapes
@@ -158,7 +123,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I, monkeypatch):
         return sm100.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
 
     args = (
-        _abstract_experts(E_REAL, I, L_REAL),
+        abstract_experts(E_REAL, I, L_REAL),
         sds((T, L_REAL), jnp.bfloat16),
         sds((T, K_REAL), jnp.int32),
         sds((T, K_REAL), jnp.float32),
@@ -172,16 +137,16 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I, monkeypatch):
 @pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "rows", "smem", "splits"])
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
-    ex = _abstract_experts(E, I, L)
+    ex = abstract_experts(E, I, L)
     z = jax.ShapeDtypeStruct((T, L), jnp.float32 if bad == "fp32" else jnp.bfloat16)
     sel = jax.ShapeDtypeStruct((T, 4), jnp.int32)
     launch = sm100.Launch(16, 2, 2)
     if bad == "dense":
         ex = {n: jax.ShapeDtypeStruct((E, 1, 1), jnp.bfloat16) for n in ("w1", "w3", "w2")}
     elif bad == "latent":
-        ex, z = _abstract_experts(E, I, 768), jax.ShapeDtypeStruct((T, 768), jnp.bfloat16)
+        ex, z = abstract_experts(E, I, 768), jax.ShapeDtypeStruct((T, 768), jnp.bfloat16)
     elif bad == "intermediate":
-        ex = _abstract_experts(E, 48, L)
+        ex = abstract_experts(E, 48, L)
     elif bad == "tile":  # tcgen05 at M = 128 takes N % 16 == 0
         launch = sm100.Launch(8, 2, 2)
     elif bad == "rows":  # L = 512: 4 blocks of 128 W2 rows, not 3 a CTA
@@ -189,7 +154,7 @@ def test_kernel_refuses_what_it_cannot_run(bad):
     elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
         launch = sm100.Launch(16, 2, 2, up_splits=2)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
-        ex, z = _abstract_experts(E, I, 3584), jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16)
+        ex, z = abstract_experts(E, I, 3584), jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16)
         launch = sm100.Launch(64, 8, 2)
     with pytest.raises(NotImplementedError):
         if bad == "tokens":
@@ -202,7 +167,7 @@ def test_launches_cover_the_tokens_they_claim():
     tuning = policy_lib.default_tuning().get("moe")
     served = tuning["sm100"]["launch"][-1]["max_tokens"]
     for I in (192, 384, 3072):
-        ex = _abstract_experts(E_REAL, I, L_REAL)
+        ex = abstract_experts(E_REAL, I, L_REAL)
         for T in range(1, served + 1):
             z, sel = jax.ShapeDtypeStruct((T, L_REAL), jnp.bfloat16), jax.ShapeDtypeStruct((T, K_REAL), jnp.int32)
             sm100.check_supported(ex, z, sel, sm100.pick_launch(tuning, T))
