@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.collectives import barrier_us, sharded, steady_us, two_gpu_run  # noqa: E402
+from pallas_kernels import common  # noqa: E402
 from pallas_kernels.collectives import api, reference  # noqa: E402
 from pallas_kernels.policy import XLA, DecodePolicy  # noqa: E402
 
@@ -133,7 +134,7 @@ def stress(mesh, steps=300, seed=0, calls=PAIR):
         # round_to, not astype: at B = 1 XLA turns the oracle's f32 GEMV into a multiply-reduce fusion and, by
         # its excess-precision rule, drops the f32 -> bf16 -> f32 round trip, so the oracle (and XLA's own path)
         # saw the unrounded draws while the kernel read the bf16 ones: the "back-to-back bug" of earlier sessions.
-        return reference.round_to(jax.random.normal(key, shape, jnp.float32) * std, jnp.bfloat16)
+        return common.round_to(jax.random.normal(key, shape, jnp.float32) * std, jnp.bfloat16)
 
     def loop(key):
         key = jax.random.wrap_key_data(key)

@@ -1,6 +1,7 @@
 """Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
-once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does) and
-SiTU-GLU (docs/model.md §3; the routed-experts kernel applies the same function to its registers)."""
+once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does), a
+rounding XLA:GPU keeps (round_to) and SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
+kernels)."""
 
 import functools
 import logging
@@ -59,6 +60,13 @@ def dot(spec: str, a, b):
     if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def round_to(x_f32, dtype):
+    """x rounded to dtype, and kept rounded: XLA GPU's excess-precision pass drops a convert pair
+    f32 -> bf16 -> f32, so a rounding that later fp32 maths reads goes through reduce_precision, which it keeps."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x_f32, info.nexp, info.nmant).astype(dtype)
 
 
 def situ_glu(g, u, beta1: float, beta2: float | None):

@@ -8,14 +8,9 @@ implementation for both.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import round_to
+
 F32 = jnp.float32
-
-
-def round_to(x_f32, dtype):
-    """x rounded to dtype, and kept rounded: XLA GPU's excess-precision pass drops a convert pair
-    f32 -> bf16 -> f32, so a rounding that later fp32 maths reads goes through reduce_precision, which it keeps."""
-    info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(x_f32, info.nexp, info.nmant).astype(dtype)
 
 
 def all_reduce(x, axis_name="tp"):

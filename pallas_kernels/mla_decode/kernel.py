@@ -29,7 +29,7 @@ The form (one warpgroup per CTA; the grid is head groups x context splits x sequ
 - fp32 compute: q and P are sums of 3 pieces in the MMA type (bf16 or f16: 24 bits or more; the rows are
   exact in it), each piece its own MMA into the same fp32 accumulator, so the products are exact and the
   result is fp32-accurate (no TF32 anywhere). q's pieces are cut in the XLA wrapper through reduce_precision
-  (collectives/reference.py::round_to): XLA GPU folds a convert pair f32 -> bf16 -> f32 into its input, which
+  (common.round_to): XLA GPU folds a convert pair f32 -> bf16 -> f32 into its input, which
   made q's later pieces 0 (float32 only bf16/f16-accurate on the H200, issue 27). P's are cut in the kernel,
   which Mosaic compiles (arith.truncf / extf without fast-math flags: MLIR and LLVM keep the pair). Interpret
   mode runs the body as XLA code, which a CPU compile emulating that folding would fold too, so the CPU test of
@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.collectives.reference import round_to
+from pallas_kernels.common import round_to
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 FP8 = jnp.float8_e4m3fn

@@ -5,7 +5,6 @@ GLU between the two kernels."""
 import dataclasses
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
@@ -96,8 +95,7 @@ def load_row(ref):
 
 
 def glu(g, u, *, situ_beta, situ_linear_beta):
-    """W1 x and W3 x (fp32) -> h in bf16: the spec's bf16 rounding of each GEMM, SiTU-GLU in fp32, rounded once
-    (common.situ_glu). reduce_precision, not an astype pair: XLA:GPU's excess-precision rewrite removes
-    f32 -> bf16 -> f32."""
-    g, u = (lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) for a in (g, u))
-    return common.situ_glu(g, u, situ_beta, situ_linear_beta).astype(jnp.bfloat16)
+    """W1 x and W3 x (fp32) -> h in bf16: the spec's bf16 rounding of each GEMM (common.round_to, which XLA:GPU's
+    excess-precision rewrite keeps), SiTU-GLU in fp32, rounded once (common.situ_glu)."""
+    g, u = (common.round_to(a, jnp.bfloat16) for a in (g, u))
+    return common.situ_glu(g, u, situ_beta, situ_linear_beta)
