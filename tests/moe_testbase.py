@@ -131,7 +131,7 @@ def check_sums(np_ex, z, sel, groups, g_RI, u_RI, h_RI, y_RL, k):
     |SiTU(g)| <= beta1 * sigmoid(g) and |cap(u)| <= |u| there)."""
     g_all, u_all, h, y = (np.asarray(a, np.float64) for a in (g_RI, u_RI, h_RI, y_RL))
     z64 = np.asarray(z, np.float64)
-    for pair, pos in zip(np.asarray(groups.order_P), np.asarray(groups.row_P), strict=True):
+    for pair, pos in enumerate(np.asarray(groups.row_P)):
         t, e = pair // k, sel[pair // k, pair % k]
         for got, name in ((g_all[pos], "w1"), (u_all[pos], "w3")):
             W = dequant(np_ex, name, e)

@@ -4,6 +4,8 @@ experts with the extreme codes and scales, shared and unchosen experts, T not a 
 than a token tile), CUDA lowering at one TP16 / TP8 / TP1 rank's real shapes, the refusals and the api's
 fallback; real shapes on the GPU."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import np_reference as ref
@@ -102,33 +104,55 @@ def test_kernel_decode_on_gpu_is_exact_for_every_code_and_scale():
 
 
 # ----------------------------------------------------------------------------------------------- the grouping
-def test_grouping_sorts_pairs_by_expert_and_lists_the_chosen_experts(rng):
-    T, k, E = int(rng.integers(1, 40)), 4, 16
-    sel, _ = make_routing(rng, T, k, E, unchosen=int(rng.integers(0, 6)), everyone=bool(rng.integers(2)))
-    g = jax.device_get(grouping.group_by_expert(jnp.asarray(sel), E))
+def _check_groups(g, sel, E):
+    """The slot table and the pairs' rows against NumPy: the chosen experts ascending with their sizes, each
+    group on an ALIGN boundary after the one before (sizes rounded up), its pairs in token order at its rows."""
+    T, k = sel.shape
     flat = sel.reshape(-1)
-    np.testing.assert_array_equal(flat[g.order_P], np.sort(flat, kind="stable"))
-    np.testing.assert_array_equal(g.order_P, np.argsort(flat, kind="stable"))
     chosen, counts = np.unique(flat, return_counts=True)
-    S = grouping.num_slots(T, k, E)
-    assert g.slots_3S.shape == (3, S)
-    n = len(chosen)
+    S, n = grouping.num_slots(T, k, E), len(chosen)
+    assert g.slots_3S.shape == (3, S) and g.row_P.shape == (T * k,)
     np.testing.assert_array_equal(g.slots_3S[0, :n], chosen)
     np.testing.assert_array_equal(g.slots_3S[2, :n], counts)
-    # each group starts on an ALIGN-row boundary of the kernels' pair order (the TMA token tiles start there)
     padded = -(-counts // grouping.ALIGN) * grouping.ALIGN
     np.testing.assert_array_equal(g.slots_3S[1, :n], np.concatenate([[0], np.cumsum(padded)[:-1]]))
     np.testing.assert_array_equal(g.slots_3S[2, n:], 0)  # idle slots: their CTAs exit
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    rank = np.arange(T * k) - starts[np.searchsorted(chosen, flat[g.order_P])]
-    np.testing.assert_array_equal(g.row_P, g.slots_3S[1, np.searchsorted(chosen, flat[g.order_P])] + rank)
-    np.testing.assert_array_equal(g.token_R[g.row_P], g.order_P // k)
-    assert g.token_R.shape == (grouping.num_rows(T, k, E),)
+    for e, first, size in g.slots_3S[:, :n].T:
+        pairs = np.flatnonzero(flat == e)  # ascending: token order
+        np.testing.assert_array_equal(g.row_P[pairs], first + np.arange(size))
+    assert g.row_P.max() < grouping.num_rows(T, k, E)
+
+
+def test_grouping_lists_the_chosen_experts_and_puts_each_pair_in_its_group(rng):
+    T, k, E = int(rng.integers(2, 40)), 4, 16
+    sel, _ = make_routing(rng, T, k, E, unchosen=int(rng.integers(0, 6)), everyone=bool(rng.integers(2)))
+    g = jax.device_get(jax.jit(grouping.group_by_expert, static_argnums=1)(jnp.asarray(sel), E))
+    _check_groups(g, sel, E)
     y_pairs = rng.standard_normal((T * k, 3)).astype(np.float32)  # a value per (token, choice), at its row
     y_rows = np.full((grouping.num_rows(T, k, E), 3), np.nan, np.float32)
-    y_rows[g.row_P] = y_pairs[g.order_P]
+    y_rows[g.row_P] = y_pairs
     got = np.asarray(grouping.ungroup(jnp.asarray(y_rows), g, T, k))
     np.testing.assert_array_equal(got, y_pairs.reshape(T, k, 3))
+
+
+def test_grouping_of_one_token_gives_each_choice_its_own_group(rng):
+    k, E = 8, 32
+    sel, _ = make_routing(rng, 1, k, E)
+    g = jax.device_get(grouping.group_by_expert(jnp.asarray(sel), E))
+    np.testing.assert_array_equal(g.slots_3S, [sel[0], grouping.ALIGN * np.arange(k), np.ones(k)])
+    np.testing.assert_array_equal(g.row_P, grouping.ALIGN * np.arange(k))
+
+
+@cpu_only
+def test_pair_rows_copies_each_token_to_its_pairs_rows(rng):
+    T, k, E, L = 7, 4, 12, 256
+    sel, _ = make_routing(rng, T, k, E)
+    x = jnp.asarray(rng.standard_normal((T, L)), jnp.bfloat16)
+    g = grouping.group_by_expert(jnp.asarray(sel), E)
+    got = np.asarray(grouping.pair_rows(x, g, k, E, interpret=interpret_params()), np.float32)
+    assert not races_found()
+    assert got.shape == (grouping.num_rows(T, k, E), L)
+    np.testing.assert_array_equal(got[np.asarray(g.row_P)], np.repeat(np.asarray(x, np.float32), k, axis=0))
 
 
 # --------------------------------------------------------------------------------- the kernels, interpret mode
@@ -336,14 +360,16 @@ def test_api_serves_the_kernel_only_from_the_tuned_step_size():
     """Below tuning.json's serve_min_tokens the api runs XLA's packed path (measured faster there) and records
     why; an sm90 device is pinned so the refusal is the tuning's, not the missing GPU's."""
     r = rng()
-    least = policy_lib.default_tuning().get("moe")["sm90"]["serve_min_tokens"]
+    moe = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
+    least = moe["sm90"]["serve_min_tokens"] = int(r.integers(2, 5))  # the shipped table serves from T = 1
+    policy = policy_lib.DecodePolicy("latency_specialized", tuning=policy_lib.Tuning.from_files(moe=moe))
     T = int(r.integers(1, least))
     _, ex = make_experts(r, 8, 64, 512)
     sel, w = make_routing(r, T, 2, 8, unchosen=2)
     z = jnp.asarray(r.standard_normal((T, 512)), jnp.bfloat16)
     log = policy_lib.DispatchLog()
     with abstract_gpu("sm90"), policy_lib.recording(log):
-        got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=policy_lib.SPECIALIZED)
+        got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=policy)
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, impl="packed")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert log.ops["moe_routed_experts"]["impl"] == "xla"

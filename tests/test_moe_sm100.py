@@ -5,6 +5,8 @@ token tile, the gate/up K split, the down kernel's K steps and multi-block CTAs)
 TP1 rank's real shapes, the refusals, tuning.json's launches and the api's choice of body. (No Blackwell GPU here:
 nothing runs on one yet.)"""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import np_reference as ref
@@ -191,14 +193,16 @@ def test_api_on_blackwell_serves_the_kernel_only_from_the_tuned_step_size():
     """On an abstract B200, below the sm100 section's serve_min_tokens the api runs XLA's packed path and records
     why (the tuning's reason, not a missing body's)."""
     r = rng()
-    least = policy_lib.default_tuning().get("moe")["sm100"]["serve_min_tokens"]
+    moe = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
+    least = moe["sm100"]["serve_min_tokens"] = int(r.integers(2, 5))  # the shipped table serves from T = 1
+    policy = policy_lib.DecodePolicy("latency_specialized", tuning=policy_lib.Tuning.from_files(moe=moe))
     T = int(r.integers(1, least))
     _, ex = make_experts(r, 8, 64, 512)
     sel, w = make_routing(r, T, 2, 8, unchosen=2)
     z = jnp.asarray(r.standard_normal((T, 512)), jnp.bfloat16)
     log = policy_lib.DispatchLog()
     with abstract_gpu("sm100"), policy_lib.recording(log):
-        got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=policy_lib.SPECIALIZED)
+        got = api.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, policy=policy)
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, impl="packed")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert log.ops["moe_routed_experts"]["impl"] == "xla"

@@ -2,8 +2,8 @@
 tcgen05 MMAs (accumulators in TMEM) and the weights decoded in the natural K order. Not run on a GPU yet (no
 Blackwell here): interpret-tested on CPU and lowered for CUDA under an abstract B200.
 
-1. XLA (grouping.py): the (token, expert) pairs sorted by expert, the slot table, z in the aligned pair order
-   -> x [R, L] (columns in their natural order: no permutation on sm100).
+1. grouping.py: the (token, expert) pairs grouped by expert, the slot table, z copied to its pairs' rows of the
+   aligned pair order -> x [R, L] (columns in their natural order: no permutation on sm100).
 2. gate/up kernel, grid (slot, 64-row block b of I, K split): one 128-row MMA tile stacks W1's rows
    64b .. 64b + 63 (tile rows 0-63) over W3's same rows (tile rows 64-127), so one tcgen05 MMA of M = 128 gives
    both GEMMs; out the fp32 partials [splits, R, 2 I], the 128 values of block b (64 gate, then 64 up) together.
@@ -450,7 +450,8 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = grouping.group_by_expert(sel_Tk, E)
-    part = gate_up(experts, groups.slots_3S, z_TL[groups.token_R], launch=launch, interpret=interpret)
+    x = grouping.pair_rows(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
+    part = gate_up(experts, groups.slots_3S, x, launch=launch, interpret=interpret)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     y = down(experts, groups.slots_3S, h, launch=launch, out_dtype=out_dtype, interpret=interpret)
     return groups, part, h, y

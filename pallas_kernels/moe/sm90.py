@@ -1,9 +1,9 @@
 """Hopper (sm90) body of the routed experts: two grouped MXFP4 kernels that read each selected expert's bytes
 once and skip the experts nobody chose, with XLA around them for the grouping, the GLU and the weighted sum.
 
-1. XLA (grouping.py): the T x k (token, expert) pairs sorted by expert, a static table of min(E, T x k) slots
-   (expert, first row, group size; idle slots size 0) over an aligned pair order of R rows; z in that order
-   with its columns in the kernels' K order (permute_k) -> x [R, L].
+1. grouping.py: the T x k (token, expert) pairs grouped by expert (XLA compare-sums), a static table of
+   min(E, T x k) slots (expert, first row, group size; idle slots size 0) over an aligned pair order of R rows;
+   z with its columns in the kernels' K order (permute_k) copied to its pairs' rows -> x [R, L].
 2. gate/up kernel, grid (slot, 64-row block of I, K split): W1 and W3 rows of the block streamed over the
    split's share of K in 256-byte steps with their scale tiles [64, 16]; out the fp32 partial sums
    [splits, 2 (W1, W3), R, I]. Splitting K gives the small steps (T <= 8: 16-118 experts) enough CTAs.
@@ -380,9 +380,9 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
     return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
-def pair_inputs(z_TL, groups: grouping.Groups):
+def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, *, interpret=None):
     """z in the aligned pair order with its columns in K_ORDER: [R, L] (the gate/up kernel's N side)."""
-    return permute_k(z_TL)[groups.token_R]
+    return grouping.pair_rows(permute_k(z_TL), groups, k, E, interpret=interpret)
 
 
 def glu(part, *, situ_beta, situ_linear_beta):
@@ -402,7 +402,8 @@ def grouped(
     E = experts["w1_codes"].shape[0]
     groups = grouping.group_by_expert(sel_Tk, E)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
-    part = gate_up(experts, groups.slots_3S, pair_inputs(z_TL, groups), **kw)
+    x = pair_inputs(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
+    part = gate_up(experts, groups.slots_3S, x, **kw)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     y = down(experts, groups.slots_3S, h, out_dtype=out_dtype, **kw)
     return groups, part, h, y
