@@ -1,14 +1,15 @@
 """The MoE routing step (pallas_kernels.moe_route) on one GPU, CUPTI device time: the Mosaic GPU top-k kernel
-against XLA's lax.top_k path (today's model code after the sigmoid), and the three XLA forms of the grouping
-by expert, at E = 896, k = 16, T = 1, 8, 64, 512.
+against XLA's lax.top_k path (today's model code after the sigmoid), at E = 896, k = 16, T = 1, 8, 64, 512.
 
 Run on the device machine from the repo root: PYTHONPATH=. python3 bench/moe_route.py OUT
 -> OUT/moe_route.json and OUT/moe_route.md. Every variant is checked against the XLA reference first (sel
 exactly, w to 1e-6); one that fails to compile, run or match becomes a "failed: ..." entry.
 
 Rows: route/xla (top_k + gather + renormalise, biased scores given), route/kernel (the same inputs),
-route/kernel_bias (the bias [E] added in the kernel, as the model could call it), group/{argsort,keys,rank}
-(ExpertGroups from sel), and route+group (the kernel, then the api's default grouping form).
+route/kernel_bias (the bias [E] added in the kernel, as the model could call it). The grouping by expert is
+pallas_kernels/moe/grouping.py (three compare-sum XLA fusions + a pair_rows TMA copy kernel), timed as part of
+the routed experts by bench/moe_layer.py; bench/results/moe_route.md's group/* and route+group rows measured
+forms since removed.
 """
 
 import json
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.device_time import device_us, kernel_names
-from pallas_kernels.moe_route import api, kernel, reference
+from pallas_kernels.moe_route import kernel, reference
 
 E, K = 896, 16
 TOKENS = (1, 8, 64, 512)
@@ -35,52 +36,34 @@ def inputs(T, seed=0):
     return s, bias, s + bias
 
 
-def variants(T):
-    group = jax.jit(api.group_by_expert, static_argnames=("num_experts", "impl"))
-
-    def route_and_group(s, bias):
-        sel, w = kernel.route(s, bias_E=bias, k=K)
-        return sel, w, api.group_by_expert(sel, E)
-
+def variants():
     return {
         "route/xla": (jax.jit(lambda s, b: reference.route(s, b, k=K)), "biased"),
         "route/kernel": (jax.jit(lambda s, b: kernel.route(s, b, k=K)), "biased"),
         "route/kernel_bias": (jax.jit(lambda s, b: kernel.route(s, bias_E=b, k=K)), "bias"),
-        **{
-            f"group/{impl}": (lambda sel, impl=impl: group(sel, num_experts=E, impl=impl), "sel")
-            for impl in api.GROUP_IMPLS
-        },
-        f"route+group/kernel+{api.default_group_impl(T * K)}": (jax.jit(route_and_group), "bias"),
     }
 
 
-def check(name, out, want_route, want_groups):
-    if name.startswith("route"):
-        sel, w = out[0], out[1]
-        if not np.array_equal(np.asarray(sel), np.asarray(want_route[0])):
-            raise AssertionError("sel differs from lax.top_k's")
-        err = float(np.max(np.abs(np.asarray(w) - np.asarray(want_route[1]))))
-        if err > 1e-6:
-            raise AssertionError(f"w off by {err}")
-    groups = out if name.startswith("group") else (out[2] if name.startswith("route+group") else None)
-    if groups is not None:
-        for a, b, field in zip(groups, want_groups, reference.ExpertGroups._fields, strict=True):
-            if not np.array_equal(np.asarray(a), np.asarray(b)):
-                raise AssertionError(f"grouping {field} differs from the argsort reference")
+def check(out, want):
+    sel, w = out
+    if not np.array_equal(np.asarray(sel), np.asarray(want[0])):
+        raise AssertionError("sel differs from lax.top_k's")
+    err = float(np.max(np.abs(np.asarray(w) - np.asarray(want[1]))))
+    if err > 1e-6:
+        raise AssertionError(f"w off by {err}")
 
 
 def main(out_dir):
     rows = []
     for T in TOKENS:
         s, bias, biased = inputs(T)
-        want_route = jax.jit(lambda s, b: reference.route(s, b, k=K))(s, biased)
-        want_groups = reference.group_by_expert(want_route[0], E)
-        args_of = {"biased": (s, biased), "bias": (s, bias), "sel": (want_route[0],)}
-        for name, (f, form) in variants(T).items():
+        want = jax.jit(lambda s, b: reference.route(s, b, k=K))(s, biased)
+        args_of = {"biased": (s, biased), "bias": (s, bias)}
+        for name, (f, form) in variants().items():
             row = {"T": T, "E": E, "k": K, "variant": name}
             args = args_of[form]
             try:
-                check(name, f(*args), want_route, want_groups)
+                check(f(*args), want)
                 row["us"] = device_us(f, *args)
                 row["kernels"] = kernel_names(f, *args)
             except Exception as e:  # noqa: BLE001
@@ -115,14 +98,12 @@ def signed_zeros():
 
 def markdown(rows):
     """One table: a row per variant, a column per T (device us, kernels launched)."""
-    names = list(dict.fromkeys(r["variant"] if not r["variant"].startswith("route+") else "route+group" for r in rows))
     cell, zeros = {}, [r for r in rows if r["variant"] == "signed zeros"]
     rows = [r for r in rows if r["variant"] != "signed zeros"]
-    names = [n for n in names if n != "signed zeros"]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
     for r in rows:
-        name = "route+group" if r["variant"].startswith("route+") else r["variant"]
         us = r["us"]
-        cell[name, r["T"]] = f"{us:.2f} ({len(r['kernels'])})" if isinstance(us, float) else "failed"
+        cell[r["variant"], r["T"]] = f"{us:.2f} ({len(r['kernels'])})" if isinstance(us, float) else "failed"
     lines = [
         f"MoE routing, E = {E}, k = {K}: CUPTI device us per call (kernels launched), {jax.devices()[0].device_kind}",
         "",

@@ -1,7 +1,7 @@
 """The MoE routing step (pallas_kernels.moe_route, docs/model.md §6 after the sigmoid): the Mosaic GPU top-k kernel in
 interpret mode and the XLA reference against a NumPy oracle (exact sel, w within 1e-6), ties, token counts
-that are not whole 4s; the grouping by expert (reference and both sort-free forms) against a NumPy oracle;
-CUDA lowering at the real shapes; the api's dispatch and refusals; the real shapes on the GPU."""
+that are not whole 4s; CUDA lowering at the real shapes; the api's dispatch and refusals; the real shapes on the
+GPU. (The grouping by expert is pallas_kernels/moe/grouping.py, tested in tests/test_moe_kernel.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import policy as policy_lib
-from pallas_kernels.moe_route import api, grouping, kernel, reference
+from pallas_kernels.moe_route import api, kernel, reference
 from tests.kernel_testbase import ON_GPU, abstract_gpu, cpu_only, gpu_only, rng
 
 F32 = jnp.float32
@@ -204,66 +204,6 @@ def test_api_rejects_malformed_inputs(bad):
         api.route(s, **kw)
 
 
-# ----------------------------------------------------------------------------------------------- grouping
-def random_selection(r, T, E, k, hot=0):
-    """sel [T, k]: k distinct experts per token; with hot > 0 most tokens draw from the first `hot` experts, so
-    experts are shared by many tokens and most experts are chosen by none."""
-    rows = []
-    for _ in range(T):
-        pool = np.arange(min(max(hot, k), E)) if hot and r.random() < 0.8 else np.arange(E)
-        rows.append(r.choice(pool, k, replace=False))
-    return jnp.asarray(np.stack(rows), jnp.int32)
-
-
-def oracle_groups(sel, E):
-    """The grouping by definition, in plain Python."""
-    e = np.asarray(sel).reshape(-1)
-    counts = np.array([np.sum(e == x) for x in range(E)])
-    pairs = [p for x in range(E) for p in range(e.size) if e[p] == x]
-    experts = [x for x in range(E) if counts[x]]
-    return dict(
-        counts_E=counts,
-        offsets_E1=np.concatenate([[0], np.cumsum(counts)]),
-        pairs_P=np.array(pairs),
-        experts_E=np.array(experts + [E] * (E - len(experts))),
-        n_experts=np.array(len(experts)),
-    )
-
-
-@pytest.mark.parametrize("impl", sorted(api.GROUP_IMPLS))
-@pytest.mark.parametrize(
-    "T, E, k, hot", [(1, 896, 16, 0), (5, 16, 2, 0), (12, 64, 4, 6), (64, 896, 16, 40), (3, 8, 8, 0)]
-)
-def test_grouping_matches_the_oracle(impl, T, E, k, hot):
-    sel = random_selection(rng(), T, E, k, hot)
-    got = jax.jit(api.group_by_expert, static_argnames=("num_experts", "impl"))(sel, num_experts=E, impl=impl)
-    assert isinstance(got, reference.ExpertGroups)
-    for name, want in oracle_groups(sel, E).items():
-        a = np.asarray(getattr(got, name))
-        assert a.dtype == np.int32, name
-        np.testing.assert_array_equal(a, want, err_msg=f"{impl} {name}")
-
-
-def test_grouping_forms_agree_with_the_reference_on_kernel_shaped_routing():
-    """The three forms on one routing from the reference route (the api's default picks one of them)."""
-    r = rng()
-    s, bias = make_scores(r, 24, 896, ties=True)
-    sel, _ = reference.route(s, s + bias, k=16)
-    want = reference.group_by_expert(sel, 896)
-    for impl in ("keys", "rank", None):
-        got = api.group_by_expert(sel, 896, impl=impl)
-        for a, b, name in zip(got, want, reference.ExpertGroups._fields, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{impl} {name}")
-    assert grouping.group_by_keys is api.GROUP_IMPLS["keys"]
-
-
-def test_grouping_rejects_malformed_inputs():
-    with pytest.raises(ValueError, match=r"\[T, k\]"):
-        api.group_by_expert(jnp.zeros(16, jnp.int32), 896)
-    with pytest.raises(ValueError, match="group impl"):
-        api.group_by_expert(jnp.zeros((1, 16), jnp.int32), 896, impl="sorted")
-
-
 # ------------------------------------------------------------------------------------------------- the GPU
 @pytest.mark.gpu
 @gpu_only
@@ -283,14 +223,3 @@ def test_kernel_on_gpu_matches_xla_top_k(T, ties):
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=0)
     check_route(want, oracle_route(s, s + bias, 16, True, 1.0))
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("impl", sorted(api.GROUP_IMPLS))
-@pytest.mark.parametrize("T", [1, 8, 64, 512])
-def test_grouping_on_gpu_matches_the_oracle(impl, T):
-    sel = random_selection(rng(), T, 896, 16, hot=64 if T >= 64 else 0)
-    got = jax.jit(api.group_by_expert, static_argnames=("num_experts", "impl"))(sel, num_experts=896, impl=impl)
-    for name, want in oracle_groups(sel, 896).items():
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)), want, err_msg=f"{impl} {name}")

@@ -1,5 +1,6 @@
-"""The MoE router's top-k and the token-by-expert grouping (docs/model.md §6): api, XLA reference, Mosaic GPU kernel."""
+"""The MoE router's top-k (docs/model.md §6): api, XLA reference, Mosaic GPU kernel. The grouping by expert is
+pallas_kernels/moe/grouping.py."""
 
-from pallas_kernels.moe_route.api import ExpertGroups, group_by_expert, route
+from pallas_kernels.moe_route.api import route
 
-__all__ = ["ExpertGroups", "group_by_expert", "route"]
+__all__ = ["route"]

@@ -1,5 +1,5 @@
 """The MoE routing step after the sigmoid (docs/model.md §6): top-k of the biased scores, weights from the unbiased
-ones; and the grouping of the chosen (token, expert) pairs by expert that a grouped-experts kernel reads.
+ones. The grouping of the chosen (token, expert) pairs by expert is pallas_kernels/moe/grouping.py.
 
 route dispatches through the decode policy: the Mosaic GPU kernel (kernel.py) where the policy asks for
 kernels and the kernel takes the call, else the XLA reference (reference.py, today's model code). Both give
@@ -8,11 +8,8 @@ the same sel (exactly; lax.top_k's order) and the same weights up to the order o
 
 from pallas_kernels import common
 from pallas_kernels import policy as policy_lib
-from pallas_kernels.moe_route import grouping, reference
-from pallas_kernels.moe_route.reference import ExpertGroups
+from pallas_kernels.moe_route import reference
 from pallas_kernels.policy import XLA, DecodePolicy
-
-GROUP_IMPLS = {"argsort": reference.group_by_expert, "keys": grouping.group_by_keys, "rank": grouping.group_by_rank}
 
 
 def _check_inputs(scores_TE, biased_TE, bias_E, k):
@@ -57,20 +54,3 @@ def route(scores_TE, biased_TE=None, *, bias_E=None, k, renormalize=True, scalin
         lambda: _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling),
         xla,
     )
-
-
-def default_group_impl(num_pairs: int) -> str:
-    """Not measured yet (bench/moe_route.py --groups times all three): the sort-free form while its [P, P]
-    compare stays small, the single-key sort above."""
-    return "rank" if num_pairs <= 1024 else "keys"
-
-
-def group_by_expert(sel_Tk, num_experts, *, impl=None) -> ExpertGroups:
-    """The T*k (token, slot) pairs of sel [T, k] grouped by expert, on device (see ExpertGroups). impl: one of
-    GROUP_IMPLS (all XLA, all the same result), None = default_group_impl."""
-    if sel_Tk.ndim != 2:
-        raise ValueError(f"sel must be [T, k] expert ids, got shape {list(sel_Tk.shape)}")
-    impl = impl or default_group_impl(sel_Tk.size)
-    if impl not in GROUP_IMPLS:
-        raise ValueError(f"group impl must be one of {sorted(GROUP_IMPLS)}, got {impl!r}")
-    return GROUP_IMPLS[impl](sel_Tk, num_experts)
