@@ -1,4 +1,5 @@
-"""decode_backend="latency_specialized" against "auto" (XLA) on GPUs: the Pallas KDA decode kernel at TP1, and
+"""decode_backend="latency_specialized" against "auto" (XLA) on GPUs: the Pallas KDA decode kernel at TP1 (and the
+routed-experts kernel at a latent width it takes), and
 at TP2 also the Pallas collectives: the layer-boundary kernel (all-reduce + AttnRes + RMSNorm, and the latent
 MoE's all-reduce + routed_expert_norm) and the one-shot all-reduce where no norm follows.
 
@@ -17,6 +18,7 @@ from k3jax import params as params_lib
 from k3jax import sharding as sh
 from k3jax.config import preset
 from k3jax.engine import Engine
+from pallas_kernels import policy as policy_lib
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the device machine)")]
 STEPS, BATCH = 6, 4
@@ -96,6 +98,29 @@ def assert_float32_backends_agree(model, tp):
 def test_kda_kernel_float32_same_logits_and_tokens(model):
     """TP1, float32: only the KDA decode step differs (Pallas kernel vs XLA); it agrees to ~1e-7 per layer."""
     assert_float32_backends_agree(model, 1)
+
+
+def test_tp1_bf16_routed_experts_kernel_as_accurate_as_xla():
+    """TP1, bf16, at the real latent width (L = 3584: the routed-experts kernel splits its 7 K steps at T <= 8): the MoE
+    kernel (with the KDA and routing kernels) runs in every layer, and the logits are no less accurate than
+    XLA's against the float32 TP1 logits (median row error), mostly the same greedy tokens."""
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    print(f"seed {seed}")
+    cfg = config().replace(routed_expert_hidden_size=3584)
+    params = params_lib.init_params(cfg, seed)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (STEPS, BATCH))
+    with jax.default_matmul_precision("highest"):
+        exact = forced_logits(cfg, params_lib.cast_params(params, jnp.float32), 1, jnp.float32, "auto", tokens)
+    xla = forced_logits(cfg, params, 1, jnp.bfloat16, "auto", tokens)
+    log = policy_lib.DispatchLog()
+    with policy_lib.recording(log):
+        fast = forced_logits(cfg, params, 1, jnp.bfloat16, "latency_specialized", tokens)
+    assert log.ops["moe_routed_experts"]["impl"] == "pallas", log.ops["moe_routed_experts"]
+    e_xla, e_fast = median_row_error(xla, exact), median_row_error(fast, exact)
+    agree = float(np.mean(fast.argmax(-1) == xla.argmax(-1)))
+    print(f"median row error vs float32: xla {e_xla:.2e}, latency_specialized {e_fast:.2e}; argmax agreement {agree}")
+    assert e_xla < 5e-2 and e_fast <= 1.25 * e_xla + 2e-3, (e_xla, e_fast)
+    assert agree >= 0.75, agree
 
 
 @pytest.mark.gpu2

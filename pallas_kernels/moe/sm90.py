@@ -173,21 +173,23 @@ def decode_tiles(codes_R32, scales_R2, *, interpret=None):
     return kernel(codes_R32, scales_R2)
 
 
-def _mma_tile(acc_ref, codes_smem, scale_rows, x_smem, a_smem):
-    """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8, scale_rows: the step's Kb / 16
-    per-group E8M0 rows ([64] each, ROW_LAYOUT), x [N, 2 Kb] bf16 (in K_ORDER). a_smem: None (A from registers,
-    decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode)."""
+def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem):
+    """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8, scale_row(g): the step's E8M0 scale
+    group g ([64], ROW_LAYOUT; Kb / 16 groups), x [N, 2 Kb] bf16 (in K_ORDER). a_smem: None (A from registers,
+    decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode). Each chunk's WGMMA is waited for
+    before the next chunk is decoded, so one chunk's A (8 registers) is held at a time, not the step's 64: the
+    gate/up kernel's 225-255 registers a thread became 107-159, faster at T = 1 / 8 by 20% (bench/NOTES.md)."""
     for j in range(codes_smem.shape[1] // CHUNK_BYTES):
         x = x_smem.at[:, pl.ds(j * CHUNK, CHUNK)].transpose((1, 0))
-        lo, hi = scale_rows[2 * j], scale_rows[2 * j + 1]
+        lo, hi = scale_row(2 * j), scale_row(2 * j + 1)
         if a_smem is None:
-            plgpu.wgmma(acc_ref, _decode_gpu(codes_smem, lo, hi, chunk=j), x)
+            a = _decode_gpu(codes_smem, lo, hi, chunk=j)
         else:
             a_smem[...] = _decode_interpret(codes_smem, lo, hi, chunk=j)
             plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
-            plgpu.wgmma(acc_ref, a_smem, x)
-            plgpu.wgmma_wait(0)  # the A tile is rewritten next
-    plgpu.wgmma_wait(0)  # the pipeline reuses the step's x tile once the step returns
+            a = a_smem
+        plgpu.wgmma(acc_ref, a, x)
+        plgpu.wgmma_wait(0)
 
 
 # ------------------------------------------------------------------------------------------------ the launch
@@ -265,8 +267,7 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
             def scope(acc1, acc3):
                 def step(_, c1, c3, s1, s3, x):
                     for acc, codes, scales in ((acc1, c1, s1), (acc3, c3, s3)):
-                        rows = [load_row(scales.at[:, g]) for g in range(UP_BLOCK // 16)]
-                        _mma_tile(acc, codes, rows, x, a_smem)
+                        _mma_tile(acc, codes, lambda g, sc=scales: load_row(sc.at[:, g]), x, a_smem)
 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
                 s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
@@ -311,7 +312,7 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                 srows = [load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
 
                 def mma(acc):
-                    _mma_tile(acc, codes, srows, h, a_smem)
+                    _mma_tile(acc, codes, srows.__getitem__, h, a_smem)
                     return acc[...]
 
                 y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
