@@ -20,7 +20,9 @@
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
-#   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k and the grouping forms, T 1-512 -> moe_route.*
+#   moe_next     nvidia-h200      the routed experts L2-cold, under skewed routing, and with split_groups (~7 min)
+#                                 -> moe_layer_cold.*, moe_layer_skewed.*, moe_layer_skewed_split.*
+#   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 # One machine kind at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -86,6 +88,14 @@ case "${1:-}" in
     ;;
   moe_layer)
     step moe_layer 300 python3 bench/moe_layer.py "$work" --impls packed
+    ;;
+  moe_next)  # a popular expert's group in several tiles: serial in one CTA, or split_groups' CTAs side by side
+    step moe_cold 200 python3 bench/moe_layer.py "$work" --tps 16 --impls packed --cold --tokens 1,2,4,8,64 \
+      --name moe_layer_cold
+    step moe_skewed 200 python3 bench/moe_layer.py "$work" --tps 16 --impls packed --routing skewed \
+      --tokens 8,16,32,64,128,512 --name moe_layer_skewed
+    step moe_skewed_split 120 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --routing skewed \
+      --split-groups --tokens 16,32,64,128,512 --name moe_layer_skewed_split
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"

@@ -4,7 +4,7 @@ widths on one GPU: the sm90 grouped MXFP4 kernels (policy latency_specialized) a
 the HBM time of reading every distinct selected expert's bytes once (1.10 MB per expert at TP16, 2.2 at TP8).
 
   PYTHONPATH=. python3 bench/moe_layer.py [OUT_DIR] [--tps 16,8] [--tokens 1,2,4,8,16,32,64,128,512]
-      [--impls packed,gather] [--name moe_layer]
+      [--impls packed,gather] [--name moe_layer] [--routing uniform|skewed] [--cold] [--split-groups]
   (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
 
 Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
@@ -46,30 +46,65 @@ def expert_bytes(ex) -> int:
     return sum(a.nbytes for a in ex.values()) // E
 
 
-def inputs(key, T):
-    kz, ks, kw = jax.random.split(key, 3)
-    _, sel = jax.lax.top_k(jax.random.normal(ks, (T, E)), K_TOP)
+ROUTINGS = ("uniform", "skewed")
+SKEW_BIAS_STD = 0.1  # params.init_tensor's router_bias
+
+
+def inputs(key, T, routing="uniform"):
+    """z, sel, w for T tokens. uniform: top-16 of independent normal scores (every expert equally likely: the
+    distinct counts of the module docstring). skewed: top-16 of sigmoid(normal logits) + a per-expert bias of
+    std 0.1 that every token shares, as the rank slice's randomly initialised router picks: popular experts
+    take many tokens (groups larger than a token tile)."""
+    kz, ks, kw, kb = jax.random.split(key, 4)
+    scores = jax.random.normal(ks, (T, E))
+    if routing == "skewed":
+        scores = jax.nn.sigmoid(scores) + SKEW_BIAS_STD * jax.random.normal(kb, (E,))
+    _, sel = jax.lax.top_k(scores, K_TOP)
     w = jax.random.uniform(kw, (T, K_TOP), minval=0.05, maxval=1.0)
     return jax.random.normal(kz, (T, L), jnp.bfloat16), sel.astype(jnp.int32), w
 
 
-def variants(impls):
-    """The kernel at every T (tuning.json's launches, its serving threshold set aside) and each XLA path."""
+L2_FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
+
+
+def cold(f):
+    """f with a 256 MB read before it (the experts' bytes then come from HBM, not from the last run's L2; at
+    T <= 8 the 16-118 experts of a run fit the L2) and the flush alone, whose time the caller subtracts."""
+    junk = jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32)
+
+    def flush(junk):
+        return jnp.sum(junk)
+
+    def flushed(ex, z, sel, w, junk):
+        z = z + (0 * flush(junk)).astype(z.dtype)  # a data dependency: the flush runs first
+        return f(ex, z, sel, w)
+
+    return jax.jit(flushed), jax.jit(flush), junk
+
+
+def variants(impls, split_groups=False):
+    """The kernel at every T (tuning.json's launches, its serving threshold set aside; split_groups forced on
+    where asked) and each XLA path."""
     moe = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
     moe["sm90"]["serve_min_tokens"] = 1
+    for entry in moe["sm90"]["launch"] if split_groups else ():
+        entry["split_groups"] = True
     tuning = policy_lib.Tuning.from_files(moe=moe)
     out = {"kernel": policy_lib.DecodePolicy("latency_specialized", tuning=tuning)}
-    out.update({f"xla_{impl}": policy_lib.DecodePolicy(moe_impl=impl) for impl in impls})
+    out.update({f"xla_{impl}": policy_lib.DecodePolicy(moe_impl=impl) for impl in impls if impl})
     return out
 
 
-def main(out_dir, tps, tokens, impls, name):
+def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, split_groups=False):
     dev = jax.devices()[0]
     results = dict(
         device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
         jax=jax.__version__,
         what="pallas_kernels.moe.routed_experts: grouped MXFP4 experts, z [T, 3584] -> y [T, 3584]",
-        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs",
+        measure=f"CUPTI device time per call (summed kernel time), median of {ITERS} runs"
+        + (", L2 flushed before each call (the flush's time subtracted)" if l2_cold else ", L2 warm from the last run"),
+        routing=routing,
+        split_groups=split_groups,
         floor=f"distinct experts x bytes per expert / {HBM_TB_S} TB/s",
         rows=[],
     )
@@ -78,23 +113,29 @@ def main(out_dir, tps, tokens, impls, name):
         ex = experts(jax.random.key(tp), I)
         per_expert = expert_bytes(ex)
         for T in tokens:
-            z, sel, w = inputs(jax.random.key(1000 + T), T)
+            z, sel, w = inputs(jax.random.key(1000 + T), T, routing)
             distinct = int(jnp.unique(sel).size)
+            largest = int(jnp.max(jnp.bincount(sel.reshape(-1), length=E)))
             floor_us = distinct * per_expert / (HBM_TB_S * 1e6)
-            row = dict(tp=tp, I=I, T=T, distinct=distinct, expert_mb=per_expert / 1e6, floor_us=floor_us)
+            row = dict(tp=tp, I=I, T=T, distinct=distinct, largest_group=largest, expert_mb=per_expert / 1e6)
+            row["floor_us"] = floor_us
             outs = {}
-            for v, pol in variants(impls).items():
+            for v, pol in variants(impls, split_groups).items():
 
                 def f(ex, z, sel, w, pol=pol):
                     return api.routed_experts(ex, z, sel, w, **BETA, policy=pol)
 
-                f = jax.jit(f)
                 args = (ex, z, sel, w)
+                if l2_cold:
+                    f, flush, junk = cold(f)
+                    args, flush_us = (*args, junk), device_us(flush, junk)
+                else:
+                    f, flush_us = jax.jit(f), 0.0
                 try:
                     with policy_lib.recording(policy_lib.DispatchLog()) as log:
                         outs[v] = f(*args)  # traced here: the log says what ran
                     row[f"{v}_ran"] = log.ops[api.OP]
-                    row[f"{v}_us"] = device_us(f, *args)
+                    row[f"{v}_us"] = device_us(f, *args) - flush_us
                     row[f"{v}_kernels"] = len(kernel_names(f, *args))
                     if v == "kernel":
                         row[f"{v}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
@@ -123,14 +164,17 @@ def write_table(results, path, names):
     lines = [
         f"# Routed experts of one MoE sublayer ({results['device']}, jax {results['jax']})",
         "",
-        f"{results['what']}; {results['measure']}; floor = {results['floor']}. Cells: us (kernels, floor / time).",
+        f"{results['what']}; {results['measure']}; routing {results['routing']}"
+        + (", the kernel with split_groups" if results["split_groups"] else "")
+        + f"; floor = {results['floor']}. Cells: us (kernels, floor / time).",
         "",
-        "| TP | T | distinct experts | floor us | " + " | ".join(f"{n} us" for n in names) + " |",
-        "|---|---|---|---|" + "---|" * len(names),
+        "| TP | T | distinct experts | largest group | floor us | " + " | ".join(f"{n} us" for n in names) + " |",
+        "|---|---|---|---|---|" + "---|" * len(names),
     ]
     for r in results["rows"]:
         cells = " | ".join(_cell(r, n) for n in names)
-        lines.append(f"| {r['tp']} | {r['T']} | {r['distinct']} | {r['floor_us']:.1f} | {cells} |")
+        big = r.get("largest_group", "-")
+        lines.append(f"| {r['tp']} | {r['T']} | {r['distinct']} | {big} | {r['floor_us']:.1f} | {cells} |")
     pathlib.Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -142,7 +186,10 @@ if __name__ == "__main__":
     ap.add_argument("out_dir", nargs="?", default=str(pathlib.Path(__file__).parent / "results"))
     ap.add_argument("--tps", type=ints, default=(16, 8))
     ap.add_argument("--tokens", type=ints, default=TOKENS)
-    ap.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("packed", "gather"))
+    ap.add_argument("--impls", type=lambda s: tuple(i for i in s.split(",") if i), default=("packed", "gather"))
     ap.add_argument("--name", default="moe_layer")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform")
+    ap.add_argument("--cold", action="store_true", help="flush the L2 before each call")
+    ap.add_argument("--split-groups", action="store_true", help="the kernel with tuning's split_groups on")
     a = ap.parse_args()
-    main(a.out_dir, a.tps, a.tokens, a.impls, a.name)
+    main(a.out_dir, a.tps, a.tokens, a.impls, a.name, a.routing, a.cold, a.split_groups)

@@ -143,6 +143,39 @@ def test_grouping_of_one_token_gives_each_choice_its_own_group(rng):
     np.testing.assert_array_equal(g.row_P, grouping.ALIGN * np.arange(k))
 
 
+def test_split_groups_cuts_each_group_into_tile_sized_pieces(rng):
+    T, k, E, N = int(rng.integers(9, 40)), 4, 16, 8
+    sel, _ = make_routing(rng, T, k, E, unchosen=int(rng.integers(0, 6)))  # one expert every token chose
+    g = grouping.group_by_expert(jnp.asarray(sel), E)
+    got = np.asarray(jax.jit(grouping.split_groups, static_argnums=(1, 2, 3, 4))(g.slots_3S, T, k, E, N))
+    assert got.shape == (3, grouping.num_pieces(T, k, E, N))
+    want = [
+        (e, first + j, min(N, size - j))
+        for e, first, size in np.asarray(g.slots_3S).T
+        if size
+        for j in range(0, size, N)
+    ]
+    n = len(want)
+    np.testing.assert_array_equal(got[:, :n].T, want)
+    np.testing.assert_array_equal(got[2, n:], 0)  # idle
+    assert max(size for _, _, size in want) <= N < T  # the shared expert's group was cut
+
+
+@cpu_only
+def test_kernel_interpret_with_split_groups_matches_the_reference(rng):
+    """split_groups: a group of T = 12 (the expert every token chose) as two tiles on two CTAs."""
+    T, E, I, L = 12, 10, 64, 512
+    np_ex, ex, z, sel, w = inputs(rng, T, E, I, L)
+    tuning = {"sm90": {"launch": [{**TUNING["sm90"]["launch"][0], "split_groups": True}]}}
+    with abstract_gpu("sm90"):
+        got = sm90.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
+        )
+    assert not races_found()
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
+
+
 @cpu_only
 def test_pair_rows_copies_each_token_to_its_pairs_rows(rng):
     T, k, E, L = 7, 4, 12, 256

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.moe import grouping
 
 UP_BLOCK = 256  # codes bytes per K step of W1/W3: its scale tile [64, 16] is the TMA's 16-byte minimum
 W1_ROWS = 64  # W1 / W3 rows per gate/up tile (sm100 stacks W1's over W3's into its 128-row MMA)
@@ -21,6 +22,7 @@ class Launch:
     down_steps: int  # ... in the down kernel
     up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
     down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
+    split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -34,6 +36,16 @@ def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
         )
     fields = {f.name for f in dataclasses.fields(Launch)}
     return Launch(**{k: v for k, v in entry.items() if k in fields})
+
+
+def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
+    """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so."""
+    groups = grouping.group_by_expert(sel_Tk, num_experts)
+    if not launch.split_groups:
+        return groups
+    T, k = sel_Tk.shape
+    pieces = grouping.split_groups(groups.slots_3S, T, k, num_experts, launch.tokens_per_tile)
+    return grouping.Groups(row_P=groups.row_P, slots_3S=pieces)
 
 
 def expert_shapes(experts):

@@ -76,6 +76,32 @@ def group_by_expert(sel_Tk, num_experts: int) -> Groups:
     return Groups(row_P=first_row + before, slots_3S=slots)
 
 
+def num_pieces(T: int, k: int, E: int, n_tokens: int) -> int:
+    """Entries of split_groups' table: at most every group's ceil(size / n_tokens), sum(size) = T k."""
+    P, S = T * k, num_slots(T, k, E)
+    return min(P, (P + (n_tokens - 1) * S) // n_tokens)
+
+
+def split_groups(slots_3S, T: int, k: int, E: int, n_tokens: int):
+    """The slot table with each group cut into pieces of at most n_tokens rows, one token tile each: a group
+    larger than a tile (a popular expert) then runs on as many CTAs side by side, not tile after tile in one
+    CTA. [3, U] (U = num_pieces), the pieces of a group in row order, idle entries size 0. A group never has
+    more than T rows (a token's choices are different experts), so for T <= n_tokens it is the table itself."""
+    if T <= n_tokens:
+        return slots_3S
+    e, first, size = slots_3S
+    n = (size + n_tokens - 1) // n_tokens  # pieces per slot
+    g = jnp.arange(size.shape[0], dtype=I32)
+    ends = _count(g[None, :] <= g[:, None], n[None, :])  # [g, g']: the pieces up to and including slot g
+    u = jnp.arange(num_pieces(T, k, E, n_tokens), dtype=I32)
+    slot = _count(ends[None, :] <= u[:, None])  # [u, g]: the slot piece u belongs to (S: none)
+    j = u - jnp.take(ends - n, slot, mode="clip")  # its index within the group
+    rows = jnp.take(size, slot, mode="fill", fill_value=0) - j * n_tokens
+    return jnp.stack(
+        [jnp.take(e, slot, mode="clip"), jnp.take(first, slot, mode="clip") + j * n_tokens, jnp.clip(rows, 0, n_tokens)]
+    )
+
+
 def pair_rows(x_TL, groups: Groups, k: int, num_experts: int, *, interpret=None):
     """x [T, L] -> [R, L]: token t's row at the rows of its k pairs (the padding rows unwritten)."""
     T, L = x_TL.shape

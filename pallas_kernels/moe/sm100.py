@@ -449,7 +449,7 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")
 def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, out_dtype=BF16):
     """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
     E = experts["w1_codes"].shape[0]
-    groups = grouping.group_by_expert(sel_Tk, E)
+    groups = bodies.group(sel_Tk, E, launch)
     x = grouping.pair_rows(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
     part = gate_up(experts, groups.slots_3S, x, launch=launch, interpret=interpret)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)

@@ -401,7 +401,7 @@ def grouped(
 ):
     """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
     E = experts["w1_codes"].shape[0]
-    groups = grouping.group_by_expert(sel_Tk, E)
+    groups = bodies.group(sel_Tk, E, launch)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
     x = pair_inputs(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
     part = gate_up(experts, groups.slots_3S, x, **kw)
