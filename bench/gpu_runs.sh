@@ -10,6 +10,9 @@
 #   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
 #   rank_slice   nvidia-h200      the TP16 rank slice, 12 layers, B 1 and 64, both backends (~4 min), and its decode
 #                                 report -> rank_slice_kernels.*, decode_rank_slice_kernels.*
+#   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
+#                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
+#                                 -> rank_slice_spec.*
 #   decode       nvidia-h200      the engine on 4 real-width layers, B 1 and 8 -> decode_k3_4layers_auto_tp1.*
 #   kda_decode   nvidia-h200      the KDA decode table, fla's numbers reused from results -> kda_decode.*
 #   kda_cold     nvidia-h200      the KDA decode with a cold L2 -> kda_decode_cold.json
@@ -57,6 +60,11 @@ case "${1:-}" in
       --backends xla,latency_specialized --out "$work" --tag _kernels
     step decode_report 60 env JAX_PLATFORMS=cpu python3 bench/decode.py --rank-slice "$work/rank_slice_kernels.json" --tag rank_slice_kernels \
       --out "$work"
+    ;;
+  rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+    step rank_slice_spec 560 python3 bench/rank_slice.py --layers 12 --batches 1,8 --speculative 7 \
+      --backends xla,latency_specialized --budget-s 420 --out "$work" --tag _spec
     ;;
   decode)
     step decode 560 python3 bench/decode.py --preset k3 --layers 4 --batches 1,8 --input-len 64 --output-len 33 \

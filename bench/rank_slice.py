@@ -12,9 +12,14 @@ so the collective term is added separately from bench/collectives.py measurement
   ends in an AttnRes join) and in decode ops by their fusion's op_name label in the optimised HLO.
 - Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read)
   / 4.8 TB/s, and / the copy bandwidth measured here.
+- --speculative K: also the DSpark speculative round at each (layers, backend, batch), as speculative._step
+  runs it but in three programs timed apart: verify over [anchor + K drafts] with synthetic acceptance, the
+  commit, the drafter (observe + propose; replicated, so one rank runs all of it); tokens/s at a synthetic
+  acceptance length (--acceptance-length, default 6) -> the outputs' "speculative" section.
 
 Device: PYTHONPATH=. python3 bench/rank_slice.py --out $OUT [--layers 24] [--backends xla,latency_specialized]
-CPU check: python bench/rank_slice.py --preset demo --layers 4 --batches 1,2 --out /tmp/rs
+  [--speculative 7]
+CPU check: python bench/rank_slice.py --preset demo --layers 4 --batches 1,2 --out /tmp/rs [--speculative 3]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from k3jax import cache as cache_lib
 from k3jax import model
 from k3jax import params as params_lib
 from k3jax import sharding as sh
+from k3jax import speculative as spec_lib
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
 from pallas_kernels.policy import MOE_IMPLS, DecodePolicy
@@ -199,6 +205,69 @@ def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
     return jax.jit(step, donate_argnums=(2,))
 
 
+# ---- the speculative round (--speculative K) ---------------------------------------------------------------
+# speculative._step is one program: propose, verify, accept, commit, observe. Here it is three, each timed on
+# its own: verify + accept (the target's forward over the block), commit (KDA state advance: per KDA layer,
+# outside the trunk, so launch order would put it in embed/head), and the drafter (observe + propose: its
+# weights are replicated under tp, so every rank runs all of it, independent of the target's depth).
+
+
+def make_verify(cfg: K3Config, comm: Comm, acceptance_length: float, dtype=jnp.bfloat16):
+    """(params, anchor [B], drafts [B,K], cache, key) -> (n_commit [B], next anchor [B], pending, key):
+    speculative.verify over [anchor + K drafts], then synthetic acceptance (greedy next token)."""
+
+    def step(params, anchor_B, drafts_BK, cache, key):
+        block = jnp.concatenate([anchor_B[:, None], drafts_BK], axis=1)
+        logits, pending, _ = spec_lib.verify(params, block, cache, cfg, dtype, comm=comm)
+        key, k_acc = jax.random.split(key)
+        n_acc, nxt = spec_lib.accept_synthetic(k_acc, logits, drafts_BK, acceptance_length, 0.0)
+        return n_acc + 1, nxt, pending, key
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
+def make_commit(comm: Comm):
+    """(pending without its commit data, the commit data, n_commit [B]) -> cache: speculative.commit of the
+    anchor + accepted drafts. Only the cache is donated: the commit data have no output to alias."""
+
+    def step(cache, kda_commit, n_commit_B):
+        return spec_lib.commit(dict(cache, kda_commit=kda_commit), n_commit_B, comm.policy)
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def _split_pending(pending: dict) -> tuple[dict, dict]:
+    return {k: v for k, v in pending.items() if k != "kda_commit"}, pending["kda_commit"]
+
+
+def drafter_config(cfg: K3Config):
+    """The released DSpark drafter where it fits the target (k3), else a tiny one made for it."""
+    from k3jax import drafter_params as DP
+
+    try:
+        DP.check_target(DP.DSparkConfig(), cfg)
+        return DP.DSparkConfig()
+    except ValueError:
+        from convert.fake_dspark import tiny_dspark_config
+
+        return tiny_dspark_config(cfg)
+
+
+def make_drafter_round(drafter, num_draft: int, comm: Comm, dtype=jnp.bfloat16):
+    """(draft params, target embed/head, state, anchor, drafts, n_commit, lengths, taps) -> (next drafts, state):
+    observe the committed block, then propose K drafts after the new anchor (the step proposes first and
+    observes last; per round the work is the same). Greedy drafting: synthetic acceptance ignores the drafts."""
+
+    def step(dp, head, state, anchor_B, drafts_BK, n_commit_B, lengths_B, taps, next_B):
+        block = jnp.concatenate([anchor_B[:, None], drafts_BK], axis=1)
+        state = drafter.observe(dp, head, state, block, n_commit_B, lengths_B - n_commit_B, taps, comm=comm)
+        key = jax.random.key(0)  # unused at temperature 0
+        prop = drafter.propose(dp, head, state, next_B, lengths_B, num_draft, key, 0.0, comm=comm)
+        return prop.drafts_BK, state
+
+    return jax.jit(step, donate_argnums=(2,))
+
+
 # ---- bytes and the floor ----------------------------------------------------------------------------------
 
 
@@ -283,6 +352,39 @@ def time_steps(step, params, tokens, cache, iters: int):
         raise RuntimeError(f"{len(timings)} kernels over {iters} steps")
     per_step = [[(name, 1e3 * ms) for name, ms in timings[i * n : (i + 1) * n]] for i in range(iters)]
     return per_step, tokens, cache
+
+
+def cupti_call(f, *args):
+    """(f(*args), its kernels [(name, us)]): CUPTI over one call, the inputs ready first so that no earlier
+    work lands in it."""
+    jax.block_until_ready(args)
+    ext = _cupti()
+    ext._cupti_init()
+    try:
+        out = jax.block_until_ready(f(*args))
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return out, [(name, 1e3 * ms) for name, ms in timings]
+
+
+SPEC_PROGRAMS = ("verify", "commit", "drafter")
+
+
+def spec_rounds(exes, p, dp, head, taps, st, rounds: int, timed: bool):
+    """`rounds` speculative rounds, state (anchor, drafts, cache, drafter state) threaded as in serving ->
+    ({program: per-round kernel lists} if timed, st)."""
+    verify, commit, drafter = exes
+    call = cupti_call if timed else (lambda f, *a: (f(*a), []))
+    anchor, drafts, cache, dstate, key = st
+    kernels = {k: [] for k in SPEC_PROGRAMS}
+    for _ in range(rounds):
+        (n_commit, nxt, pending, key), kv = call(verify, p, anchor, drafts, cache, key)
+        cache, kc = call(commit, *_split_pending(pending), n_commit)
+        (drafts, dstate), kd = call(drafter, dp, head, dstate, anchor, drafts, n_commit, cache["lengths"], taps, nxt)
+        anchor = nxt
+        for k, ks in zip(SPEC_PROGRAMS, (kv, kc, kd), strict=True):
+            kernels[k].append(ks)
+    return (kernels if timed else None), (anchor, drafts, cache, dstate, key)
 
 
 def wall_per_step_us(step, params, tokens, cache, iters: int):
@@ -680,6 +782,7 @@ def run(args, log=print) -> dict:
 
     pool = cf.ThreadPoolExecutor(max_workers=args.compile_threads)
     jobs = {k: pool.submit(compile_one, *k) for k in keys}
+    spec_jobs = submit_spec(args, base_cfg, keys, pool) if args.speculative else None
     t = time.perf_counter()
     bar = _bar(cfg.num_hidden_layers, "weights")
     gen_pool = cf.ThreadPoolExecutor(max_workers=4)
@@ -720,6 +823,8 @@ def run(args, log=print) -> dict:
         jobs[key] = None
         if args.out:
             write(result, args.out, args.tag)
+    if spec_jobs:
+        run_spec(args, result, base_cfg, keys, spec_jobs, params, rng, on_gpu, log, t_start)
     pool.shutdown(wait=False, cancel_futures=True)
     result["total_s"] = time.perf_counter() - t_start
     return result
@@ -775,6 +880,189 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
     entry["full_estimate_us"] = full_model_estimate(result, entry)["step_us"] if on_gpu else None
     del cache
     return entry
+
+
+def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
+    """Compile the speculative programs in `pool`: verify + commit per key, the drafter per batch."""
+    from k3jax.drafter import DSparkDrafter
+    from k3jax.drafter_params import tensor_table
+
+    K, tp, ctx = args.speculative, args.tp, args.context
+    al = float(min(args.acceptance_length, K + 1))
+    dc = drafter_config(base_cfg)
+    drafter = DSparkDrafter(dc)
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    def compile_spec(n, backend, B):
+        c = truncate(base_cfg, n)
+        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
+        cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        t = time.perf_counter()
+        lowered = make_verify(c, comm, al).lower(abstract_local_params(c, tp), i32(B), i32(B, K), cache, key)
+        verify = lowered.compile()
+        commit = make_commit(comm).lower(*_split_pending(lowered.out_info[2]), i32(B)).compile()
+        return comm, (verify, commit), time.perf_counter() - t
+
+    def compile_drafter(B):
+        comm = StubComm("tp", DecodePolicy("xla"), tp=tp)  # the drafter's ops take no decode policy
+        top = abstract_local_params(truncate(base_cfg, 1), tp)
+        dp = params_lib.unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in tensor_table(dc)})
+        state = jax.eval_shape(lambda: drafter.init_state(B, ctx, jnp.bfloat16))
+        taps = {L: jax.ShapeDtypeStruct((B, K + 1, base_cfg.hidden_size), jnp.bfloat16) for L in dc.target_layer_ids}
+        t = time.perf_counter()
+        exe = make_drafter_round(drafter, K, comm).lower(
+            dp, {k: top[k] for k in ("embed", "lm_head")}, state, i32(B), i32(B, K), i32(B), i32(B), taps, i32(B)
+        )
+        return comm, exe.compile(), time.perf_counter() - t
+
+    return {
+        "acceptance_length": al,
+        "drafter": drafter,
+        "progs": {k: pool.submit(compile_spec, *k) for k in keys},
+        "drafter_progs": {B: pool.submit(compile_drafter, B) for B in sorted({k[2] for k in keys})},
+    }
+
+
+def run_spec(args, result, base_cfg: K3Config, keys, jobs, params, rng, on_gpu, log, t_start):
+    """The "speculative" section: one entry per key, after the plain ones (their programs compile meanwhile)."""
+    from k3jax.drafter_params import DSparkConfig, tensor_table
+
+    K, dc = args.speculative, jobs["drafter"].config
+    dspecs = tensor_table(dc)
+    spec = result["speculative"] = {
+        "num_draft": K,
+        "tokens_per_verify": K + 1,
+        "acceptance_length": jobs["acceptance_length"],
+        "acceptance_length_requested": args.acceptance_length,
+        "definition": SPEC_DEFINITION,
+        "drafter": {
+            "kind": "dspark",
+            "config": "release" if dc == DSparkConfig() else "tiny (convert.fake_dspark)",
+            "layers": dc.num_hidden_layers,
+            "weight_bytes": sum(s.nbytes for s in dspecs),
+        },
+        "compile_s": {},
+        "runs": [],
+    }
+    dp = jax.jit(partial(_gen, dspecs))(jax.random.key(args.seed + 1))  # replicated: the whole drafter per rank
+    head = {k: params[k] for k in ("embed", "lm_head")}
+    for key in keys:
+        n, backend, B = key
+        name = f"L{n}/{backend}/b{B}"
+        left = args.budget_s - (time.perf_counter() - t_start)
+        try:
+            comm, (verify, commit), secs = jobs["progs"][key].result(timeout=max(left, 0.01))
+            dcomm, draft_exe, dsecs = jobs["drafter_progs"][B].result(timeout=max(left, 0.01))
+        except cf.TimeoutError:
+            log(f"budget reached waiting for speculative {name}: skipped")
+            continue
+        except Exception as e:
+            log(f"speculative compile failed for {name}: {e!r}")
+            result.setdefault("errors", []).append(f"{name} speculative compile: {e!r}"[:2000])
+            continue
+        spec["compile_s"][name] = secs
+        spec["compile_s"][f"drafter/b{B}"] = dsecs
+        if time.perf_counter() - t_start > args.budget_s:
+            log(f"budget reached: skipping speculative {name}")
+            continue
+        c = truncate(base_cfg, n)
+        p = dict(params, layers=params["layers"][:n])
+        try:
+            entry = _measure_spec(
+                args, result, c, p, dp, head, (verify, commit, draft_exe), jobs["drafter"], key, rng, on_gpu
+            )
+        except Exception as e:
+            log(f"speculative run failed for {name}: {e!r}")
+            result.setdefault("errors", []).append(f"{name} speculative run: {e!r}"[:2000])
+            continue
+        entry["collectives"] = dict(comm.counts)
+        entry["drafter_collectives"] = dict(dcomm.counts)
+        spec["runs"].append(entry)
+        if entry["verify_us"] is not None:
+            est = entry["full_estimate"]
+            log(
+                f"L{n} {backend:>20} b{B:<3} verify {entry['verify_us']:9.1f} us ({entry['verify_kernels']} kernels)"
+                f"  commit {entry['commit_us']:.1f}  drafter {entry['drafter_us']:.1f}  est. round "
+                f"{est['round_us']:.0f} us  {entry['tokens_per_s']:.0f} tok/s at AL {spec['acceptance_length']}"
+                f"  (t={time.perf_counter() - t_start:.0f} s)"
+            )
+        if args.out:
+            write(result, args.out, args.tag)
+
+
+def _measure_spec(args, result, c, p, dp, head, exes, drafter, key, rng, on_gpu) -> dict:
+    n, backend, B = key
+    K, tp, ctx = args.speculative, args.tp, args.context
+    rounds = 2 + 2 * args.iters
+    cache = new_cache(c, tp, B, ctx)
+    cache["lengths"] = jnp.full((B,), max(ctx - 64 - (K + 1) * rounds, 0), jnp.int32)  # every round's rows fit
+    dstate = jax.jit(lambda: drafter.init_state(B, ctx, jnp.bfloat16))()
+    taps = {  # what verify would tap at the drafter's layers: random, a truncated target may not have them
+        L: jax.random.normal(jax.random.key(L), (B, K + 1, c.hidden_size), jnp.bfloat16)
+        for L in drafter.config.target_layer_ids
+    }
+    st = (
+        jnp.asarray(rng.integers(0, c.vocab_size, B), jnp.int32),
+        jnp.asarray(rng.integers(0, c.vocab_size, (B, K)), jnp.int32),
+        cache,
+        dstate,
+        jax.random.key(args.seed),
+    )
+    _, st = spec_rounds(exes, p, dp, head, taps, st, 2, False)  # warm-up
+    entry = {"layers": n, "layer_kinds": dict(Counter(c.layer_kinds)), "backend": backend, "batch": B}
+    for prog in SPEC_PROGRAMS:
+        entry[f"{prog}_us"] = None
+    if on_gpu:
+        kernels, st = spec_rounds(exes, p, dp, head, taps, st, args.iters, True)
+        for prog in SPEC_PROGRAMS:
+            sums = [sum(us for _, us in k) for k in kernels[prog]]
+            entry[f"{prog}_us"] = statistics.median(sums)
+            entry[f"{prog}_us_all"] = sums
+            entry[f"{prog}_kernels"] = len(kernels[prog][0])
+        rows = attribute(kernels["verify"][0], hlo_scopes(exes[0].as_text()), c)
+        entry["summary"] = summarize(rows, c)
+        entry["kernels"] = [[r["name"], round(r["us"], 3), r["layer"], r["op"]] for r in rows]
+        for prog in ("commit", "drafter"):
+            entry[f"{prog}_kernel_list"] = [[name, round(us, 3)] for name, us in kernels[prog][0]]
+    iters = args.iters if on_gpu else 1
+    jax.block_until_ready(st)
+    t = time.perf_counter()
+    _, st = spec_rounds(exes, p, dp, head, taps, st, iters, False)
+    jax.block_until_ready(st)
+    entry["wall_us_per_round"] = 1e6 * (time.perf_counter() - t) / iters
+    entry.update(spec_estimate(result, entry, result["speculative"]["acceptance_length"]))
+    return entry
+
+
+SPEC_DEFINITION = (
+    "acceptance_length: tokens a sequence emits per verify round (accepted drafts + the correction or bonus "
+    "token), fixed by speculative.synthetic_rates; tokens/s = batch x acceptance_length / (verify + commit + "
+    "drafter) device time per round, verify and commit scaled to the full model, no collectives"
+)
+
+
+def spec_estimate(result: dict, entry: dict, acceptance_length: float) -> dict:
+    """A speculative entry at the full depth: verify by layer kind (full_model_estimate), commit by the count of
+    KDA layers (its lengths update is one tiny kernel), the drafter as measured (it has no target layers)."""
+    if entry.get("verify_us") is None:
+        return {"full_estimate": None, "tokens_per_s": None}
+    full = preset(result["preset"])
+    run_like = {"layers": entry["layers"], "step_us": entry["verify_us"], "summary": entry["summary"]}
+    verify = full_model_estimate(result, run_like)["step_us"]
+    commit = entry["commit_us"] * len(full.kda_layers) / max(len(truncate(full, entry["layers"]).kda_layers), 1)
+    round_us = verify + commit + entry["drafter_us"]
+    return {
+        "full_estimate": {
+            "verify_us": verify,
+            "commit_us": commit,
+            "drafter_us": entry["drafter_us"],
+            "round_us": round_us,
+        },
+        "tokens_per_s": entry["batch"] * acceptance_length / round_us * 1e6,
+    }
 
 
 def _bar(total, desc):
@@ -895,7 +1183,55 @@ def markdown(result: dict) -> str:
     if result["runs"]:
         r0 = result["runs"][0]
         lines += ["", f"Collectives per step at {r0['layers']} layers (stubbed, counted): {r0['collectives']}"]
+    if result.get("speculative"):
+        lines += spec_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+def spec_markdown(result: dict) -> list[str]:
+    sp, F = result["speculative"], result["full_layers"]
+    K, al = sp["num_draft"], sp["acceptance_length"]
+    dr = sp["drafter"]
+    lines = [
+        "",
+        f"## Speculative round: DSpark, K = {K} drafts, synthetic acceptance length {al:g}",
+        "",
+        f"speculative._step's round as three programs: verify (the target over [anchor + {K} drafts] per sequence:"
+        f" MLA rows written for the block, KDA verify without state writes, the MoE over batch x {K + 1} tokens,"
+        " logits at every row, synthetic acceptance), commit (KDA state and conv advanced by the accepted tokens),"
+        f" drafter (DSpark observe of the committed block + propose of the next {K}; {dr['layers']} layers,"
+        f" {dr['weight_bytes'] / 1e9:.2f} GB, replicated: every rank runs all of it; its taps of the target are"
+        f" random inputs here). {sp['definition']}. 'est. {F}-layer': verify scaled per layer kind as the decode"
+        " step, commit by the count of KDA layers.",
+        "",
+    ]
+    if al != sp["acceptance_length_requested"]:
+        lines += [f"(acceptance length {sp['acceptance_length_requested']:g} asked; at most K + 1 = {K + 1}.)", ""]
+    lines += [
+        f"| layers | backend | batch | verify us | kernels | commit us | drafter us | est. {F}-layer verify us | "
+        f"est. {F}-layer commit us | est. round us | tok/s, no collectives | x plain decode |",
+        "|" + "---|" * 12,
+    ]
+    plain = {  # the decode step's tok/s (as in the first table) at the same layers, backend and batch
+        (x["layers"], x["backend"], x["batch"]): x["batch"] / (x.get("full_estimate_us") or x["step_us"]) * 1e6
+        for x in result["runs"]
+        if x.get("step_us")
+    }
+    for r in sp["runs"]:
+        if r.get("verify_us") is None:
+            continue
+        est = r["full_estimate"]
+        base = plain.get((r["layers"], r["backend"], r["batch"]))
+        gain = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        lines.append(
+            f"| {r['layers']} | {r['backend']} | {r['batch']} | {r['verify_us']:.0f} | {r['verify_kernels']} | "
+            f"{r['commit_us']:.0f} | {r['drafter_us']:.0f} | {est['verify_us']:.0f} | {est['commit_us']:.0f} | "
+            f"{est['round_us']:.0f} | {r['tokens_per_s']:.0f} | {gain} |"
+        )
+    if sp["runs"]:
+        r0 = sp["runs"][0]
+        lines += ["", f"Collectives per verify at {r0['layers']} layers (stubbed, counted): {r0['collectives']}"]
+    return lines
 
 
 _KINDS = ("kda_dense", "kda_moe", "mla_moe", "mla_dense", "embed/head")
@@ -971,6 +1307,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-threads", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining measurements after this")
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time the DSpark verify round over anchor + K drafts (0: off)",
+    )
+    p.add_argument("--acceptance-length", type=float, default=6.0, help="synthetic, for --speculative's tokens/s")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="")
     p.add_argument("--resummarize", default=None, help="recompute summaries of a saved rank_slice JSON")
@@ -982,16 +1326,24 @@ def resummarize(path: str) -> dict:
     with open(path) as f:
         result = json.load(f)
     for r in result["runs"]:
-        if not r.get("kernels"):
-            continue
-        c = truncate(preset(result["preset"]), r["layers"])
-        rows = assign_layers(
-            [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in r["kernels"]], c
-        )
-        r["summary"] = summarize(rows, c)
-        r["kernels"] = [[x["name"], x["us"], x["layer"], x["op"]] for x in rows]
-        r["full_estimate_us"] = full_model_estimate(result, r)["step_us"]
+        if _reattribute(result, r):
+            r["full_estimate_us"] = full_model_estimate(result, r)["step_us"]
+    for r in (result.get("speculative") or {}).get("runs", []):
+        if _reattribute(result, r):
+            r.update(spec_estimate(result, r, result["speculative"]["acceptance_length"]))
     return result
+
+
+def _reattribute(result: dict, r: dict) -> bool:
+    if not r.get("kernels"):
+        return False
+    c = truncate(preset(result["preset"]), r["layers"])
+    rows = assign_layers(
+        [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in r["kernels"]], c
+    )
+    r["summary"] = summarize(rows, c)
+    r["kernels"] = [[x["name"], x["us"], x["layer"], x["op"]] for x in rows]
+    return True
 
 
 def main(argv=None):

@@ -375,3 +375,55 @@ def test_layers_fall_back_to_the_hlo_scopes_when_the_order_does_not_split(rng):
         [{"name": n, "us": us, "layer": L, "op": op, "named": op != n} for n, us, L, op in kernels], cfg
     )
     assert not rows[0]["segmented"] and rs.summarize(rows, cfg)["layers_from"] == "HLO scopes"
+
+
+def test_rank_slice_speculative_runs_on_cpu(tmp_path):
+    """--speculative K at a tiny config: the plain decode entry as before, plus the "speculative" section
+    (verify, commit and drafter programs threaded through rounds; on CPU structure and wall time only)."""
+    rs.main(
+        ["--preset", "demo", "--layers", "4", "--batches", "1", "--context", "64", "--iters", "1"]
+        + ["--speculative", "3", "--out", str(tmp_path)]
+    )
+    data = json.loads((tmp_path / "rank_slice.json").read_text())
+    assert [(r["layers"], r["backend"], r["batch"]) for r in data["runs"]] == [(4, "xla", 1)]
+    assert "errors" not in data
+    sp = data["speculative"]
+    assert (sp["num_draft"], sp["tokens_per_verify"]) == (3, 4)
+    assert (sp["acceptance_length"], sp["acceptance_length_requested"]) == (4, 6.0)  # at most K + 1
+    assert sp["drafter"]["config"].startswith("tiny") and sp["drafter"]["weight_bytes"] > 0
+    (r,) = sp["runs"]
+    assert (r["layers"], r["backend"], r["batch"]) == (4, "xla", 1)
+    assert r["verify_us"] is None and r["tokens_per_s"] is None and r["wall_us_per_round"] > 0  # no CUPTI on CPU
+    assert r["collectives"] == data["runs"][0]["collectives"]  # verify issues the decode step's collectives
+    assert r["drafter_collectives"] == {"embed": 1, "draft_logits": 1}
+    md = (tmp_path / "rank_slice.md").read_text()
+    assert "## Speculative round: DSpark, K = 3 drafts, synthetic acceptance length 4" in md
+    assert md.startswith(rs.markdown({k: v for k, v in data.items() if k != "speculative"}))  # appended only
+
+
+def test_rank_slice_speculative_estimate_and_table():
+    """The round scaled to 93 layers: verify per layer kind, commit by the KDA layers, the drafter as is;
+    tokens/s = batch x acceptance length / round."""
+    full = preset("k3")
+    per_layer = {"kda_dense": 10.0, "kda_moe": 20.0, "mla_moe": 30.0}
+    by_kind = {k: {"us_per_layer": us, "us_total": us} for k, us in per_layer.items()}
+    by_kind["kda_moe"]["us_total"] = 40.0  # two layers at 4
+    by_kind["embed/head"] = {"us_per_layer": 5.0, "us_total": 5.0}
+    entry = {"layers": 4, "backend": "xla", "batch": 8, "verify_us": 95.0, "verify_kernels": 50}
+    entry.update(commit_us=3.0, drafter_us=100.0, summary={"by_kind": by_kind}, collectives={"logits": 1})
+    est = rs.spec_estimate({"preset": "k3"}, entry, 6.0)
+    verify = 5.0 + sum(
+        n * per_layer.get(k, per_layer[k.split("_")[0] + "_moe"]) for k, n in Counter(full.layer_kinds).items()
+    )
+    commit = 3.0 * len(full.kda_layers) / 3  # 3 of the first 4 layers are KDA
+    assert math.isclose(est["full_estimate"]["verify_us"], verify)
+    assert math.isclose(est["full_estimate"]["commit_us"], commit)
+    assert math.isclose(est["tokens_per_s"], 8 * 6.0 / (verify + commit + 100.0) * 1e6)
+    entry.update(est)
+    plain = {"layers": 4, "backend": "xla", "batch": 8, "step_us": 50.0, "full_estimate_us": 1000.0}
+    result = {"preset": "k3", "full_layers": 93, "runs": [plain], "speculative": {"num_draft": 7, "runs": [entry]}}
+    result["speculative"].update(
+        acceptance_length=6.0, acceptance_length_requested=6.0, definition="d", drafter={"layers": 5, "weight_bytes": 1}
+    )
+    row = next(x for x in rs.spec_markdown(result) if x.startswith("| 4 | xla | 8 |"))
+    assert row.endswith(f"| {est['tokens_per_s']:.0f} | {est['tokens_per_s'] / (8 / 1000.0 * 1e6):.2f} |")
