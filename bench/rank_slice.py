@@ -616,15 +616,16 @@ _OP_LABELS = {
     ),
     "boundary": ("n...d,d->n...", "n...,n...d->...d", "reduce_precision"),
     "router": ("td,de->te", "top_k", "neg", "jit(take_along_axis)/select_n"),
-    "latent": ("td,dl->tl", "tl,ld->td"),
+    "latent": ("td,dl->tl", "tl,dl->td"),
     "routed experts": ("tkl,tk->tl",),
-    "FFN": ("...d,df->...f", "...f,fd->...d"),
+    "FFN": ("...d,df->...f", "...f,fd->...d", "ts,ds->td"),
 }
 _OP_OF_LABEL = {lab: op for op, labs in _OP_LABELS.items() for lab in labs}
 _HANDS_OVER = {
     "...c,dc->...d": "boundary",
     "...k,kd->...d": "boundary",
-    "tl,ld->td": "boundary",
+    "tl,dl->td": "boundary",
+    "ts,ds->td": "boundary",
     "td,dl->tl": "routed experts",
     "jit(take_along_axis)/select_n": "routed experts",
     "tkl,tk->tl": "latent",

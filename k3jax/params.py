@@ -5,6 +5,9 @@ Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out 
 - KDA's decode projections `qkvg`, `f_a` and `o` are out-major `[out, in]`, the HF rows (w_4HKD, w_RD, w_DHK):
   at batch 1 XLA turns an out-major GEMV into a reduce fusion reading weight rows contiguously (the KDA
   sublayer at one TP16 rank: 34.6 -> 31.0 us, bit-identical), and a Pallas GEMV kernel wants [out, in] too;
+- the MoE sublayer's dense projections are out-major too, for the same kernel: `router` [E, D], `latent_down`
+  [Dl, D], `shared_gate`/`shared_up` [S, D] (one decode-GEMV launch reads the normed x once for all four),
+  `latent_up` [D, Dl] and `shared_down` [D, S];
 - KDA q/k/v/g projections stacked as `qkvg` [4, H, K, D] (one GEMV per step);
 - KDA q/k/v conv weights stacked as `conv` [3, H, K, 4];
 - MLA `kv_b` split into the absorbed decode layouts `w_uk` [H, nope, R] and `w_uv` [H, v, R];
@@ -26,8 +29,9 @@ import numpy as np
 
 from k3jax.config import MXFP4_GROUP, K3Config
 
-# 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major); 4: KDA b [H, D]
-TABLE_VERSION = 4
+# 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major); 4: KDA b [H, D];
+# 5: MoE router, latent_down/up and shared gate/up/down out-major
+TABLE_VERSION = 5
 HF_PREFIX = "language_model."
 
 # Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
@@ -261,8 +265,9 @@ def _moe(add, norm, f, hm, cfg: K3Config, experts: str):
         cfg.shared_intermediate,
     )
     # router and latent projections are split over tp (not replicated): router by expert, latent_down by its
-    # output (then gathered), latent_up by its input (partial sums reduced with the shared experts')
-    add(f + ("router",), hm + "gate.weight", (D, E), ("embed", "experts_router"), "T", (E, D), fan_in=D)
+    # output (then gathered), latent_up by its input (partial sums reduced with the shared experts'). All six
+    # dense projections are out-major, the HF rows (see the module docstring).
+    add(f + ("router",), hm + "gate.weight", (E, D), ("experts_router", "embed"), fan_in=D)
     add(
         f + ("router_bias",),
         hm + "gate.e_score_correction_bias",
@@ -271,36 +276,12 @@ def _moe(add, norm, f, hm, cfg: K3Config, experts: str):
         dtype="float32",
         init="router_bias",
     )
-    add(
-        f + ("latent_down",),
-        hm + "routed_expert_down_proj.weight",
-        (D, Dl),
-        ("embed", "latent_tp"),
-        "T",
-        (Dl, D),
-        fan_in=D,
-    )
+    add(f + ("latent_down",), hm + "routed_expert_down_proj.weight", (Dl, D), ("latent_tp", "embed"), fan_in=D)
     norm(f + ("latent_norm",), hm + "routed_expert_norm.weight", Dl, "latent")
-    add(
-        f + ("latent_up",),
-        hm + "routed_expert_up_proj.weight",
-        (Dl, D),
-        ("latent_tp", "embed"),
-        "T",
-        (D, Dl),
-        fan_in=Dl,
-    )
+    add(f + ("latent_up",), hm + "routed_expert_up_proj.weight", (D, Dl), ("embed", "latent_tp"), fan_in=Dl)
     for name, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj")):
-        add(f + (name,), hm + f"shared_experts.{hf}.weight", (D, S), ("embed", "shared_ffn"), "T", (S, D), fan_in=D)
-    add(
-        f + ("shared_down",),
-        hm + "shared_experts.down_proj.weight",
-        (S, D),
-        ("shared_ffn", "embed"),
-        "T",
-        (D, S),
-        fan_in=S,
-    )
+        add(f + (name,), hm + f"shared_experts.{hf}.weight", (S, D), ("shared_ffn", "embed"), fan_in=D)
+    add(f + ("shared_down",), hm + "shared_experts.down_proj.weight", (D, S), ("embed", "shared_ffn"), fan_in=S)
     stack = tuple(str(e) for e in range(E))
     act = cfg.num_experts_per_token / E
     # (our name, HF w-index, out, in, axes of [out, in]); logical [out, in] as in HF, groups along `in`

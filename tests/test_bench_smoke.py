@@ -203,7 +203,7 @@ def test_decode_ops_follow_a_layer(rng):
         ("convert_element_type", "routed experts"),
         ("tkl,tk->tl/dot_general", "routed experts"),
         ("slice", "latent"),
-        ("tl,ld->td/dot_general", "latent"),
+        ("tl,dl->td/dot_general", "latent"),
         ("add", "boundary"),
         ("reduce_precision", "boundary"),
     ]
@@ -326,7 +326,7 @@ def _synthetic_step(rng, cfg, wrong_layer):
                 (mosaic, mosaic, "routed experts"),
             ]
             ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
-            ffn += [("gemm_fusion_dot_9", "tl,ld->td/dot_general", "latent")]
+            ffn += [("gemm_fusion_dot_9", "tl,dl->td/dot_general", "latent")]
         else:
             ffn = [
                 ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),

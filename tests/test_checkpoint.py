@@ -77,13 +77,21 @@ def test_load_refusals(ckpt, tmp_path):
     def version(m):
         m["table_version"] += 1
 
+    def older(m):  # the previous table's checkpoint (v4: the MoE's dense projections in-major) is re-converted
+        m["table_version"] -= 1
+
     def shape(m):
         m["tensors"]["final_norm"]["shape"] = [1]
 
     def dropped(m):
         del m["tensors"]["lm_head"]
 
-    for fn, words in ((version, "tensor-table version"), (shape, "final_norm"), (dropped, "lm_head")):
+    for fn, words in (
+        (version, "tensor-table version"),
+        (older, f"tensor-table version {P.TABLE_VERSION - 1} but this code reads version {P.TABLE_VERSION}"),
+        (shape, "final_norm"),
+        (dropped, "lm_head"),
+    ):
         d = _edit_meta(ckpt[1], str(tmp_path / fn.__name__), fn)
         with pytest.raises(CheckpointError, match=words) as e:
             load(d)

@@ -67,9 +67,78 @@ def test_kernel_interpret_matches_numpy(B, split_k, steps, x_stream):
     _check(got, x, ws)
 
 
+def _check_mixed(got, x, ws, out_dtypes):
+    """bf16 outputs as _check; fp32 outputs unrounded: within a few fp32 ulps of the summed magnitudes (a bf16
+    rounding would be ~2^-9 of the output, far past it)."""
+    for g, w, dtype in zip(got, ws, out_dtypes, strict=True):
+        if dtype == jnp.bfloat16:
+            _check((g,), x, (w,))
+            continue
+        x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        want = x64 @ w64.T
+        assert g.shape == want.shape and g.dtype == jnp.float32
+        err = np.abs(np.asarray(g, np.float64) - want)
+        assert np.all(err <= 2**-18 * (np.abs(x64) @ np.abs(w64).T)), float(err.max())
+
+
+MIXED = (jnp.float32, jnp.bfloat16, jnp.float32)  # the MoE's router logits beside bf16 projections
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "B, split_k, steps, x_stream",
+    [(3, 2, 3, "M"), (20, 1, 2, "M"), (13, 2, 3, "N"), (5, 1, 3, "N"), (1, 1, 2, "N"), (8, 4, 2, "N")],
+)
+def test_kernel_interpret_fp32_outputs_match_numpy(B, split_k, steps, x_stream):
+    """out_dtypes: fp32 outputs (the fp32 sum: split partials summed unrounded, or with one split the kernel's
+    own fp32 write) beside bf16 ones in the same launch, race-free."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    x, ws = _inputs(rng(), B, 1024, (64, 128, 64))
+    with abstract_gpu("sm90"):
+        got = kernel.gemv(
+            x,
+            ws,
+            block_k=128,
+            split_k=split_k,
+            steps=steps,
+            x_stream=x_stream,
+            out_dtypes=MIXED,
+            interpret=plgpu.InterpretGPUParams(detect_races=True),
+        )
+    assert not get_races().races_found
+    _check_mixed(got, x, ws, MIXED)
+
+
 def test_reference_matches_numpy():
     x, ws = _inputs(rng(), 5, 512, (192, 64))
     _check(reference.gemv(x, ws), x, ws)
+
+
+def test_reference_fp32_output_is_the_routers_maths():
+    """An fp32 output is exactly the router logits' rule (an fp32 HIGHEST einsum of the widened bf16 values,
+    exact products), a bf16 one exactly the default's; both against float64."""
+    x, ws = _inputs(rng(), 7, 512, (96, 64, 32))
+    got = reference.gemv(x, ws, MIXED)
+    _check_mixed(got, x, ws, MIXED)
+    for g, w, dtype in zip(got, ws, MIXED, strict=True):
+        if dtype == jnp.float32:
+            f32 = jnp.float32
+            want = jnp.einsum("td,ed->te", x.astype(f32), w.astype(f32), precision=jax.lax.Precision.HIGHEST)
+        else:
+            want = reference.gemv(x, (w,))[0]
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("out_dtypes", [(jnp.float16, jnp.bfloat16), (jnp.float32,)])
+def test_out_dtypes_refuses_what_it_cannot_give(out_dtypes):
+    """x's dtype or fp32, one per weight: anything else is the caller's error under every policy, not a
+    fallback."""
+    x, ws = _inputs(rng(), 2, 256, (64, 64))
+    for policy in (XLA, SPECIALIZED):
+        with pytest.raises(ValueError, match="out_dtypes"):
+            api.gemv(x, ws, out_dtypes=out_dtypes, policy=policy)
 
 
 @cpu_only
@@ -161,10 +230,53 @@ def test_o_proj_launches_cover_what_they_claim():
                     api.pick_launch(B, D, table="o_proj_launch")
 
 
+def test_moe_in_launches_cover_what_they_claim():
+    """The MoE's router + latent_down + shared gate/up launch (one TP2 rank's rows: the router's 448 are whole
+    64-row blocks up to TP2) fits every batch its table covers, fp32 logits included; the rest, today every
+    batch (the table is not measured yet), the api refuses, so the model runs XLA."""
+    rows = (448, 1792, 3072, 3072)
+    table = XLA.table("gemv")["sm90"]["moe_in_launch"]
+    assert api.MAX_BATCH == kernel.MAX_TOKENS
+    for B in range(1, api.MAX_BATCH + 1):
+        if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
+            launch = api.pick_launch(B, 7168, table="moe_in_launch")
+            kernel.check_supported(
+                jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16),
+                tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in rows),
+                **launch,
+            )
+        else:
+            with pytest.raises(NotImplementedError, match=f"batch {B}: no GEMV moe_in_launch"):
+                api.pick_launch(B, 7168, table="moe_in_launch")
+
+
+@cpu_only
+@pytest.mark.parametrize("B, split_k, x_stream", [(1, 2, "N"), (13, 1, "N"), (40, 2, "M"), (64, 1, "M")])
+def test_moe_in_launch_lowers_for_cuda_with_fp32_logits(B, split_k, x_stream):
+    """One TP2 rank's router (fp32 logits), latent_down and shared gate/up over D = 7168 in one launch."""
+    launch = dict(block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
+    x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
+    rows = (448, 1792, 3072, 3072)
+    ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in rows)
+    dtypes = (jnp.float32,) + (jnp.bfloat16,) * 3
+    with abstract_gpu("sm90"):
+        kernel.check_supported(x, ws, **launch)
+        f = jax.jit(lambda x, ws: kernel.gemv(x, ws, out_dtypes=dtypes, **launch))
+        lowered = f.trace(x, ws).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    want = [((B, n), jnp.dtype(d)) for n, d in zip(rows, dtypes, strict=True)]
+    assert [(o.shape, o.dtype) for o in lowered.out_info] == want
+
+
 def test_api_falls_back_to_the_reference_off_hopper(caplog):
     x, ws = _inputs(rng(), 2, 256, (64,))
     got = api.gemv(x, ws, policy=SPECIALIZED)  # CPU: no sm90, the reference runs
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(reference.gemv(x, ws)[0], np.float32))
+    x, ws = _inputs(rng(), 3, 256, (64, 128, 64))
+    got = api.gemv(x, ws, out_dtypes=MIXED, policy=SPECIALIZED)
+    assert [g.dtype for g in got] == [jnp.dtype(d) for d in MIXED]
+    for g, want in zip(got, reference.gemv(x, ws, MIXED), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError):
         api.gemv(x, ws, policy=DecodePolicy("fast"))
 

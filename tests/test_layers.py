@@ -17,6 +17,7 @@ from k3jax import params as P
 from k3jax.comm import Comm
 from k3jax.config import preset
 from k3jax.layers import common, kda, mla, moe
+from pallas_kernels import policy as policy_lib
 from pallas_kernels.collectives import reference
 from pallas_kernels.moe import reference as moe_reference
 from pallas_kernels.policy import DecodePolicy
@@ -209,6 +210,34 @@ def test_moe_packed_impl(rng, tiny):
     _check(packed, np.asarray(gather), f"moe layer {L}, packed vs gather", tol=1e-6)
 
 
+def test_moe_in_projections_are_one_gemv_call(rng, tiny):
+    """A decode batch's router logits, latent_down and shared gate/up are one decode-GEMV call (table
+    moe_in_launch; on CPU its reference runs, and is recorded), wider batches the same maths without it: the
+    logits fp32 (exact bf16 products, unrounded), the rest rounded to bf16, all against float64."""
+    cfg, params, hf, tc = tiny
+    L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L)]))
+    p = P.cast_params(params["layers"][L]["ffn"], jnp.bfloat16)
+    x = jnp.asarray(_x(rng, 70, cfg.hidden_size), jnp.bfloat16)
+    T = int(rng.integers(1, 65))
+    comm = Comm(policy=DecodePolicy("latency_specialized"))
+    with policy_lib.recording(policy_lib.DispatchLog()) as wide:
+        wide_outs = moe.in_projections(p, x, comm)
+    with policy_lib.recording(policy_lib.DispatchLog()) as decode:
+        outs = moe.in_projections(p, x[:T], comm)
+    assert "gemv moe_in_launch" not in wide.ops and decode.ops["gemv moe_in_launch"]["impl"] == "xla"
+    x64 = np.asarray(x[:T], np.float64)
+    for got, wide_got, name in zip(outs, wide_outs, ("router", "latent_down", "shared_gate", "shared_up"), strict=True):
+        w64 = np.asarray(p[name], np.float64)
+        want, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        assert got.dtype == (jnp.float32 if name == "router" else jnp.bfloat16), name
+        err = np.abs(np.asarray(got, np.float64) - want)
+        bound = 2**-20 * scale if name == "router" else 2**-8 * np.abs(want) + 2**-18 * scale
+        assert np.all(err <= bound), (name, float(err.max()))
+        np.testing.assert_allclose(  # the same maths up to the order of the fp32 sums
+            np.asarray(wide_got[:T], np.float64), np.asarray(got, np.float64), rtol=2**-7, atol=2**-18 * scale.max()
+        )
+
+
 def test_moe_impl_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="moe_impl"):
         DecodePolicy(moe_impl="dense")
@@ -246,7 +275,7 @@ def test_router_bias_changes_the_choice_not_the_weights(rng):
     L, k, E = 1, cfg.num_experts_per_token, cfg.num_experts
     p = dict(params["layers"][L]["ffn"])
     x = _x(rng, 6, cfg.hidden_size).astype(np.float32)
-    s = ref.sigmoid(x.astype(np.float64) @ np.asarray(p["router"], np.float64))  # unbiased scores [T, E]
+    s = ref.sigmoid(x.astype(np.float64) @ np.asarray(p["router"], np.float64).T)  # unbiased scores [T, E]
     order = np.argsort(-s[0])
     top, a, b = set(order[:k].tolist()), int(order[k - 1]), int(order[k])
     cases = {

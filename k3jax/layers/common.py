@@ -33,8 +33,9 @@ def row_parallel(x, w):
 
 
 def ffn(x, gate_w, up_w, down_w, cfg):
-    """Dense SiTU-GLU MLP on [..., D] (layer 0 and the shared experts). Under tensor parallelism the weights are
-    split along the intermediate, so this returns this rank's partial sum: the caller all-reduces."""
+    """Dense SiTU-GLU MLP on [..., D] with in-major weights (layer 0's [D, F], [F, D]; the MoE's shared experts
+    are out-major, layers/moe.py). Under tensor parallelism the weights are split along the intermediate, so
+    this returns this rank's partial sum: the caller all-reduces."""
     return linear(ffn_hidden(x, gate_w, up_w, cfg), down_w, "...f,fd->...d")
 
 

@@ -1,7 +1,8 @@
 """Latent MoE (docs/model.md §6): fp32 sigmoid router with selection-only bias, routed experts in the latent width,
 routed_expert_norm on the weighted latent sum, up projection, plus shared experts on the full hidden.
 
-The routed experts run through pallas_kernels.moe (grouped MXFP4 kernel or its XLA reference).
+The routed experts run through pallas_kernels.moe (grouped MXFP4 kernel or its XLA reference); the router,
+latent_down and the shared experts' gate and up through pallas_kernels.gemv (one decode launch, or its reference).
 """
 
 import jax
@@ -10,14 +11,29 @@ import jax.numpy as jnp
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.boundary import join
-from k3jax.layers.common import F32, ffn, linear
+from k3jax.layers.common import F32, linear, situ_glu
 from pallas_kernels import moe_route
+from pallas_kernels.gemv import api as gemv_api
+from pallas_kernels.gemv import reference as gemv_ref
 from pallas_kernels.moe import api as moe_api
+
+
+def in_projections(p, x_TD, comm: Comm = LOCAL):
+    """The normed x against this rank's out-major router, latent_down and shared experts' gate and up ->
+    (router logits fp32 [T, E_l], z [T, Dl_l], gate [T, S_l], up [T, S_l] in x's dtype). A decode batch asks for
+    ONE decode-GEMV launch reading x once (tuning table moe_in_launch); its reference, also the path of wider
+    batches, is the same maths: the logits an fp32 HIGHEST sum of the bf16 values (exact products), the rest
+    the GEMM rule."""
+    ws = (p["router"], p["latent_down"], p["shared_gate"], p["shared_up"])
+    out_dtypes = (F32,) + (x_TD.dtype,) * 3
+    if x_TD.shape[0] <= gemv_api.MAX_BATCH:
+        return gemv_api.gemv(x_TD, ws, out_dtypes=out_dtypes, policy=comm.policy, table="moe_in_launch")
+    return gemv_ref.gemv(x_TD, ws, out_dtypes)
 
 
 def router_logits(p, x_TD):
     """This rank's experts' router logits, fp32 [T, E_local] (the products of bf16 values are exact in fp32)."""
-    return jnp.einsum("td,de->te", x_TD.astype(F32), p["router"].astype(F32), precision=jax.lax.Precision.HIGHEST)
+    return gemv_ref.gemv(x_TD, (p["router"],), (F32,))[0]
 
 
 def select(scores_TE, cfg: K3Config, comm: Comm, biased_TE=None, bias_E=None):
@@ -74,11 +90,11 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
 
     Under tp: the router is split by expert and latent_down by its output (one all-gather brings both),
     experts are split along their intermediate (partial latent sums -> all-reduce fused with the
-    routed_expert_norm), latent_up by its input (its partial output joins the shared experts' partial in the
-    layer's final all-reduce).
+    routed_expert_norm), latent_up by its input (its partial output joins the shared experts', split by their
+    intermediate, in the layer's final all-reduce). Each rank's four projections of x are local (in_projections).
     """
-    scores = jax.nn.sigmoid(router_logits(p, x_TD))
-    z = linear(x_TD, p["latent_down"], "td,dl->tl")
+    logits, z, gate, up = in_projections(p, x_TD, comm)
+    scores = jax.nn.sigmoid(logits)
     if comm.sharded:
         scores, biased, z = gather_routing(comm, scores, scores + p["router_bias"], z)
         sel, w = select(scores, cfg, comm, biased)
@@ -89,6 +105,7 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
         _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")
     else:
         y_lat = comm.all_reduce(y_lat, "latent_sum")
-    y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[0])
-    y = linear(y_lat, p["latent_up"], "tl,ld->td") + ffn(x_TD, p["shared_gate"], p["shared_up"], p["shared_down"], cfg)
+    y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[1])
+    hidden = situ_glu(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # the shared experts'
+    y = linear(y_lat, p["latent_up"], "tl,dl->td") + linear(hidden, p["shared_down"], "ts,ds->td")
     return (y, sel) if return_routing else y

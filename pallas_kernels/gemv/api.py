@@ -7,6 +7,8 @@ from pallas_kernels import policy as policy_lib
 from pallas_kernels.gemv import reference
 from pallas_kernels.policy import XLA, DecodePolicy
 
+MAX_BATCH = 64  # the kernel's largest batch (kernel.MAX_TOKENS, kept off this import): past it a GEMM
+
 
 def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
     """tuning.json's sm90 launch for batch B over D -> dict(block_k, split_k, steps, x_stream): the first
@@ -29,7 +31,7 @@ def pick_launch(B, D, table="launch", policy: DecodePolicy = XLA) -> dict:
     )
 
 
-def run_kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA):
+def run_kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA, out_dtypes=None):
     """The kernel itself: NotImplementedError where it does not take the call (gemv then runs the reference)."""
     arch = common.gpu_arch()
     if arch is None or arch[0] != 9:
@@ -38,15 +40,18 @@ def run_kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA):
 
     launch = pick_launch(*x_BD.shape, table=table, policy=policy)
     kernel.check_supported(x_BD, ws_ND, **launch)
-    return kernel.gemv(x_BD, tuple(ws_ND), **launch)
+    out_dtypes = reference.out_dtypes_for(x_BD, ws_ND, out_dtypes)
+    return kernel.gemv(x_BD, tuple(ws_ND), out_dtypes=out_dtypes, **launch)
 
 
-def gemv(x_BD, ws_ND, *, policy: DecodePolicy = XLA, table="launch"):
-    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype, fp32 sums. table: the
-    tuning's launch list to pick from (pick_launch)."""
+def gemv(x_BD, ws_ND, *, out_dtypes=None, policy: DecodePolicy = XLA, table="launch"):
+    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i], fp32 sums, each rounded to its
+    out_dtypes entry: x's dtype (the default) or fp32 (unrounded). table: the tuning's launch list to pick from
+    (pick_launch)."""
+    reference.out_dtypes_for(x_BD, ws_ND, out_dtypes)  # a bad request is the caller's error, not a fallback
     return policy_lib.dispatch(
         f"gemv {table}",
         policy,
-        lambda: run_kernel(x_BD, ws_ND, table, policy),
-        lambda: reference.gemv(x_BD, ws_ND),
+        lambda: run_kernel(x_BD, ws_ND, table, policy, out_dtypes),
+        lambda: reference.gemv(x_BD, ws_ND, out_dtypes),
     )

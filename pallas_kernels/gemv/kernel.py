@@ -6,8 +6,9 @@ slice of D through a multi-stage TMA pipeline, x's tile of the same K block besi
 (from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
 sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks. The CTA writes its fp32
 partial and the wrapper sums the S partials and rounds once (one small XLA fusion), or a consumer reads them
-itself (the KDA decode kernel); with one split the kernel rounds and writes the output itself. The result equals
-reference.gemv up to the order of the fp32 sums.
+itself (the KDA decode kernel); with one split the kernel rounds and writes the output itself. An output asked
+for in fp32 (the MoE router's logits) is the sum unrounded. The result equals reference.gemv up to the order of
+the fp32 sums.
 
 Where the tokens go (x_stream; tuning.json says which batches take which):
 - "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
@@ -85,8 +86,8 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
 
 def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens):
     """x_ref: x [x_rows(B), D], read in [T, block_k] tiles whose rows past x's the TMA fills with zeros. refs:
-    the weights [N_i, D], then the partials [S, N_i, T] fp32 ("M": [S, T, N_i]; with one split the output
-    itself in x's dtype, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
+    the weights [N_i, D], then the partials [S, N_i, T] fp32 ("M": [S, T, N_i]; with one split a bf16 output
+    itself, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
     accumulator [ROWS, T] that the n_tokens output rows are read from."""
     n_w = len(n_blocks)
     ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], refs[2 * n_w :]
@@ -133,12 +134,15 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens
 _STATIC = ("block_k", "split_k", "steps", "x_stream", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
-    """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] bf16 (fp32 sums). With one
-    split the kernel rounds and writes the output itself: no glue kernel."""
+@functools.partial(jax.jit, static_argnames=_STATIC + ("out_dtypes",))
+def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", out_dtypes=None, interpret=None):
+    """x [B, D] bf16 times each out-major weight [N_i, D] bf16 -> tuple of [B, N_i] in out_dtypes (default bf16;
+    fp32: the sum unrounded; fp32 sums either way). With one split the kernel rounds and writes a bf16 output
+    itself: no glue kernel; an fp32 output's one partial is the sum."""
     B = x_BD.shape[0]
-    direct = split_k == 1
+    out_dtypes = out_dtypes or (x_BD.dtype,) * len(ws_ND)
+    # what the kernel writes: fp32 partials, or with one split a bf16 output itself
+    written = tuple(F32 if split_k > 1 else d for d in out_dtypes)
     parts = _partials(
         x_BD,
         ws_ND,
@@ -147,13 +151,17 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpre
         steps=steps,
         x_stream=x_stream,
         interpret=interpret,
-        out_dtype=x_BD.dtype if direct else F32,
+        out_dtypes=written,
     )
-    if direct:  # [1, 64 ("M") or B ("N"), N_i] in x's dtype
-        return tuple(p[0, :B] for p in parts)
-    if x_stream == "M":  # token-major
-        return tuple(p.sum(0)[:B].astype(x_BD.dtype) for p in parts)
-    return tuple(p.sum(0)[:, :B].T.astype(x_BD.dtype) for p in parts)
+    outs = []
+    for p, w_dtype, dtype in zip(parts, written, out_dtypes, strict=True):
+        if w_dtype != F32:  # [1, 64 ("M") or B ("N"), N_i] in x's dtype
+            outs.append(p[0, :B])
+        elif x_stream == "M":  # token-major
+            outs.append(p.sum(0)[:B].astype(dtype))
+        else:
+            outs.append(p.sum(0)[:, :B].T.astype(dtype))
+    return tuple(outs)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -164,15 +172,24 @@ def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", inte
     return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, x_stream=x_stream, interpret=interpret)
 
 
-def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_dtype=F32):
+def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_dtypes=None):
+    """out_dtypes: what each weight's CTAs write, fp32 partials (the default) or, with one split, the output
+    in x's dtype."""
     B, D = x_BD.shape
     T = tokens(B, x_stream)
+    out_dtypes = out_dtypes or (F32,) * len(ws_ND)
     n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
     # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     x_TD = jnp.pad(x_BD, ((0, x_rows(B) - B), (0, 0)))
     k_slabs = D // block_k // split_k
-    direct_n = x_stream == "N" and out_dtype != F32
-    scratch = [plgpu.SMEM((ROWS, T), F32)] if direct_n else []  # the accumulator, whose columns become rows
+    direct_n = tuple(x_stream == "N" and d != F32 for d in out_dtypes)
+    scratch = [plgpu.SMEM((ROWS, T), F32)] if any(direct_n) else []  # the accumulator, whose columns become rows
+
+    def out_shape(N, direct):
+        if direct:
+            return (1, B, N)
+        return (split_k, T, N) if x_stream == "M" else (split_k, N, T)
+
     kernel = plgpu.kernel(
         functools.partial(
             _body,
@@ -185,15 +202,8 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
             n_tokens=B,
         ),
         out_type=tuple(
-            jax.ShapeDtypeStruct(
-                (1, B, w.shape[0])
-                if direct_n
-                else (split_k, T, w.shape[0])
-                if x_stream == "M"
-                else (split_k, w.shape[0], T),
-                out_dtype,
-            )
-            for w in ws_ND
+            jax.ShapeDtypeStruct(out_shape(w.shape[0], direct), d)
+            for w, d, direct in zip(ws_ND, out_dtypes, direct_n, strict=True)
         ),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k),

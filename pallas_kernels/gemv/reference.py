@@ -1,9 +1,32 @@
 """The XLA form of the decode GEMV, and the numerics the kernel must match: one fp32 sum per output, rounded
-once to the activation dtype (the model's GEMM rule, pallas_kernels.common.dot)."""
+once to the activation dtype (the model's GEMM rule, pallas_kernels.common.dot), or kept in fp32 where asked
+(the MoE router's logits)."""
+
+import jax
+import jax.numpy as jnp
 
 from pallas_kernels.common import dot
 
+F32 = jnp.float32
 
-def gemv(x_BD, ws_ND):
-    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in x's dtype."""
-    return tuple(dot("bd,nd->bn", x_BD, w.astype(x_BD.dtype)).astype(x_BD.dtype) for w in ws_ND)
+
+def out_dtypes_for(x_BD, ws_ND, out_dtypes=None) -> tuple:
+    """Each output's dtype: x's (the default) or fp32; anything else is a caller's error."""
+    x_dtype = jnp.dtype(x_BD.dtype)
+    dtypes = tuple(jnp.dtype(d) for d in out_dtypes) if out_dtypes is not None else (x_dtype,) * len(ws_ND)
+    if len(dtypes) != len(ws_ND) or any(d not in (x_dtype, jnp.dtype(F32)) for d in dtypes):
+        raise ValueError(f"out_dtypes {dtypes}: one per weight ({len(ws_ND)}), each x's dtype {x_dtype} or float32")
+    return dtypes
+
+
+def gemv(x_BD, ws_ND, out_dtypes=None):
+    """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in out_dtypes (default x's dtype). An
+    fp32 output is the sum of the operands widened to fp32, at Precision.HIGHEST, unrounded: the MoE router's
+    logits (bf16 products are exact in fp32)."""
+    outs = []
+    for w, dtype in zip(ws_ND, out_dtypes_for(x_BD, ws_ND, out_dtypes), strict=True):
+        if dtype == F32:
+            outs.append(jnp.einsum("bd,nd->bn", x_BD.astype(F32), w.astype(F32), precision=jax.lax.Precision.HIGHEST))
+        else:
+            outs.append(dot("bd,nd->bn", x_BD, w.astype(x_BD.dtype)).astype(x_BD.dtype))
+    return tuple(outs)
