@@ -615,10 +615,10 @@ _OP_LABELS = {
         "scatter",
     ),
     "boundary": ("n...d,d->n...", "n...,n...d->...d", "reduce_precision"),
-    "router": ("td,de->te", "top_k", "neg", "jit(take_along_axis)/select_n"),
-    "latent": ("td,dl->tl", "tl,dl->td"),
+    "router": ("router/bd,nd->bn", "top_k", "neg", "jit(take_along_axis)/select_n"),
+    "latent": ("latent_down/bd,nd->bn", "tl,dl->td"),
     "routed experts": ("tkl,tk->tl",),
-    "FFN": ("...d,df->...f", "...f,fd->...d", "ts,ds->td"),
+    "FFN": ("...d,df->...f", "...f,fd->...d", "shared_gate/bd,nd->bn", "shared_up/bd,nd->bn", "ts,ds->td"),
 }
 _OP_OF_LABEL = {lab: op for op, labs in _OP_LABELS.items() for lab in labs}
 _HANDS_OVER = {
@@ -626,7 +626,7 @@ _HANDS_OVER = {
     "...k,kd->...d": "boundary",
     "tl,dl->td": "boundary",
     "ts,ds->td": "boundary",
-    "td,dl->tl": "routed experts",
+    "latent_down/bd,nd->bn": "routed experts",
     "jit(take_along_axis)/select_n": "routed experts",
     "tkl,tk->tl": "latent",
 }

@@ -194,12 +194,12 @@ def test_decode_ops_follow_a_layer(rng):
         ("reduce_sum", "boundary"),
         ("n...,n...d->...d/dot_general", "boundary"),
         ("mul", "boundary"),
-        ("td,de->te/dot_general", "router"),
+        ("router/bd,nd->bn/dot_general", "router"),
         ("top_k", "router"),
         ("div", "router"),
-        ("td,dl->tl/dot_general", "latent"),
+        ("latent_down/bd,nd->bn/dot_general", "latent"),
         ("reduce_sum", "routed experts"),
-        ("...d,df->...f/dot_general", "FFN"),
+        ("shared_gate/bd,nd->bn/dot_general", "FFN"),
         ("convert_element_type", "routed experts"),
         ("tkl,tk->tl/dot_general", "routed experts"),
         ("slice", "latent"),
@@ -318,7 +318,7 @@ def _synthetic_step(rng, cfg, wrong_layer):
             attn += [("loop_convert_fusion", "jit(attention)/jit(partials)/convert_element_type", "MLA")]
             attn += [(mosaic, mosaic, "MLA"), ("fusion_5", "jit(attention)/exp", "MLA")]
         if kind.endswith("moe"):
-            ffn = [("gemm_fusion_dot_6", "td,de->te/dot_general", "router"), ("fusion_7", "neg", "router")]
+            ffn = [("gemm_fusion_dot_6", "router/bd,nd->bn/dot_general", "router"), ("fusion_7", "neg", "router")]
             ffn += [("moe_route_topk_mosaic_gpu_kernel", "moe_route_topk_mosaic_gpu_kernel", "router")]
             ffn += [("input_scatter_fusion", "scatter", "routed experts")]  # the grouping's, not MLA's
             ffn += [

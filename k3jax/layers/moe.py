@@ -24,11 +24,12 @@ def in_projections(p, x_TD, comm: Comm = LOCAL):
     ONE decode-GEMV launch reading x once (tuning table moe_in_launch); its reference, also the path of wider
     batches, is the same maths: the logits an fp32 HIGHEST sum of the bf16 values (exact products), the rest
     the GEMM rule."""
-    ws = (p["router"], p["latent_down"], p["shared_gate"], p["shared_up"])
+    names = ("router", "latent_down", "shared_gate", "shared_up")  # also the XLA ops' scopes (a profile's labels)
+    ws = tuple(p[n] for n in names)
     out_dtypes = (F32,) + (x_TD.dtype,) * 3
     if x_TD.shape[0] <= gemv_api.MAX_BATCH:
-        return gemv_api.gemv(x_TD, ws, out_dtypes=out_dtypes, policy=comm.policy, table="moe_in_launch")
-    return gemv_ref.gemv(x_TD, ws, out_dtypes)
+        return gemv_api.gemv(x_TD, ws, out_dtypes=out_dtypes, names=names, policy=comm.policy, table="moe_in_launch")
+    return gemv_ref.gemv(x_TD, ws, out_dtypes, names)
 
 
 def router_logits(p, x_TD):

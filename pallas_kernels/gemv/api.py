@@ -44,14 +44,14 @@ def run_kernel(x_BD, ws_ND, table="launch", policy: DecodePolicy = XLA, out_dtyp
     return kernel.gemv(x_BD, tuple(ws_ND), out_dtypes=out_dtypes, **launch)
 
 
-def gemv(x_BD, ws_ND, *, out_dtypes=None, policy: DecodePolicy = XLA, table="launch"):
+def gemv(x_BD, ws_ND, *, out_dtypes=None, names=None, policy: DecodePolicy = XLA, table="launch"):
     """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i], fp32 sums, each rounded to its
     out_dtypes entry: x's dtype (the default) or fp32 (unrounded). table: the tuning's launch list to pick from
-    (pick_launch)."""
+    (pick_launch). names: the reference's named scope per output (reference.gemv)."""
     reference.out_dtypes_for(x_BD, ws_ND, out_dtypes)  # a bad request is the caller's error, not a fallback
     return policy_lib.dispatch(
         f"gemv {table}",
         policy,
         lambda: run_kernel(x_BD, ws_ND, table, policy, out_dtypes),
-        lambda: reference.gemv(x_BD, ws_ND, out_dtypes),
+        lambda: reference.gemv(x_BD, ws_ND, out_dtypes, names),
     )

@@ -2,6 +2,8 @@
 once to the activation dtype (the model's GEMM rule, pallas_kernels.common.dot), or kept in fp32 where asked
 (the MoE router's logits)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -19,14 +21,18 @@ def out_dtypes_for(x_BD, ws_ND, out_dtypes=None) -> tuple:
     return dtypes
 
 
-def gemv(x_BD, ws_ND, out_dtypes=None):
+def gemv(x_BD, ws_ND, out_dtypes=None, names=None):
     """x [B, D] times each out-major weight [N_i, D] -> tuple of [B, N_i] in out_dtypes (default x's dtype). An
     fp32 output is the sum of the operands widened to fp32, at Precision.HIGHEST, unrounded: the MoE router's
-    logits (bf16 products are exact in fp32)."""
+    logits (bf16 products are exact in fp32). names: a jax.named_scope per output (the HLO op names a profile
+    attributes kernels by: every output's einsum is "bd,nd->bn" otherwise)."""
     outs = []
-    for w, dtype in zip(ws_ND, out_dtypes_for(x_BD, ws_ND, out_dtypes), strict=True):
-        if dtype == F32:
-            outs.append(jnp.einsum("bd,nd->bn", x_BD.astype(F32), w.astype(F32), precision=jax.lax.Precision.HIGHEST))
-        else:
-            outs.append(dot("bd,nd->bn", x_BD, w.astype(x_BD.dtype)).astype(x_BD.dtype))
+    dtypes = out_dtypes_for(x_BD, ws_ND, out_dtypes)
+    for w, dtype, name in zip(ws_ND, dtypes, names or (None,) * len(ws_ND), strict=True):
+        with jax.named_scope(name) if name else contextlib.nullcontext():
+            if dtype == F32:
+                x32, w32 = x_BD.astype(F32), w.astype(F32)
+                outs.append(jnp.einsum("bd,nd->bn", x32, w32, precision=jax.lax.Precision.HIGHEST))
+            else:
+                outs.append(dot("bd,nd->bn", x_BD, w.astype(x_BD.dtype)).astype(x_BD.dtype))
     return tuple(outs)
