@@ -71,12 +71,18 @@ class StubComm(Comm):
     log: list = field(default_factory=list, compare=False, hash=False)
 
     @property
-    def fuses_boundaries(self) -> bool:  # no real axis to reduce over: boundaries take the XLA ops
-        return False
+    def exchange_axis(self) -> str | None:
+        # no real axis: a layer boundary is the launch a TP16 rank runs minus the exchange (the boundary kernel at
+        # n == 1 where the collectives tuning allows it, else the XLA ops); the exchange's cost is the
+        # projection's collective term, from the log
+        return None
 
     def _note(self, op, what, x):
         self.counts[what] += 1
         self.log.append((op, what, tuple(x.shape), str(x.dtype)))
+
+    def note_fused(self, what: str, x) -> None:  # logged as the all-reduce it stands for, as all_reduce is
+        self._note("all_reduce", what, x)
 
     def all_reduce(self, x, what: str = "all_reduce"):
         self._note("all_reduce", what, x)

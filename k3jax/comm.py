@@ -31,8 +31,22 @@ class Comm:
 
     @property
     def fuses_boundaries(self) -> bool:
-        """Layer boundaries (all-reduce + AttnRes + RMSNorm, k3jax/layers/boundary.py) as one Pallas launch."""
-        return self.sharded and self.policy.kernels
+        """Layer boundaries (all-reduce + AttnRes + RMSNorm, k3jax/layers/boundary.py) through the one-launch api
+        (pallas_kernels.collectives.api.all_reduce_mix_norm): wherever the policy asks for kernels, sharded or
+        not. Unsharded the kernel runs without its exchange, where the collectives tuning allows it
+        (mix_norm_single_device; the api falls back to the same XLA maths otherwise)."""
+        return self.policy.kernels
+
+    @property
+    def exchange_axis(self) -> str | None:
+        """The axis a fused kernel exchanges over (None: one device, no exchange)."""
+        return self.axis
+
+    def note_fused(self, what: str, x) -> None:
+        """Count an all-reduce of x that runs inside a fused kernel (a layer boundary's): one happens only when
+        sharded, as in all_reduce."""
+        if self.sharded:
+            self.counts[what] += 1
 
     def all_reduce(self, x, what: str = "all_reduce"):
         if not self.sharded:

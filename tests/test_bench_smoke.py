@@ -15,6 +15,7 @@ from bench import decode, projection
 from bench import rank_slice as rs
 from k3jax import sharding as sh
 from k3jax.config import preset
+from pallas_kernels.policy import DecodePolicy
 
 
 def test_engine_mode_writes_json_md_png(tmp_path):
@@ -109,8 +110,19 @@ def test_stub_comm_is_local_and_shape_preserving(rng):
     )
     assert dict(comm.counts) == {"a": 1, "g": 1, "embed": 1}
     assert [c[0] for c in comm.log] == ["all_reduce", "all_gather", "all_reduce"]
-    # no real axis behind it: even under latency_specialized the layer boundaries take the XLA ops
-    assert not rs.StubComm("tp", "latency_specialized", tp=4).fuses_boundaries
+    # under latency_specialized the layer boundaries take the launch a real rank runs, minus the exchange (no
+    # real axis behind it), and the all-reduce it stands for is logged as all_reduce logs it
+    spec = rs.StubComm("tp", DecodePolicy("latency_specialized"), tp=4)
+    assert spec.fuses_boundaries and spec.exchange_axis is None
+    spec.note_fused("b", jnp.asarray(x))
+    assert dict(spec.counts) == {"b": 1} and spec.log == [("all_reduce", "b", (3, 5), "float32")]
+
+
+def test_stub_comm_collectives_do_not_depend_on_the_backend():
+    """The projection's collective term comes from StubComm's log: a boundary fused into one launch under
+    latency_specialized logs the same all-reduce the xla backend's join does."""
+    cfg = rs.truncate(preset("k3"), 3)
+    assert rs.collective_calls(cfg, 16, "latency_specialized", 1, 16) == rs.collective_calls(cfg, 16, "xla", 1, 16)
 
 
 def test_local_table_and_floor_match_sharding():

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.collectives import api
-from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy
+from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy, DispatchLog, Tuning, recording
 
 BF16 = ml_dtypes.bfloat16
 N_GPUS = sum(d.platform == "gpu" for d in jax.devices())
@@ -242,6 +242,25 @@ def test_plan_mix_norm():
         assert api.plan_mix_norm(**args).algorithm == "xla", kw
 
 
+def _single_device_tuning(on):
+    """The collectives tuning with mix_norm_single_device set (the boundary kernel at n == 1, no exchange)."""
+    return Tuning.from_files(collectives=dict(XLA.table("collectives"), mix_norm_single_device=on))
+
+
+def test_plan_mix_norm_one_device_follows_the_tuning():
+    """n == 1 (TP1, the rank slice's stub): refused, saying why, until the tuning turns it on; then the same
+    checks as with an exchange."""
+    assert XLA.table("collectives")["mix_norm_single_device"] is False  # not measured on a GPU yet
+    args = dict(x_shape=(1, 7168), x_dtype=jnp.bfloat16, prefix_shape=(1, 7168), block_shapes=[(1, 7168)] * 8)
+    off = api.plan_mix_norm(**args, n=1, platform="gpu")
+    assert off.algorithm == "xla" and "mix_norm_single_device" in off.reason
+    on = _single_device_tuning(True).get("collectives")
+    plan = api.plan_mix_norm(**args, n=1, platform="gpu", tuning=on)
+    assert plan == api.plan_mix_norm(**args, n=2, platform="gpu") and plan.algorithm == "mix_norm"
+    for kw in [dict(platform="cpu"), dict(x_shape=(1, 7000)), dict(x_dtype=jnp.float32)]:  # fp32: 8 blocks
+        assert api.plan_mix_norm(**(args | dict(n=1, platform="gpu") | kw), tuning=on).algorithm == "xla", kw
+
+
 @pytest.mark.parametrize("prefix, n_blocks", [(True, 3), (False, 2), (False, 0)])
 @pytest.mark.parametrize("backend", ["xla", "latency_specialized"])
 def test_fallback_mix_norm_matches_numpy(rng, backend, prefix, n_blocks):
@@ -288,6 +307,50 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
     assert not get_races().races_found
     ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
     _assert_mix_close(np.asarray(new).reshape(b, -1), np.asarray(normed).reshape(b, -1), ref_new, ref_normed)
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="interpret-mode test, CPU only")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("prefix, n_blocks", [(True, 3), (False, 1), (False, 0)])
+def test_mix_norm_api_one_device_interpret(monkeypatch, rng, dtype, prefix, n_blocks):
+    """api.all_reduce_mix_norm without an axis (axis_name None): with mix_norm_single_device on it plans as on a
+    GPU and runs the kernel at n == 1 (interpret mode, an abstract sm90), equal to reference.mix_norm of the
+    partial; with it off the refusal gives exactly reference.mix_norm."""
+    import functools
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    from kernel_testbase import abstract_gpu
+
+    from pallas_kernels.collectives import mix_norm, reference
+
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")
+    interpret = plgpu.InterpretGPUParams(detect_races=True)
+    monkeypatch.setattr(mix_norm, "mix_norm", functools.partial(mix_norm.mix_norm, interpret=interpret))
+    b, d = int(rng.integers(1, 4)), 128 * int(rng.integers(2, 5))
+    x, p, blocks, weights = _mix_inputs(rng, 1, b, d, n_blocks, prefix)
+    cast = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float32), dtype)  # noqa: E731
+    x, p, weights = cast(x[0]), cast(p), [cast(w) for w in weights]
+    blocks = None if blocks is None else [cast(v) for v in blocks]
+    ref_new, ref_normed = reference.mix_norm(x, p, blocks, *weights, 1e-5)
+    for on in (False, True):
+        policy = DecodePolicy("latency_specialized", tuning=_single_device_tuning(on))
+        log = DispatchLog()
+        with recording(log), abstract_gpu("sm90"):
+            new, normed = api.all_reduce_mix_norm(x, p, blocks, *weights, 1e-5, None, policy=policy)
+        assert log.ops["all_reduce_mix_norm"]["impl"] == ("pallas" if on else "xla"), log.ops
+        assert new.dtype == normed.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(ref_new, np.float32))  # one rounding
+        if not on:
+            assert "mix_norm_single_device" in log.ops["all_reduce_mix_norm"]["reason"]
+            np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32))
+        elif dtype == jnp.float32:  # other fp32 orders (online softmax, the tile's sums): 2^-18 of the row's
+            ref = np.asarray(ref_normed, np.float64)  # RMS at worst over 300 draws, a few ulps of its largest
+            rms = np.sqrt(np.mean(ref * ref, axis=-1, keepdims=True))
+            assert np.all(np.abs(np.asarray(normed, np.float64) - ref) <= 2.0**-16 * rms)
+        else:  # other fp32 summation orders before three bf16 roundings: the n == 1 kernel tests' bound
+            _assert_mix_close(new, normed, ref_new, ref_normed)
+    assert not get_races().races_found
 
 
 def _lower_for_cuda(monkeypatch, n, per_rank, shapes, dtype):
@@ -362,6 +425,35 @@ def test_model_boundary_is_one_kernel(monkeypatch, backend, n_blocks):
         assert mosaic_calls == 1 and "stablehlo.all_reduce" not in text and "stablehlo.concatenate" not in text
     else:
         assert mosaic_calls == 0 and "stablehlo.all_reduce" in text
+
+
+@pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
+@pytest.mark.parametrize("on", [True, False])
+def test_unsharded_boundary_is_one_kernel_when_tuned_on(monkeypatch, on):
+    """The model's layer boundary without a tensor-parallel axis (Comm(None), latency_specialized), lowered for
+    CUDA on an abstract H100: with mix_norm_single_device one Mosaic GPU launch (the kernel at n == 1: no
+    exchange), else the XLA ops; no collective either way, and none counted."""
+    from kernel_testbase import abstract_gpu
+
+    from k3jax.comm import Comm
+    from k3jax.layers import boundary
+
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")
+    b, d, n_blocks = 2, 7168, 3
+    comm = Comm(None, DecodePolicy("latency_specialized", tuning=_single_device_tuning(on)))
+    assert comm.fuses_boundaries
+
+    def f(part, prefix, *rest):
+        blocks, (rn, rp, w) = rest[:n_blocks], rest[n_blocks:]
+        return boundary.join(comm, part, w, 1e-5, "attn_out", prefix, list(blocks), {"norm": rn, "proj": rp})
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(b, d)] * (2 + n_blocks) + [(d,)] * 3]
+    with abstract_gpu("sm90"):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@mosaic_gpu") == (1 if on else 0)
+    assert "stablehlo.all_reduce" not in text and not comm.counts
+    if on:
+        assert "stablehlo.concatenate" not in text  # the blocks go in as they are
 
 
 # --------------------------------------------------------------------------------- GPU: the kernels

@@ -6,8 +6,9 @@ of size 1, or for a shape/dtype the kernels do not take. Mesh device order must 
 (`jax.make_mesh`), as Mosaic GPU collectives require.
 
 Fused entry points: all_reduce_mix_norm (a layer boundary: all-reduce + AttnRes prefix update + AttnRes mix +
-RMSNorm; what the model uses, through k3jax/layers/boundary.py), all_reduce_add_rmsnorm (residual add +
-RMSNorm) and proj_all_reduce (the row-parallel GEMM before the all-reduce; opt-in, see its plan).
+RMSNorm; what the model uses, through k3jax/layers/boundary.py; with axis_name None the same launch minus the
+exchange, where the tuning's mix_norm_single_device allows it), all_reduce_add_rmsnorm (residual add + RMSNorm)
+and proj_all_reduce (the row-parallel GEMM before the all-reduce; opt-in, see its plan).
 """
 
 import dataclasses
@@ -42,10 +43,10 @@ def _largest_divisor_at_most(m, cap):
     return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
 
 
-def _common_reason(dtype, n, platform):
+def _common_reason(dtype, n, platform, min_n=2):
     if platform != "gpu":
         return f"platform {platform}"
-    if n < 2:
+    if n < min_n:
         return "axis size 1"
     if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {dtype}"
@@ -171,10 +172,15 @@ MAX_MIX_LANE_ROWS = 64  # D <= 8192: a token row is 64 fp32 values per thread fo
 MIX_SMEM_BUDGET = 200 * 1024  # of the 227 KB per CTA: bf16 K3 (8 blocks + prefix) stages 172 KB
 
 
-def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform):
+def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform, tuning=None):
     """Whether the layer-boundary kernel (mix_norm.py) takes these per-rank operands (block_shapes: one shape
-    per stored block); pure, tested on CPU."""
-    reason = _common_reason(x_dtype, n, platform)
+    per stored block); pure, tested on CPU. n == 1 (no tensor-parallel axis: TP1, the rank slice's stub) is the
+    kernel without its exchange, taken only where the policy's "collectives" tuning (default: tuning.json) has
+    mix_norm_single_device: it has not been measured against the XLA boundary yet."""
+    t = tuning or XLA.table("collectives")
+    reason = _common_reason(x_dtype, n, platform, min_n=1)
+    if not reason and n == 1 and not t.get("mix_norm_single_device", False):
+        reason = "one device: the boundary kernel without an all-reduce is off until measured (mix_norm_single_device)"
     d = x_shape[-1] if x_shape else 0
     if not reason and prefix_shape is not None and tuple(prefix_shape) != tuple(x_shape):
         reason = f"prefix{prefix_shape} is not shaped like x{x_shape}"
@@ -210,8 +216,10 @@ def all_reduce_mix_norm(
     normed = RMSNorm(AttnRes(blocks + [P'])) * norm_w (reference.mix_norm has the exact maths). prefix None:
     a block boundary; blocks: the stored blocks, a sequence of arrays shaped like x_partial (each its own kernel
     operand: no stacked copy per boundary); empty or None: no AttnRes (res_norm_w / res_proj_w unused), e.g.
-    routed_expert_norm."""
+    routed_expert_norm. axis_name None: one device, no all-reduce (a = x_partial; the kernel at n == 1, where
+    the tuning allows it: plan_mix_norm)."""
     blocks = tuple(blocks or ())
+    n = lambda: 1 if axis_name is None else lax.axis_size(axis_name)  # noqa: E731
 
     def kernel(plan):
         from pallas_kernels.collectives import mix_norm
@@ -231,7 +239,7 @@ def all_reduce_mix_norm(
             norm_w.astype(dtype).reshape(q, LANES),
             eps,
             axis_name=axis_name,
-            n=lax.axis_size(axis_name),
+            n=n(),
         )
         return new.reshape(shape), normed.reshape(shape)
 
@@ -240,17 +248,17 @@ def all_reduce_mix_norm(
         x_partial.dtype,
         None if prefix is None else prefix.shape,
         [b.shape for b in blocks],
-        lax.axis_size(axis_name),
+        n(),
         current_platform(),
+        policy.table("collectives"),
     )
-    return policy_lib.dispatch(
-        "all_reduce_mix_norm",
-        policy,
-        lambda: _run(plan(), kernel),
-        lambda: reference.all_reduce_mix_norm(
-            x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name
-        ),
-    )
+
+    def fallback():
+        if axis_name is None:  # what the psum-and-round path gives with one rank: round_to(fp32(x)) is x
+            return reference.mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps)
+        return reference.all_reduce_mix_norm(x_partial, prefix, blocks, res_norm_w, res_proj_w, norm_w, eps, axis_name)
+
+    return policy_lib.dispatch("all_reduce_mix_norm", policy, lambda: _run(plan(), kernel), fallback)
 
 
 # ------------------------------------------------------------------ projection fused with its all-reduce
