@@ -49,10 +49,15 @@ def _check(got, x, ws):
 def test_kernel_interpret_matches_numpy(B, split_k, steps, x_stream):
     """x streamed beside the weights, the tokens on WGMMA's M or N, race-free; with one split the kernel writes
     the rounded output itself (on N a row per token, through SMEM)."""
+    x, ws = _inputs(rng(), B, 1024, (128, 64))
+    _check(_interpret(x, ws, split_k, steps, x_stream), x, ws)
+
+
+def _interpret(x, ws, split_k, steps, x_stream, out_dtypes=None):
+    """The kernel in interpret mode on an abstract H100, race-checked."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    x, ws = _inputs(rng(), B, 1024, (128, 64))
     with abstract_gpu("sm90"):
         got = kernel.gemv(
             x,
@@ -61,10 +66,11 @@ def test_kernel_interpret_matches_numpy(B, split_k, steps, x_stream):
             split_k=split_k,
             steps=steps,
             x_stream=x_stream,
+            out_dtypes=out_dtypes,
             interpret=plgpu.InterpretGPUParams(detect_races=True),
         )
     assert not get_races().races_found
-    _check(got, x, ws)
+    return got
 
 
 def _check_mixed(got, x, ws, out_dtypes):
@@ -92,23 +98,8 @@ MIXED = (jnp.float32, jnp.bfloat16, jnp.float32)  # the MoE's router logits besi
 def test_kernel_interpret_fp32_outputs_match_numpy(B, split_k, steps, x_stream):
     """out_dtypes: fp32 outputs (the fp32 sum: split partials summed unrounded, or with one split the kernel's
     own fp32 write) beside bf16 ones in the same launch, race-free."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
     x, ws = _inputs(rng(), B, 1024, (64, 128, 64))
-    with abstract_gpu("sm90"):
-        got = kernel.gemv(
-            x,
-            ws,
-            block_k=128,
-            split_k=split_k,
-            steps=steps,
-            x_stream=x_stream,
-            out_dtypes=MIXED,
-            interpret=plgpu.InterpretGPUParams(detect_races=True),
-        )
-    assert not get_races().races_found
-    _check_mixed(got, x, ws, MIXED)
+    _check_mixed(_interpret(x, ws, split_k, steps, x_stream, MIXED), x, ws, MIXED)
 
 
 def test_reference_matches_numpy():
