@@ -44,7 +44,7 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop
 case "${1:-}" in
   gpu_tests)
     step pytest_gpu 560 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-      python3 -m pytest -q -p no:cacheprovider \
+      python3 -m pytest -p no:cacheprovider \
       -m "gpu and not gpu2" -n 8 --durations=30 -rf
     ;;
   gpu2_tests)
