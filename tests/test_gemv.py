@@ -1,13 +1,15 @@
 """The decode GEMV (pallas_kernels.gemv): kernel in interpret mode and its reference against float64 NumPy,
-CUDA lowering at one TP16 rank's real shapes, the api's fallback and refusals; real shapes on the GPU."""
+CUDA lowering at one TP16 rank's real shapes, the api's fallback and refusals; real shapes on the GPU. Weights
+of rows that are not whole 64-row blocks (the MoE in-projections at TP16 / TP8) included."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.config import K3Config
 from pallas_kernels.gemv import api, kernel, reference
-from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy
+from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy, Tuning
 from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 
 STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")  # tokens on M: a 64-row x tile
@@ -88,6 +90,15 @@ def _check_mixed(got, x, ws, out_dtypes):
 
 
 MIXED = (jnp.float32, jnp.bfloat16, jnp.float32)  # the MoE's router logits beside bf16 projections
+MOE_DTYPES = (jnp.float32,) + (jnp.bfloat16,) * 3  # layers/moe.py in_projections: router logits in fp32
+
+
+def _moe_in_rows(tp):
+    """One rank's rows of the router [E, D], latent_down [Dl, D], shared gate and up [S, D], each split by tp
+    (params.py): at TP16 56 / 224 / 384 / 384, none of the first two whole 64-row blocks."""
+    cfg = K3Config()
+    E, Dl, S = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.shared_intermediate
+    return (E // tp, Dl // tp, S // tp, S // tp)
 
 
 @cpu_only
@@ -100,6 +111,48 @@ def test_kernel_interpret_fp32_outputs_match_numpy(B, split_k, steps, x_stream):
     own fp32 write) beside bf16 ones in the same launch, race-free."""
     x, ws = _inputs(rng(), B, 1024, (64, 128, 64))
     _check_mixed(_interpret(x, ws, split_k, steps, x_stream, MIXED), x, ws, MIXED)
+
+
+# (rows, out_dtypes): one TP16 rank's MoE in-projections scaled down (the router's 56 rows, fp32, a short first and
+# only block; latent_down's 224, 3.5 blocks; shared gate / up cut to 72, a block and 8 rows), and short weights beside
+# a whole one (8 rows, the least; 64; 136)
+SHORT = [((56, 224, 72, 72), MOE_DTYPES), ((8, 64, 136), (jnp.bfloat16, jnp.float32, jnp.bfloat16))]
+
+
+@cpu_only
+@pytest.mark.parametrize("rows, out_dtypes", SHORT)
+@pytest.mark.parametrize(
+    "B, split_k, steps, x_stream",
+    [(1, 1, 2, "N"), (5, 2, 3, "N"), (13, 1, 3, "N"), (8, 4, 2, "N"), (3, 1, 2, "M"), (20, 2, 2, "M"), (64, 1, 2, "M")],
+)
+def test_kernel_interpret_short_row_blocks_match_numpy(rows, out_dtypes, B, split_k, steps, x_stream):
+    """Rows that are not whole 64-row blocks, several weights in one launch, fp32 outputs among them: the last
+    block's weight tile past N is the TMA's zeros, the partials' padding is sliced off, and a bf16 output written
+    by the kernel (one split) is exactly [B, N] (its TMA store drops the rows past N; a register store there would
+    be an out-of-bounds write, which interpret mode raises on); race-free."""
+    x, ws = _inputs(rng(), B, 1024, rows)
+    _check_mixed(_interpret(x, ws, split_k, steps, x_stream, out_dtypes), x, ws, out_dtypes)
+
+
+@cpu_only
+@pytest.mark.parametrize("B, x_stream", [(5, "N"), (13, "M")])
+def test_partials_of_short_row_blocks_are_padded_with_zeros(B, x_stream):
+    """partials() of weights of 56 and 200 rows: [S, N_pad, T] ("M": [S, 64, N_pad]) with N_pad the whole blocks
+    (64, 256); the rows past N are exact zeros (the weight TMA's fill), the first N summed are the product."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    x, ws = _inputs(rng(), B, 512, (56, 200))
+    with abstract_gpu("sm90"):
+        parts = kernel.partials(
+            x, ws, block_k=128, split_k=2, steps=2, x_stream=x_stream, interpret=plgpu.InterpretGPUParams()
+        )
+    for p, w in zip(parts, ws, strict=True):
+        N, N_pad = w.shape[0], -(-w.shape[0] // kernel.ROWS) * kernel.ROWS
+        p = np.asarray(p, np.float64)
+        p = p if x_stream == "N" else p.transpose(0, 2, 1)  # -> [S, N_pad, T]
+        assert p.shape == (2, N_pad, kernel.tokens(B, x_stream))
+        assert np.all(p[:, N:] == 0) and np.any(p[:, :N] != 0)
+        _check_mixed((p.sum(0)[:N, :B].T.astype(np.float32),), x, (w,), (jnp.float32,))
 
 
 def test_reference_matches_numpy():
@@ -221,11 +274,12 @@ def test_o_proj_launches_cover_what_they_claim():
                     api.pick_launch(B, D, table="o_proj_launch")
 
 
-def test_moe_in_launches_cover_what_they_claim():
-    """The MoE's router + latent_down + shared gate/up launch (one TP2 rank's rows: the router's 448 are whole
-    64-row blocks up to TP2) fits every batch its table covers, fp32 logits included; the rest, today every
-    batch (the table is not measured yet), the api refuses, so the model runs XLA."""
-    rows = (448, 1792, 3072, 3072)
+@pytest.mark.parametrize("tp", [16, 8, 2])
+def test_moe_in_launches_cover_what_they_claim(tp):
+    """The MoE's router + latent_down + shared gate/up launch (one rank's rows: at TP16 and TP8 the router and
+    latent_down are not whole 64-row blocks) fits every batch its table covers, fp32 logits included; the rest,
+    today every batch (the table is not measured yet), the api refuses, so the model runs XLA."""
+    rows = _moe_in_rows(tp)
     table = XLA.table("gemv")["sm90"]["moe_in_launch"]
     assert api.MAX_BATCH == kernel.MAX_TOKENS
     for B in range(1, api.MAX_BATCH + 1):
@@ -242,21 +296,48 @@ def test_moe_in_launches_cover_what_they_claim():
 
 
 @cpu_only
-@pytest.mark.parametrize("B, split_k, x_stream", [(1, 2, "N"), (13, 1, "N"), (40, 2, "M"), (64, 1, "M")])
-def test_moe_in_launch_lowers_for_cuda_with_fp32_logits(B, split_k, x_stream):
-    """One TP2 rank's router (fp32 logits), latent_down and shared gate/up over D = 7168 in one launch."""
+@pytest.mark.parametrize("tp", [16, 8, 2])
+@pytest.mark.parametrize(
+    "B, split_k, x_stream", [(1, 2, "N"), (5, 1, "N"), (13, 1, "N"), (8, 7, "N"), (40, 2, "M"), (64, 1, "M")]
+)
+def test_moe_in_launch_lowers_for_cuda_with_fp32_logits(tp, B, split_k, x_stream):
+    """One rank's router (fp32 logits), latent_down and shared gate/up over D = 7168 in one launch, exactly
+    [B, N] each: at TP16 (56 / 224 / 384 rows) and TP8 (112 / 448 / 768) short last blocks, at TP2 whole ones."""
     launch = dict(block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
     x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
-    rows = (448, 1792, 3072, 3072)
+    rows = _moe_in_rows(tp)
     ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in rows)
-    dtypes = (jnp.float32,) + (jnp.bfloat16,) * 3
     with abstract_gpu("sm90"):
         kernel.check_supported(x, ws, **launch)
-        f = jax.jit(lambda x, ws: kernel.gemv(x, ws, out_dtypes=dtypes, **launch))
+        f = jax.jit(lambda x, ws: kernel.gemv(x, ws, out_dtypes=MOE_DTYPES, **launch))
         lowered = f.trace(x, ws).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    want = [((B, n), jnp.dtype(d)) for n, d in zip(rows, dtypes, strict=True)]
+    want = [((B, n), jnp.dtype(d)) for n, d in zip(rows, MOE_DTYPES, strict=True)]
     assert [(o.shape, o.dtype) for o in lowered.out_info] == want
+
+
+def _policy_with(table, **launch):
+    """The decode policy with one gemv table holding `launch` for every batch: the api as the model takes it
+    once that table is measured and filled."""
+    files = XLA.table("gemv")  # the parsed file, shared: copied, never changed
+    gemv = {**files, "sm90": {**files["sm90"], table: [dict(max_batch=kernel.MAX_TOKENS, **launch)]}}
+    return DecodePolicy("latency_specialized", tuning=Tuning.from_files(gemv=gemv))
+
+
+@cpu_only
+@pytest.mark.parametrize("B, split_k, x_stream", [(1, 1, "N"), (24, 2, "M")])
+def test_moe_in_api_takes_the_kernel_once_its_table_has_an_entry(B, split_k, x_stream):
+    """The MoE's call (layers/moe.py in_projections: table moe_in_launch, fp32 logits) with one TP16 rank's
+    weights, lowered for CUDA on an abstract H100: with an entry the api launches the kernel (no XLA dot in the
+    program); with the file's empty table it runs the reference."""
+    x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
+    ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in _moe_in_rows(16))
+    filled = _policy_with("moe_in_launch", block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
+    for policy, kernel_runs in ((filled, True), (SPECIALIZED, False)):
+        with abstract_gpu("sm90"):
+            f = jax.jit(lambda x, ws, p=policy: api.gemv(x, ws, out_dtypes=MOE_DTYPES, policy=p, table="moe_in_launch"))
+            text = f.trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mosaic_gpu" in text, "dot_general" in text) == (kernel_runs, not kernel_runs)
 
 
 def test_api_falls_back_to_the_reference_off_hopper(caplog):
@@ -309,3 +390,17 @@ def test_streamed_tokens_on_n_on_gpu_matches_numpy(B, rows):
     D = 768 if rows == (7168,) else 7168
     x, ws = _inputs(rng(), B, D, rows)
     _check(kernel.gemv(x, ws, **dict(STREAMED_N, split_k=1 if D == 768 else 2)), x, ws)
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [1, 5, 8, 64])
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("split_k, x_stream", [(1, "N"), (2, "N"), (1, "M"), (2, "M"), (7, "N")])
+def test_moe_in_on_gpu_matches_numpy(B, tp, split_k, x_stream):
+    """One TP16 / TP8 rank's MoE in-projections (router fp32 logits; latent_down and shared gate/up bf16) in one
+    launch through the api with a moe_in_launch entry: short last row blocks (56 and 224 rows at TP16, 112 and
+    448 at TP8), split 1 (the kernel writes the outputs, a short weight's through its TMA store) or partials."""
+    x, ws = _inputs(rng(), B, 7168, _moe_in_rows(tp))
+    policy = _policy_with("moe_in_launch", block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
+    got = api.run_kernel(x, ws, "moe_in_launch", policy, MOE_DTYPES)  # the kernel itself: raises, never falls back
+    _check_mixed(got, x, ws, MOE_DTYPES)

@@ -4,11 +4,11 @@ At decode batch the projection is a pure weight stream (45 MB for one TP16 rank'
 only has to keep HBM busy and accumulate in fp32. Each CTA streams one 64-row block of one weight over a 1/S
 slice of D through a multi-stage TMA pipeline, x's tile of the same K block beside the weight's in each stage
 (from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
-sharing x (q/k/v/g and f_a) run in one launch: the grid covers all their row blocks. The CTA writes its fp32
-partial and the wrapper sums the S partials and rounds once (one small XLA fusion), or a consumer reads them
-itself (the KDA decode kernel); with one split the kernel rounds and writes the output itself. An output asked
-for in fp32 (the MoE router's logits) is the sum unrounded. The result equals reference.gemv up to the order of
-the fp32 sums.
+sharing x (q/k/v/g and f_a; the MoE's router, latent_down and shared gate/up) run in one launch: the grid covers
+all their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once (one
+small XLA fusion), or a consumer reads them itself (the KDA decode kernel); with one split the kernel rounds and
+writes the output itself. An output asked for in fp32 (the MoE router's logits) is the sum unrounded. The result
+equals reference.gemv up to the order of the fp32 sums.
 
 Where the tokens go (x_stream; tuning.json says which batches take which):
 - "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
@@ -18,6 +18,15 @@ Where the tokens go (x_stream; tuning.json says which batches take which):
   [S, 64, N], so a token's outputs are contiguous for the KDA decode kernel (column b of [S, N, 64] would be
   4-byte reads 256 bytes apart). Below 64 tokens the mostly-zero x tile doubles each stage's SMEM fill, which
   is why the small batches take N.
+
+A weight's rows need not be whole 64-row blocks (a multiple of 8: one TP16 rank's MoE router has 56 rows, its
+latent_down 224): the last block's weight TMA reads past the array, which fills those rows with zeros as it fills x's
+tile past B. Nothing is written past N. The fp32 partials (register stores) are padded to whole blocks, and the XLA sum
+that reads them slices them (the slice joins a fusion that runs anyway). A bf16 output the kernel writes itself
+(one split) goes out as a rounded [T, 64] SMEM tile through a TMA store, which drops the rows past B and the
+columns past N: the output is exactly [B, N], with no XLA slice (a copy kernel of its own where the consumer
+cannot fuse it, e.g. a Pallas kernel). Weights of whole blocks keep the register stores that were measured.
+
 x streams beside the weights rather than staying resident in SMEM: resident slabs grow with the batch, and the
 resident form measured slower at every batch (bench/results/gemv_b64_stream.json, gemv_small_on_n.json).
 """
@@ -53,12 +62,19 @@ def x_rows(B):
     return B if B < TOKENS or B % TOKENS == 0 else tokens(B)
 
 
-def smem_bytes(B, D, block_k, split_k, steps, x_stream="N"):
+def ragged(N):
+    """A weight whose last row block is short: its rows past N are the TMA's zeros, its stores kept inside N."""
+    return N % ROWS != 0
+
+
+def smem_bytes(B, D, block_k, split_k, steps, x_stream="N", any_ragged=False):
     """The pipeline's stages, each a weight tile and x's tile (on N with one split, plus the fp32 accumulator
-    the output is written from)."""
+    the output is written from; with one split and a weight of a short last block, plus the bf16 tile that its
+    output is TMA-stored from)."""
     stages = min(steps, D // (split_k * block_k))
     acc = ROWS * tokens(B) * 4 if x_stream == "N" and split_k == 1 else 0
-    return stages * (ROWS + tokens(B, x_stream)) * block_k * 2 + acc
+    staged = ROWS * tokens(B, x_stream) * 2 if any_ragged and split_k == 1 else 0
+    return stages * (ROWS + tokens(B, x_stream)) * block_k * 2 + acc + staged
 
 
 def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
@@ -69,32 +85,38 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
         raise NotImplementedError(f"batch {B} > {MAX_TOKENS}: a GEMM, not a decode GEMV (XLA's is fine there)")
-    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % ROWS for w in ws_ND):
-        raise NotImplementedError(f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N % {ROWS} == 0")
+    if any(w.ndim != 2 or w.shape[1] != D or w.shape[0] % TOKENS or not w.shape[0] for w in ws_ND):
+        raise NotImplementedError(
+            f"weights {[w.shape for w in ws_ND]}: need [N, {D}] with N a positive multiple of {TOKENS} (the TMA "
+            "store of an output row needs 16-byte strides)"
+        )
     if D % (split_k * block_k) or D // (split_k * block_k) < 2:
         raise NotImplementedError(
             f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
             "pipeline releases a stage one step late, so it needs two)"
         )
-    if smem_bytes(B, D, block_k, split_k, steps, x_stream) > SMEM_BYTES:
+    need = smem_bytes(B, D, block_k, split_k, steps, x_stream, any(ragged(w.shape[0]) for w in ws_ND))
+    if need > SMEM_BYTES:
         raise NotImplementedError(
-            f"batch {B}: {steps} stages of weight and x tiles need "
-            f"{smem_bytes(B, D, block_k, split_k, steps, x_stream)} bytes "
+            f"batch {B}: {steps} stages of weight and x tiles need {need} bytes "
             f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
         )
 
 
-def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens):
+def _body(x_ref, *refs, n_blocks, staged, block_k, steps, k_slabs, T, x_stream, n_tokens):
     """x_ref: x [x_rows(B), D], read in [T, block_k] tiles whose rows past x's the TMA fills with zeros. refs:
-    the weights [N_i, D], then the partials [S, N_i, T] fp32 ("M": [S, T, N_i]; with one split a bf16 output
-    itself, "M" [1, T, N_i], "N" [1, B, N_i]), then (on N with one split) scratch: the fp32
-    accumulator [ROWS, T] that the n_tokens output rows are read from."""
+    the weights [N_i, D], then the outputs: fp32 partials [S, N_pad, T] ("M": [S, T, N_pad]; N_pad: N_i in whole
+    blocks), or with one split a bf16 output itself ("M" [1, T, N_i], "N" [1, B, N_i]; staged, a weight of a
+    short last block: [1, B, N_i]), then scratch: (on N, a bf16 output) the fp32 accumulator [ROWS, T] that the
+    n_tokens output rows are read from, (any staged) the rounded output tile [T, ROWS] that a TMA stores."""
     n_w = len(n_blocks)
-    ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], refs[2 * n_w :]
+    ws, outs, scratch = refs[:n_w], refs[n_w : 2 * n_w], list(refs[2 * n_w :])
+    tile_smem = scratch.pop() if any(staged) else None
+    acc_smem = scratch.pop() if scratch else None
     blk, s = lax.axis_index("n"), lax.axis_index("k")
     k_range = pl.ds(s * k_slabs * block_k, k_slabs * block_k)  # this CTA's columns of D
 
-    def run(w_ref, out_ref, row_blk):
+    def run(w_ref, out_ref, stage, row_blk):
         def scope(acc_ref):
             def step(_, w_smem, x_smem):
                 if x_stream == "M":  # acc [T, ROWS] += x [T, block_k] @ wᵀ [block_k, ROWS]
@@ -102,7 +124,8 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens
                 else:  # acc [ROWS, T] += w [ROWS, block_k] @ xᵀ [block_k, T]
                     plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
 
-            # a stage: the weight's [ROWS, block_k] tile and x's [T, block_k] tile of the same K block
+            # a stage: the weight's [ROWS, block_k] tile and x's [T, block_k] tile of the same K block; a short
+            # last block's rows past N arrive as the TMA's zeros
             specs = [
                 plgpu.BlockSpec((ROWS, block_k), lambda k: (row_blk, k), transforms=_TRANSFORMS, delay_release=1),
                 plgpu.BlockSpec((T, block_k), lambda k: (0, k), transforms=_TRANSFORMS, delay_release=1),
@@ -112,22 +135,33 @@ def _body(x_ref, *refs, n_blocks, block_k, steps, k_slabs, T, x_stream, n_tokens
             )
             return acc_ref[...]
 
+        def store_tile():  # the rounded [T, ROWS] tile to out [1, B, N]: the TMA drops rows past B, columns past N
+            plgpu.commit_smem()  # the tile's register stores, before the TMA reads it
+            plgpu.copy_smem_to_gmem(tile_smem, out_ref.at[0, pl.ds(0, T), block])
+            plgpu.wait_smem_to_gmem(0)
+
         block = pl.ds(row_blk * ROWS, ROWS)
         if x_stream == "M":  # token-major [S, T, N]; with one split the output itself (out_ref in x's dtype)
-            out_ref.at[s, :, block][...] = pl.run_scoped(scope, plgpu.ACC((T, ROWS), F32)).astype(out_ref.dtype)
+            acc = pl.run_scoped(scope, plgpu.ACC((T, ROWS), F32)).astype(out_ref.dtype)
+            if stage:
+                tile_smem[...] = acc
+                store_tile()
+            else:
+                out_ref.at[s, :, block][...] = acc
         elif out_ref.dtype != F32:  # "N", one split: the output, token-major, through SMEM
-            acc_smem = scratch[-1]
             acc_smem[...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
             plgpu.commit_smem()  # a warpgroup barrier: each token's column is read by other threads
             for b in range(n_tokens):  # column b in the row layout (4 lanes a row) -> out row b, rounded once
                 col = plgpu.load(acc_smem.at[:, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                out_ref.at[0, b, block][...] = col.astype(out_ref.dtype)
+                (tile_smem.at[b] if stage else out_ref.at[0, b, block])[...] = col.astype(out_ref.dtype)
+            if stage:
+                store_tile()
         else:  # WGMMA layout straight to GMEM: 2 KB at T = 8
             out_ref.at[s, block][...] = pl.run_scoped(scope, plgpu.ACC((ROWS, T), F32))
 
     first = 0
-    for w_ref, out_ref, n in zip(ws, outs, n_blocks, strict=True):  # which weight this CTA's block is in
-        pl.when((blk >= first) & (blk < first + n))(functools.partial(run, w_ref, out_ref, blk - first))
+    for w_ref, out_ref, n, stage in zip(ws, outs, n_blocks, staged, strict=True):  # which weight this block is in
+        pl.when((blk >= first) & (blk < first + n))(functools.partial(run, w_ref, out_ref, stage, blk - first))
         first += n
 
 
@@ -154,21 +188,23 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", out_dtyp
         out_dtypes=written,
     )
     outs = []
-    for p, w_dtype, dtype in zip(parts, written, out_dtypes, strict=True):
-        if w_dtype != F32:  # [1, 64 ("M") or B ("N"), N_i] in x's dtype
+    for p, w, w_dtype, dtype in zip(parts, ws_ND, written, out_dtypes, strict=True):
+        N = w.shape[0]  # the partials' rows past N are padding (the sum's slice costs nothing: one fusion)
+        if w_dtype != F32:  # [1, 64 ("M") or B ("N", or staged), N] in x's dtype
             outs.append(p[0, :B])
         elif x_stream == "M":  # token-major
-            outs.append(p.sum(0)[:B].astype(dtype))
+            outs.append(p.sum(0)[:B, :N].astype(dtype))
         else:
-            outs.append(p.sum(0)[:, :B].T.astype(dtype))
+            outs.append(p.sum(0)[:N, :B].T.astype(dtype))
     return tuple(outs)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def partials(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", interpret=None):
-    """The kernel alone: tuple of fp32 [split_k, N_i, T] (T = tokens(B)), sum over axis 0 and column b = token
-    b's output (columns B..T-1 are padding); with x_stream "M" token-major [split_k, 64, N_i], row b token b's. A
-    consumer that reads these itself (the KDA decode kernel) saves the glue."""
+    """The kernel alone: tuple of fp32 [split_k, N_pad, T] (T = tokens(B), N_pad = N_i in whole 64-row blocks),
+    sum over axis 0 and column b = token b's output (columns B..T-1 and rows N_i..N_pad-1 are padding); with
+    x_stream "M" token-major [split_k, 64, N_pad], row b token b's. A consumer that reads these itself (the KDA
+    decode kernel) saves the glue."""
     return _partials(x_BD, ws_ND, block_k=block_k, split_k=split_k, steps=steps, x_stream=x_stream, interpret=interpret)
 
 
@@ -178,22 +214,31 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
     B, D = x_BD.shape
     T = tokens(B, x_stream)
     out_dtypes = out_dtypes or (F32,) * len(ws_ND)
-    n_blocks = tuple(w.shape[0] // ROWS for w in ws_ND)
+    n_blocks = tuple(-(-w.shape[0] // ROWS) for w in ws_ND)
     # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     x_TD = jnp.pad(x_BD, ((0, x_rows(B) - B), (0, 0)))
     k_slabs = D // block_k // split_k
-    direct_n = tuple(x_stream == "N" and d != F32 for d in out_dtypes)
-    scratch = [plgpu.SMEM((ROWS, T), F32)] if any(direct_n) else []  # the accumulator, whose columns become rows
+    direct = tuple(d != F32 for d in out_dtypes)
+    # a bf16 output of a short last block goes out by TMA (register stores cannot stop at N)
+    staged = tuple(dr and ragged(w.shape[0]) for dr, w in zip(direct, ws_ND, strict=True))
+    scratch = []
+    if x_stream == "N" and any(direct):
+        scratch.append(plgpu.SMEM((ROWS, T), F32))  # the accumulator, whose columns become rows
+    if any(staged):
+        scratch.append(plgpu.SMEM((T, ROWS), x_BD.dtype))  # the rounded output tile the TMA stores
 
-    def out_shape(N, direct):
-        if direct:
+    def out_shape(N, n, dr, stage):
+        if stage:
             return (1, B, N)
-        return (split_k, T, N) if x_stream == "M" else (split_k, N, T)
+        if dr:
+            return (1, B, N) if x_stream == "N" else (1, T, N)
+        return (split_k, T, n * ROWS) if x_stream == "M" else (split_k, n * ROWS, T)
 
     kernel = plgpu.kernel(
         functools.partial(
             _body,
             n_blocks=n_blocks,
+            staged=staged,
             block_k=block_k,
             steps=min(steps, k_slabs),
             k_slabs=k_slabs,
@@ -202,8 +247,8 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
             n_tokens=B,
         ),
         out_type=tuple(
-            jax.ShapeDtypeStruct(out_shape(w.shape[0], direct), d)
-            for w, d, direct in zip(ws_ND, out_dtypes, direct_n, strict=True)
+            jax.ShapeDtypeStruct(out_shape(w.shape[0], n, dr, stage), d)
+            for w, n, d, dr, stage in zip(ws_ND, n_blocks, out_dtypes, direct, staged, strict=True)
         ),
         scratch_types=scratch,
         grid=(sum(n_blocks), split_k),
