@@ -26,6 +26,9 @@
 #   moe_next     nvidia-h200      the routed experts L2-cold, under skewed routing, and with split_groups (~7 min)
 #                                 -> moe_layer_cold.*, moe_layer_skewed.*, moe_layer_skewed_split.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
+#   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
+#                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
+#                                 torch + triton from the machine, the device tool's carry ["bench/build/triton_kernels_src"]
 # One machine kind at a time: a switch restarts the machine.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -107,6 +110,10 @@ case "${1:-}" in
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
+    ;;
+  moe_triton)  # the carried source (bench/moe_triton.py's docstring says where it is from); --smoke: one tiny case first
+    step moe_triton 300 env PYTHONPATH=.:bench/build/triton_kernels_src python3 bench/moe_triton.py "$work" --smoke \
+      --deadline-s 270
     ;;
   *)
     echo "usage: bash bench/gpu_runs.sh GROUP, one of:" >&2
