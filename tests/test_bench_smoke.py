@@ -17,6 +17,7 @@ from bench import rank_slice as rs
 from k3jax import sharding as sh
 from k3jax.config import preset
 from pallas_kernels.policy import DecodePolicy
+from tests.kernel_testbase import abstract_gpu, cpu_only
 
 
 def test_engine_mode_writes_json_md_png(tmp_path):
@@ -468,12 +469,12 @@ def test_gemv_bench_moe_cases_are_one_ranks_and_every_candidate_fits():
     assert gemv.pick_cases("moe_in") == list(moe.values())
 
 
+@cpu_only
 def test_gemv_bench_runs_a_moe_case_on_cpu(tmp_path, monkeypatch):
     """bench/gemv.py end to end at a scaled-down MoE case (56 / 224 / 72 / 72 rows over D = 512, fp32 logits),
     the kernel in interpret mode on an abstract H100 and the CUPTI timers stubbed: XLA and each candidate get
     a time, a small error against float64 and their kernels; nothing fails."""
     from bench import gemv
-    from tests.kernel_testbase import abstract_gpu
 
     monkeypatch.setattr(gemv, "device_us", lambda f, *a: (jax.block_until_ready(f(*a)), 2.0)[1])
     monkeypatch.setattr(gemv, "per_kernel_us", lambda f, x, sets, iters: [("kernel", 1.0)] * len(sets))
