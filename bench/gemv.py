@@ -1,37 +1,42 @@
 """The decode GEMV (pallas_kernels.gemv) against XLA's out-major GEMV on one GPU, CUPTI device time, at one
-TP16 / TP8 rank's KDA projection shapes (q/k/v/g + f_a, and o_proj).
+TP16 / TP8 rank's KDA projection shapes (q/k/v/g + f_a, and o_proj) and MoE in-projections (the router's fp32
+logits, latent_down and the shared experts' gate and up in one launch: layers/moe.py in_projections).
 
-  PYTHONPATH=. python3 bench/gemv.py OUT [--batches 1,8,16,32,64] [--sweep] [--name gemv]   # -> OUT/NAME.json
+  PYTHONPATH=. python3 bench/gemv.py OUT [--batches 1,8,16,32,64] [--sweep] [--cases moe_in] [--name gemv]
+      [--deadline-s S]   # -> OUT/NAME.json
 
-Per case and batch: XLA, and the launch tuning.json picks ("tuned": its `launch` table, `o_proj_launch` for
-o); with --sweep also every LAUNCHES entry whose SMEM fits (for retuning: tokens on WGMMA's N or M). Each call
-runs SETS distinct weight sets back to back (> the 50 MB L2 together), so the weights stream from HBM as in a
-decode step; a row reports the time per set. Inside the KDA sublayer the GEMV runs 2-4 us slower than here:
-it follows the decode kernel's state writes (results/gemv_after_writes.json).
+Per case and batch: XLA (the reference, with the case's out_dtypes), and the launch tuning.json picks ("tuned":
+the case's table); with --sweep also every entry of the case's candidate list that the kernel takes (LAUNCHES
+for the KDA cases, for retuning; MOE_LAUNCHES for the MoE's, whose table moe_in_launch is empty until they are
+measured: its rows say "tuned: none" and the sweep's rows are the candidates). Each call runs n distinct weight
+sets back to back, >= SETS and together >= COLD_BYTES (past the 50 MB L2), so the weights stream from HBM as in
+a decode step; a row reports the time per set. Inside the KDA sublayer the GEMV runs 2-4 us slower than here:
+it follows the decode kernel's state writes (results/gemv_after_writes.json). Rows not started by the deadline
+are skipped (the JSON is rewritten after every row).
 """
 
 import argparse
 import json
+import math
 import pathlib
+import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.device_time import device_us, per_kernel_us
+from bench.rank_slice import local_shape
+from k3jax import params
+from k3jax.config import K3Config
 from pallas_kernels.gemv import api, kernel, reference
 from pallas_kernels.policy import XLA
 
 HBM_PEAK = 4.8e12
 SETS = 3
+COLD_BYTES = 100e6  # the weight sets of one call together: twice the H200's 50 MB L2
 BATCHES = (1, 8, 16, 32, 64)
-# (name, D, rows of each weight sharing x, tuning table): one TP16 / TP8 rank's KDA q/k/v/g + f_a, and o_proj
-CASES = [
-    ("qkvg+f_a tp16", 7168, (3072, 128), "launch"),
-    ("qkvg+f_a tp8", 7168, (6144, 128), "launch"),
-    ("o tp16", 768, (7168,), "o_proj_launch"),
-    ("o tp8", 1536, (7168,), "o_proj_launch"),
-]
 # --sweep: (block_k, split_k, steps, x_stream). SMEM = steps x (a rows x block_k weight tile + a tokens x
 # block_k x tile) <= 227 KB. TP16's 50 row blocks x split 2 fill 100 of 132 SMs; splits must divide
 # D / block_k (56 at D = 7168, 128). The tuned entries (k128 s2 st6, N to batch 32, M above) and the nearest
@@ -44,6 +49,76 @@ LAUNCHES = [  # (block_k, split_k, steps, x_stream)
     (64, 2, 12, "M"),
     (128, 4, 4, "M"),
 ]
+# The MoE in-projections' candidates (tuning.json's _doc names them): few row blocks (TP16 1 + 4 + 6 + 6 = 17,
+# TP8 2 + 7 + 12 + 12 = 33), so the splits fill the SMs (TP16 x7 = 119 CTAs, TP8 x4 = 132); split 1 writes the
+# outputs itself (no glue kernel: each partial-summed output is an XLA fusion of its own) with 17 / 33 CTAs.
+MOE_LAUNCHES = [
+    (128, 1, 6, "N"),
+    (128, 2, 6, "N"),
+    (128, 4, 6, "N"),
+    (128, 7, 6, "N"),
+    (128, 8, 6, "N"),
+    (128, 1, 6, "M"),
+    (128, 2, 6, "M"),
+    (128, 4, 6, "M"),
+]
+MOE_IN = ("router", "latent_down", "shared_gate", "shared_up")  # in_projections' weights, in its order
+MOE_DTYPES = (jnp.float32,) + (jnp.bfloat16,) * 3  # the router's logits unrounded
+
+
+class Case(NamedTuple):
+    name: str
+    D: int
+    rows: tuple  # each weight's rows, all sharing x
+    table: str  # tuning.json's launch list for it
+    out_dtypes: tuple | None = None  # None: x's dtype for every output
+    launches: tuple = tuple(LAUNCHES)  # what --sweep tries
+
+
+def moe_in_rows(tp):
+    """One rank's rows of the MoE in-projections: the tensor table's shapes split as the sharding rules split
+    them (TP16: 56 / 224 / 384 / 384, TP8: 112 / 448 / 768 / 768; the first two not whole 64-row blocks)."""
+    specs = {s.path[-1]: s for s in params.tensor_table(K3Config()) if s.path[-1] in MOE_IN}
+    return tuple(local_shape(specs[n], tp)[0] for n in MOE_IN)
+
+
+# one TP16 / TP8 rank's KDA q/k/v/g + f_a, o_proj, and MoE in-projections
+CASES = [
+    Case("qkvg+f_a tp16", 7168, (3072, 128), "launch"),
+    Case("qkvg+f_a tp8", 7168, (6144, 128), "launch"),
+    Case("o tp16", 768, (7168,), "o_proj_launch"),
+    Case("o tp8", 1536, (7168,), "o_proj_launch"),
+    Case("moe_in tp16", 7168, moe_in_rows(16), "moe_in_launch", MOE_DTYPES, tuple(MOE_LAUNCHES)),
+    Case("moe_in tp8", 7168, moe_in_rows(8), "moe_in_launch", MOE_DTYPES, tuple(MOE_LAUNCHES)),
+]
+
+
+def n_sets(case: Case, cold_bytes=COLD_BYTES) -> int:
+    """Weight sets per call: SETS, or more where they would not outgrow the L2 together (o, the MoE's)."""
+    return max(SETS, math.ceil(cold_bytes / (sum(case.rows) * case.D * 2)))
+
+
+def candidates(case: Case, B, sweep=False, policy=XLA) -> tuple[dict, str]:
+    """{row key: launch} to time beside XLA, and what the table picks ("tuned": its key, or why none): the
+    tuned launch, and with sweep every case.launches entry that kernel.check_supported takes for these weights."""
+    x = jax.ShapeDtypeStruct((B, case.D), jnp.bfloat16)
+    ws = tuple(jax.ShapeDtypeStruct((n, case.D), jnp.bfloat16) for n in case.rows)
+    launches = {}
+    try:
+        tuned = api.pick_launch(B, case.D, case.table, policy)
+        kernel.check_supported(x, ws, **tuned)
+        launches[launch_key(**tuned)] = tuned
+        picked = launch_key(**tuned)
+    except NotImplementedError as e:  # no entry for this batch (moe_in_launch: none yet): the api runs XLA
+        picked = f"none: {e}"
+    for bk, sk, st, stream in case.launches if sweep else ():
+        launch = dict(block_k=bk, split_k=sk, steps=st, x_stream=stream)
+        try:
+            kernel.check_supported(x, ws, **launch)
+        except NotImplementedError:
+            continue
+        launches.setdefault(launch_key(**launch), launch)
+    return launches, picked
 
 
 def timed(row, key, f, x, sets, want):
@@ -56,9 +131,9 @@ def timed(row, key, f, x, sets, want):
             float(np.sqrt(np.mean((np.asarray(a, np.float64) - w) ** 2) / np.mean(w**2)))
             for a, w in zip(got, want, strict=True)
         )
-        row[key + "_us"] = device_us(g, x, sets) / SETS
+        row[key + "_us"] = device_us(g, x, sets) / len(sets)
         per_kernel = per_kernel_us(g, x, sets, iters=10)
-        row[key + "_kernels"] = [(k, round(t, 2)) for k, t in per_kernel[: len(per_kernel) // SETS]]
+        row[key + "_kernels"] = [(k, round(t, 2)) for k, t in per_kernel[: len(per_kernel) // len(sets)]]
     except Exception as e:  # noqa: BLE001
         row[key + "_us"] = f"failed: {type(e).__name__}: {e}"[:300]
 
@@ -67,54 +142,86 @@ def launch_key(block_k, split_k, steps, x_stream):
     return f"pallas k{block_k} s{split_k} st{steps}" + {"M": " xs", "N": " xsN"}[x_stream]
 
 
-def main(out_dir, batches=BATCHES, sweep=False, name="gemv"):
+def main(
+    out_dir,
+    batches=BATCHES,
+    sweep=False,
+    name="gemv",
+    cases=CASES,
+    deadline_s=math.inf,
+    interpret=None,
+    cold_bytes=COLD_BYTES,
+):
+    """interpret (the kernel's interpret params) and cold_bytes 0 (SETS sets): a CPU check of the plumbing at
+    small cases."""
+    t0 = time.time()
     dev = jax.devices()[0]
     results = dict(
-        device=f"{dev.device_kind} (cc {dev.compute_capability})",
+        device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', None)})",
         jax=jax.__version__,
         sets=SETS,
+        cold_bytes=cold_bytes,
         measure="CUPTI device time per weight set, median of 30 calls",
         tuning=XLA.table("gemv")["sm90"],
         rows=[],
+        skipped=[],
     )
     r = np.random.default_rng(0)
-    for case, D, rows, table in CASES:
-        for B in batches:
+    for B in batches:  # batch-major: a deadline cuts the last batches of every case, not the last cases
+        for case in cases:
+            if time.time() - t0 > deadline_s:
+                results["skipped"].append(dict(case=case.name, B=B))
+                continue
+            D, dtypes = case.D, case.out_dtypes
             x = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
             sets = [
-                tuple(jnp.asarray(r.standard_normal((n, D)) * D**-0.5, jnp.bfloat16) for n in rows) for _ in range(SETS)
+                tuple(jnp.asarray(r.standard_normal((n, D)) * D**-0.5, jnp.bfloat16) for n in case.rows)
+                for _ in range(n_sets(case, cold_bytes))
             ]
             want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in sets[0]]
             nbytes = sum(w.nbytes for w in sets[0]) + x.nbytes
-            row = dict(case=case, B=B, D=D, rows=rows, MB=nbytes / 1e6, floor_us=nbytes / HBM_PEAK * 1e6)
-            timed(row, "xla", reference.gemv, x, sets, want)
-            launches = {}
-            try:
-                tuned = api.pick_launch(B, D, table)
-                row["tuned"] = launch_key(**tuned)
-                launches[row["tuned"]] = tuned
-            except NotImplementedError as e:  # no entry for this batch: the api runs XLA
-                row["tuned"] = f"none: {e}"
-            for bk, sk, st, stream in LAUNCHES if sweep else ():
-                if (
-                    D % (bk * sk) == 0
-                    and D // (bk * sk) >= 2  # kernel.check_supported
-                    and kernel.smem_bytes(B, D, bk, sk, st, stream) <= kernel.SMEM_BYTES
-                ):
-                    launch = dict(block_k=bk, split_k=sk, steps=st, x_stream=stream)
-                    launches.setdefault(launch_key(**launch), launch)
+            row = dict(
+                case=case.name,
+                B=B,
+                D=D,
+                rows=case.rows,
+                out_dtypes=[str(jnp.dtype(d)) for d in dtypes or (x.dtype,) * len(case.rows)],
+                sets=len(sets),
+                MB=nbytes / 1e6,
+                floor_us=nbytes / HBM_PEAK * 1e6,
+            )
+            timed(row, "xla", lambda x, ws, dtypes=dtypes: reference.gemv(x, ws, dtypes), x, sets, want)
+            launches, row["tuned"] = candidates(case, B, sweep)
             for key, launch in launches.items():
-                timed(row, key, lambda x, ws, launch=launch: kernel.gemv(x, ws, **launch), x, sets, want)
+
+                def f(x, ws, launch=launch, dtypes=dtypes):
+                    return kernel.gemv(x, ws, out_dtypes=dtypes, interpret=interpret, **launch)
+
+                timed(row, key, f, x, sets, want)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+    if results["skipped"]:
+        print(f"deadline: skipped {results['skipped']}", flush=True)
+        pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def pick_cases(spec):
+    """--cases: comma-separated prefixes of case names ("moe_in", "qkvg+f_a tp16"); empty: all."""
+    chosen = [c for c in CASES if not spec or any(c.name.startswith(p.strip()) for p in spec.split(","))]
+    if not chosen:
+        raise SystemExit(f"--cases {spec!r}: none of {[c.name for c in CASES]}")
+    return chosen
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", nargs="?", default=".")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--sweep", action="store_true", help="also every LAUNCHES entry that fits")
+    ap.add_argument("--sweep", action="store_true", help="also every candidate launch of the case that fits")
+    ap.add_argument("--cases", default="", help="comma-separated prefixes of case names (default: all)")
     ap.add_argument("--name", default="gemv", help="the result file's name")
+    ap.add_argument("--deadline-s", type=float, default=math.inf, help="start no row after this many seconds")
     a = ap.parse_args()
-    main(a.out_dir, tuple(int(b) for b in a.batches.split(",")), a.sweep, a.name)
+    main(a.out_dir, tuple(int(b) for b in a.batches.split(",")), a.sweep, a.name, pick_cases(a.cases), a.deadline_s)

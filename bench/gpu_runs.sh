@@ -20,6 +20,9 @@
 #                                 and B 64 through the api -> kda_verify_b64.*
 #   kda_layer    nvidia-h200      the whole KDA sublayer, TP16 / TP8, B 1-64 -> kda_layer.*
 #   gemv         nvidia-h200      the decode GEMV's tuned launches vs XLA, B 1-64 -> gemv.json
+#   gemv_moe     nvidia-h200      the MoE in-projections (router fp32 + latent_down + shared gate/up, one launch)
+#                                 at TP16 / TP8: XLA vs every candidate launch (--sweep), B 1-64 (~5 min)
+#                                 -> gemv_moe.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
@@ -89,6 +92,9 @@ case "${1:-}" in
     ;;
   gemv)
     step gemv 400 python3 bench/gemv.py "$work"
+    ;;
+  gemv_moe)  # moe_in_launch is empty: the sweep's rows are its candidates; rows past the deadline are skipped
+    step gemv_moe 330 python3 bench/gemv.py "$work" --cases moe_in --sweep --name gemv_moe --deadline-s 270
     ;;
   mla)
     step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -m gpu -rf

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from collections import Counter
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,6 +17,7 @@ from bench import rank_slice as rs
 from k3jax import sharding as sh
 from k3jax.config import preset
 from pallas_kernels.policy import DecodePolicy
+from tests.kernel_testbase import abstract_gpu, cpu_only
 
 
 def test_engine_mode_writes_json_md_png(tmp_path):
@@ -439,3 +441,54 @@ def test_rank_slice_speculative_estimate_and_table():
     )
     row = next(x for x in rs.spec_markdown(result) if x.startswith("| 4 | xla | 8 |"))
     assert row.endswith(f"| {est['tokens_per_s']:.0f} | {est['tokens_per_s'] / (8 / 1000.0 * 1e6):.2f} |")
+
+
+def test_gemv_bench_moe_cases_are_one_ranks_and_every_candidate_fits():
+    """bench/gemv.py's MoE in-projection cases: one TP16 / TP8 rank's router, latent_down and shared gate/up
+    rows (the config's E, Dl and S split by tp), fp32 logits first; with --sweep every MOE_LAUNCHES candidate is
+    timed at every batch 1-64 (none dropped by kernel.check_supported), and the empty moe_in_launch table gives
+    no tuned row."""
+    from bench import gemv
+    from k3jax.config import K3Config
+
+    cfg = K3Config()
+    E, Dl, S = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.shared_intermediate
+    moe = {c.name: c for c in gemv.CASES if c.table == "moe_in_launch"}
+    assert set(moe) == {"moe_in tp16", "moe_in tp8"}
+    for tp in (16, 8):
+        case = moe[f"moe_in tp{tp}"]
+        assert case.rows == (E // tp, Dl // tp, S // tp, S // tp) and case.D == cfg.hidden_size
+        assert [jnp.dtype(d) for d in case.out_dtypes] == [jnp.dtype(jnp.float32)] + [jnp.dtype(jnp.bfloat16)] * 3
+        assert sum(case.rows) * case.D * 2 * gemv.n_sets(case) >= gemv.COLD_BYTES  # the sets outgrow the L2
+        for B in range(1, 65):
+            launches, tuned = gemv.candidates(case, B, sweep=True)
+            assert tuned.startswith(f"none: batch {B}: no GEMV moe_in_launch")
+            assert sorted(launches.values(), key=str) == sorted(
+                (dict(block_k=k, split_k=s, steps=st, x_stream=xs) for k, s, st, xs in gemv.MOE_LAUNCHES), key=str
+            )
+    assert gemv.pick_cases("moe_in") == list(moe.values())
+
+
+@cpu_only
+def test_gemv_bench_runs_a_moe_case_on_cpu(tmp_path, monkeypatch):
+    """bench/gemv.py end to end at a scaled-down MoE case (56 / 224 / 72 / 72 rows over D = 512, fp32 logits),
+    the kernel in interpret mode on an abstract H100 and the CUPTI timers stubbed: XLA and each candidate get
+    a time, a small error against float64 and their kernels; nothing fails."""
+    from bench import gemv
+
+    monkeypatch.setattr(gemv, "device_us", lambda f, *a: (jax.block_until_ready(f(*a)), 2.0)[1])
+    monkeypatch.setattr(gemv, "per_kernel_us", lambda f, x, sets, iters: [("kernel", 1.0)] * len(sets))
+    monkeypatch.setattr(gemv, "SETS", 2)  # interpret mode is slow: two sets show the per-set split
+    launches = ((128, 1, 2, "N"), (128, 2, 2, "M"))
+    case = gemv.Case("moe_in tiny", 512, (56, 224, 72, 72), "moe_in_launch", gemv.MOE_DTYPES, launches)
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    with abstract_gpu("sm90"):
+        res = gemv.main(tmp_path, (13,), True, "gemv_tiny", [case], interpret=plgpu.InterpretGPUParams(), cold_bytes=0)
+    assert json.loads((tmp_path / "gemv_tiny.json").read_text())["rows"] == json.loads(json.dumps(res["rows"]))
+    keys = ["xla"] + [gemv.launch_key(*launch) for launch in launches]
+    for row in res["rows"]:
+        assert row["sets"] == gemv.SETS and row["out_dtypes"] == ["float32"] + ["bfloat16"] * 3
+        for key in keys:
+            assert row[f"{key}_us"] == 1.0 and row[f"{key}_kernels"] == [("kernel", 1.0)], (key, row)
+            assert 0 < row[f"{key}_rel_err"] < 1e-2, (key, row)
