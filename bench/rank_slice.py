@@ -51,6 +51,7 @@ from k3jax import sharding as sh
 from k3jax import speculative as spec_lib
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
+from pallas_kernels.collectives.mix_norm import BOUNDARY_KERNEL, NORM_KERNEL
 from pallas_kernels.policy import MOE_IMPLS, DecodePolicy
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
@@ -466,12 +467,28 @@ _BOUNDARY_LABELS = frozenset(("n...d,d->n...", "n...,n...d->...d", "reduce_preci
 _LIBRARY_NAMES = ("gemm", "nvjet", "cutlass", "cublas", "xmma")
 
 
+def _is_boundary_kernel(r) -> bool:
+    """The layer-boundary kernel (mix_norm.py with AttnRes): the whole join in one launch. Its trace name, as
+    every Mosaic kernel's, maps to no HLO instruction, so it is known by the kernel name mix_norm gives it."""
+    return r["name"].startswith(BOUNDARY_KERNEL)
+
+
+def _starts_join(r) -> bool:
+    """A join's first kernel: XLA's boundary (a kernel labelled with the AttnRes einsums or reduce_precision) or
+    the boundary kernel."""
+    return _label(r["op"]) in _BOUNDARY_LABELS or _is_boundary_kernel(r)
+
+
 def _opens_sublayer(r) -> bool:
     """A kernel that only a sublayer's own work launches (never a join): a projection or primitive labelled
-    with a non-boundary op, a library GEMM, a Mosaic kernel, or a kernel traced inside a kernel wrapper."""
+    with a non-boundary op, a library GEMM, a Mosaic kernel other than the boundary kernel (the MoE's latent
+    norm, the same kernel without AttnRes, is one), or a kernel traced inside a kernel wrapper. The boundary
+    kernel's XLA preparation (labelled _BOUNDARY_SCOPE) is neither: XLA may schedule it anywhere before."""
     lab, n = _label(r["op"]), r["name"].lower()
     if lab in _OP_OF_LABEL:
         return _OP_OF_LABEL[lab] != "boundary"
+    if _is_boundary_kernel(r) or lab.startswith(_BOUNDARY_SCOPE):
+        return False
     return "mosaic" in n or any(k in n for k in _LIBRARY_NAMES) or lab.startswith(_WRAPPERS)
 
 
@@ -479,15 +496,15 @@ def segment(rows, n_layers: int) -> list[tuple[int, int] | None] | None:
     """(layer, sublayer: 0 attention, 1 FFN) of each kernel from the launch order alone, or None when the
     sequence does not split into n_layers layers.
 
-    Every sublayer ends in a join (the AttnRes mix and norm: kernels labelled with the boundary einsums or
-    reduce_precision), so a step is: embed, then per layer [attention, join, FFN, join], then the head. A join
-    runs from its first boundary-labelled kernel to the next kernel that opens a sublayer (the generic norm
-    kernels between are the join's); the kernels before the first sublayer-opening kernel are the embedding,
-    those after the 2 x n_layers-th join the head."""
+    Every sublayer ends in a join (the AttnRes mix and norm: XLA's kernels labelled with the boundary einsums or
+    reduce_precision, or the one boundary kernel), so a step is: embed, then per layer [attention, join, FFN,
+    join], then the head. A join runs from its first kernel (_starts_join) to the next kernel that opens a
+    sublayer (the generic norm kernels between are the join's); the kernels before the first sublayer-opening
+    kernel are the embedding, those after the 2 x n_layers-th join the head."""
     joins, open_join, started = 0, False, False
     out = []
     for r in rows:
-        if _label(r["op"]) in _BOUNDARY_LABELS:
+        if _starts_join(r):
             open_join = started  # a boundary label before any sublayer is the embedding's norm
         elif _opens_sublayer(r):
             joins += open_join
@@ -578,6 +595,7 @@ def summarize(rows, cfg: K3Config) -> dict:
         "kernels": len(rows),
         "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
         "layers_from": "launch order" if rows and rows[0].get("segmented") else "HLO scopes",
+        "boundary_kernels": sum(_is_boundary_kernel(r) for r in rows),  # the joins that ran as one launch
         "by_kind": kinds,
         "top_ops": [
             {
@@ -641,6 +659,8 @@ _LIBRARY = ("gemm", "nvjet", "cutlass", "cublas")
 # kernel's grouping, the MLA decode kernel's split partials and combine
 _WRAPPERS = ("jit(grouped)", "jit(attention)")
 _OP_OF_WRAPPER = {"jit(grouped)": "routed experts", "jit(attention)": "MLA"}
+# the named scope of the boundary kernel's XLA preparation (the api's AttnRes query, res_norm x res_proj in fp32)
+_BOUNDARY_SCOPE = "mix_norm/"
 _ROUTING = ("top_k", "moe_route")  # the top-k selection: the router's, also amid the routed experts' kernels
 
 
@@ -652,12 +672,19 @@ def _attention_op(r) -> str:
     return "MLA" if r.get("kind", "").startswith("mla") else "KDA"
 
 
+def _labelled_op(r) -> str | None:
+    """The op a kernel's label or name alone says (the boundary kernel: the boundary), else None."""
+    return "boundary" if _is_boundary_kernel(r) else _OP_OF_LABEL.get(_label(r["op"]))
+
+
 def decode_ops(rows) -> list[str]:
     """The decode op (OPS) of each kernel of one step, in launch order (rows: attribute()'s dicts).
 
     Mosaic kernels carry no label (anonymous_mosaic_gpu_kernel): in an attention sublayer they are its layer
     kind's attention (KDA: the projections, the recurrence, o_proj; MLA: the decode kernel), in an FFN sublayer
-    the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's."""
+    the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's, the
+    boundary kernel (mix_norm with AttnRes) the boundary's, the same kernel without AttnRes the latent norm's.
+    The boundary kernel's XLA preparation is the boundary's wherever XLA put it."""
     if not rows or rows[0].get("segmented"):
         inside = [r["layer"] is not None for r in rows]
         first, last = (inside.index(True), len(rows) - 1 - inside[::-1].index(True)) if any(inside) else (0, -1)
@@ -673,6 +700,12 @@ def decode_ops(rows) -> list[str]:
         wrapper = next((w for w in _WRAPPERS if lab.startswith(w)), None)
         if i < first or i > last or not inside[i]:
             op = "embed/head"
+        elif _is_boundary_kernel(r):
+            op = current = "boundary"
+        elif r["name"].startswith(NORM_KERNEL):
+            op = current = "latent"  # the latent MoE's routed_expert_norm, after the combine (as XLA's)
+        elif lab.startswith(_BOUNDARY_SCOPE):
+            op = "boundary"  # params only: XLA may run it amid another op, which goes on after it
         elif any(k in name or k == lab for k in _ROUTING):
             op = "router"
             if current != "routed experts":
@@ -692,7 +725,7 @@ def decode_ops(rows) -> list[str]:
         elif current == "boundary" and any(k in name for k in _LIBRARY):
             # a library GEMM after a boundary opens the next sublayer: the attention in an attention sublayer,
             # else the op of the next labelled kernel, or (no projection before the next boundary) layer 0's FFN
-            nxt = next((_OP_OF_LABEL[_label(x["op"])] for x in rows[i + 1 :] if _label(x["op"]) in _OP_OF_LABEL), "")
+            nxt = next((_labelled_op(x) for x in rows[i + 1 :] if _labelled_op(x)), "")
             op = current = _attention_op(r) if sub == 0 else "FFN" if nxt in ("", "boundary") else nxt
         else:
             op = current

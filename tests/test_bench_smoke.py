@@ -10,6 +10,7 @@ from collections import Counter
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bench import decode, projection
 from bench import rank_slice as rs
@@ -308,18 +309,34 @@ def test_every_result_file_is_in_the_index():
     assert not unlisted, f"bench/results/README.md does not say what these are: {unlisted}"
 
 
-def _synthetic_step(rng, cfg, wrong_layer):
+def _synthetic_step(rng, cfg, wrong_layer, fused_boundary=False):
     """A latency_specialized-like step of `cfg`'s layers as CUPTI lists it: (name, us, HLO layer, op label).
     Mosaic kernels have no HLO name; the fusions' HLO layers are `wrong_layer` (a reused kernel named after a
-    later layer's fusion), so only the launch order tells the layers. -> (kernels, want layer, want op)."""
+    later layer's fusion), so only the launch order tells the layers. fused_boundary: every join is the boundary
+    kernel (mix_norm_single_device), its query's XLA kernel right before it or amid the sublayer it ends (XLA
+    may schedule it anywhere), and the MoE's latent norm the same kernel without AttnRes.
+    -> (kernels, want layer, want op)."""
+    from pallas_kernels.collectives import mix_norm
+
     us = lambda: float(rng.uniform(1, 20))  # noqa: E731
     mosaic = "anonymous_mosaic_gpu_kernel"
+    boundary_kernel = f"{mix_norm.BOUNDARY_KERNEL}_mosaic_gpu_kernel"
+    latent_norm = f"{mix_norm.NORM_KERNEL}_mosaic_gpu_kernel"
+    query = ("loop_multiply_fusion_3", "mix_norm/mul", "boundary")
     join = [
         ("input_reduce_fusion_1", "n...d,d->n.../dot_general", "boundary"),
         ("loop_divide_fusion", "div", "boundary"),
         ("loop_reduce_fusion_2", "reduce_precision", "boundary"),
         ("loop_multiply_fusion", "mul", "boundary"),
     ]
+
+    def ends(sublayer):  # the sublayer's kernels, then its join
+        if not fused_boundary:
+            return sublayer + join
+        if rng.random() < 0.5:
+            return sublayer + [query, (boundary_kernel, boundary_kernel, "boundary")]
+        return sublayer[:1] + [query] + sublayer[1:] + [(boundary_kernel, boundary_kernel, "boundary")]
+
     seq = [("loop_gather_fusion", "gather", None, "embed/head"), ("fusion_0", "mul", None, "embed/head")]
     for L, kind in enumerate(cfg.layer_kinds):
         if kind.startswith("kda"):
@@ -338,25 +355,28 @@ def _synthetic_step(rng, cfg, wrong_layer):
                 (mosaic, mosaic, "routed experts"),
             ]
             ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
+            ffn += [(latent_norm, latent_norm, "latent")] if fused_boundary else []
             ffn += [("gemm_fusion_dot_9", "tl,dl->td/dot_general", "latent")]
         else:
             ffn = [
                 ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),
                 ("fusion_10", "convert_element_type", "FFN"),
             ]
-        seq += [(n, op, L, want) for n, op, want in attn + join + ffn + join]
+        seq += [(n, op, L, want) for n, op, want in ends(attn) + ends(ffn)]
     seq += [("loop_select_fusion", "jit(take_along_axis)/select_n", None, "embed/head")]
     seq += [("gemm_fusion_dot_11", "gemm_fusion_dot_11", None, "embed/head")]
     kernels = [(n, us(), None if n == op else wrong_layer, op) for n, op, _, _ in seq]
     return kernels, [L for _, _, L, _ in seq], [w for _, _, _, w in seq]
 
 
-def test_layers_follow_the_launch_order_not_the_kernel_names(rng):
+@pytest.mark.parametrize("fused_boundary", [False, True])
+def test_layers_follow_the_launch_order_not_the_kernel_names(rng, fused_boundary):
     """Issue 28: under latency_specialized every kernel landed in layer 3, the running maximum of the layers
-    that reused kernels' names map to. The layers come from the launch order (each sublayer ends in a join),
-    from the live attribution and from a saved JSON's kernel list alike; kind sums add up to the step."""
+    that reused kernels' names map to. The layers come from the launch order (each sublayer ends in a join:
+    XLA's kernels or the one boundary kernel), from the live attribution and from a saved JSON's kernel list
+    alike; kind sums add up to the step."""
     cfg = rs.truncate(preset("k3"), 8)  # kda_dense, kda_moe x2, mla_moe, kda_moe x3, mla_moe
-    kernels, want_layer, want_op = _synthetic_step(rng, cfg, wrong_layer=3)
+    kernels, want_layer, want_op = _synthetic_step(rng, cfg, wrong_layer=3, fused_boundary=fused_boundary)
     scopes = {rs._norm(n): (L, op) for n, _, L, op in kernels if n != op}
     for rows in (
         rs.attribute([(n, us) for n, us, _, _ in kernels], scopes, cfg),
@@ -375,6 +395,11 @@ def test_layers_follow_the_launch_order_not_the_kernel_names(rng):
         assert (
             sum(r["name"].startswith("anonymous") for r, op in zip(rows, ops, strict=True) if op == "KDA") == 3 * n_kda
         )
+        assert s["boundary_kernels"] == (2 * cfg.num_hidden_layers if fused_boundary else 0)
+        if fused_boundary:  # two boundary kernels per layer, each in its layer, and their queries with them
+            per_layer = Counter(r["layer"] for r in rows if r["name"].startswith("mix_norm_attnres"))
+            assert per_layer == dict.fromkeys(range(cfg.num_hidden_layers), 2)
+            assert rs.by_op(rows)["boundary"]["kernels"] == 4 * cfg.num_hidden_layers
 
 
 def test_layers_fall_back_to_the_hlo_scopes_when_the_order_does_not_split(rng):
