@@ -10,8 +10,8 @@ so the collective term is added separately from bench/collectives.py measurement
 - Timing: CUPTI per-kernel device time of single decode steps (the cache is donated and threaded through, so
   the MLA cache write is in place as in serving); kernels are put in layers by launch order (each sublayer
   ends in an AttnRes join) and in decode ops by their fusion's op_name label in the optimised HLO.
-- Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read)
-  / 4.8 TB/s, and / the copy bandwidth measured here.
+- Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read,
+  the AttnRes blocks each boundary mixes) / 4.8 TB/s, and / the copy bandwidth measured here.
 - --speculative K: also the DSpark speculative round at each (layers, backend, batch), as speculative._step
   runs it but in three programs timed apart: verify over [anchor + K drafts] with synthetic acceptance, the
   commit, the drafter (observe + propose; replicated, so one rank runs all of it); tokens/s at a synthetic
@@ -283,8 +283,16 @@ def distinct_experts(cfg: K3Config, batch: int) -> float:
     return E * (1 - (1 - k / E) ** batch)
 
 
+def attnres_block_reads(cfg: K3Config) -> int:
+    """Stored AttnRes blocks one token's decode step reads: at every mix site its sources but the live prefix
+    (docs/model.md §2.4; layer 0's attention has none). Each boundary reads them whatever else it fuses."""
+    sites = sum(cfg.attn_res_sources(L, s) - 1 for L in range(cfg.num_hidden_layers) for s in ("attn", "mlp"))
+    return sites + cfg.attn_res_sources(cfg.num_hidden_layers - 1, "output") - 1
+
+
 def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
-    """Bytes one rank must move for one decode step of `batch` sequences (each weight read once)."""
+    """Bytes one rank must move for one decode step of `batch` sequences (each weight read once; the residual
+    stream and its stored blocks are replicated: every rank reads them whole, in bf16 as run() measures)."""
     weights = 0.0
     for s in local_table(cfg, tp):
         if s.init == "embed":
@@ -296,8 +304,15 @@ def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
     n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
     kda_state = 2 * n_kda * batch * (H * K * K * 4 + 3 * (cfg.kda_conv_size - 1) * H * K * 2)
     mla_cache = n_mla * batch * context * (cfg.mla_cache_width + 8)  # fp8 row + two fp32 scales
-    total = weights + kda_state + mla_cache
-    return {"weights": int(weights), "kda_state_rw": kda_state, "mla_latent_read": mla_cache, "total": int(total)}
+    attnres = attnres_block_reads(cfg) * batch * cfg.hidden_size * 2
+    total = weights + kda_state + mla_cache + attnres
+    return {
+        "weights": int(weights),
+        "kda_state_rw": kda_state,
+        "mla_latent_read": mla_cache,
+        "attnres_blocks_read": attnres,
+        "total": int(total),
+    }
 
 
 OPS = ("KDA", "MLA", "routed experts", "router", "latent", "FFN", "boundary", "embed/head")
@@ -330,6 +345,7 @@ def op_floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
     fb = floor_bytes(cfg, tp, batch, context)
     out["KDA"] += fb["kda_state_rw"]
     out["MLA"] += fb["mla_latent_read"]
+    out["boundary"] += fb["attnres_blocks_read"]
     return out
 
 

@@ -196,6 +196,25 @@ def test_op_floors_add_up_to_the_step_floor():
             assert ops["routed experts"] > 0 and ops["KDA"] > 0 and ops["MLA"] > 0
 
 
+def test_boundary_floor_reads_the_stored_blocks():
+    """Each join mixes the AttnRes blocks stored so far (one more at every block boundary, before the layer's
+    joins; layer 0's attention reads the prefix unmixed): the boundary's floor is those reads, bf16, replicated,
+    plus its norm and AttnRes weights."""
+    for name, layers, tp in (("k3", None, 16), ("k3", 12, 16), ("demo", None, 16), ("tiny", 5, 1)):
+        cfg = rs.truncate(preset(name), layers)
+        stored = reads = 0
+        for L in range(cfg.num_hidden_layers):
+            stored += L % cfg.attn_res_block_size == 0
+            reads += 2 * stored  # the MLP's mix, then the next attention's (the output's after the last layer)
+        assert rs.attnres_block_reads(cfg) == reads
+        for B in (1, 64):
+            fb = rs.floor_bytes(cfg, tp, B, 64)
+            assert fb["attnres_blocks_read"] == reads * B * cfg.hidden_size * 2
+            weights = sum(s.nbytes for s in rs.local_table(cfg, tp) if rs.op_of_tensor(s.path, cfg) == "boundary")
+            assert rs.op_floor_bytes(cfg, tp, B, 64)["boundary"] == weights + fb["attnres_blocks_read"]
+    assert rs.attnres_block_reads(preset("k3")) == 816  # 12 layers each with 1..7 blocks, then 9 with 8
+
+
 def test_decode_ops_follow_a_layer(rng):
     """One layer's kernels as a step launches them (embed, KDA sublayer, boundary, MoE sublayer, boundary,
     head): each lands in its op, the unlabelled ones by the op before them or the hand-overs."""
