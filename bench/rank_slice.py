@@ -16,9 +16,12 @@ so the collective term is added separately from bench/collectives.py measurement
   runs it but in three programs timed apart: verify over [anchor + K drafts] with synthetic acceptance, the
   commit, the drafter (observe + propose; replicated, so one rank runs all of it); tokens/s at a synthetic
   acceptance length (--acceptance-length, default 6) -> the outputs' "speculative" section.
+- --mix-norm-single-device [on|off]: the layer boundaries under latency_specialized as the boundary kernel minus
+  its exchange (the launch a TP16 rank runs) or as XLA's kernels, overriding the collectives tuning's
+  mix_norm_single_device for this run only (decode_policy); the segmenting knows the kernel by its name.
 
 Device: PYTHONPATH=. python3 bench/rank_slice.py --out $OUT [--layers 24] [--backends xla,latency_specialized]
-  [--speculative 7]
+  [--speculative 7] [--mix-norm-single-device [on|off]]
 CPU check: python bench/rank_slice.py --preset demo --layers 4 --batches 1,2 --out /tmp/rs [--speculative 3]
 """
 
@@ -197,6 +200,16 @@ def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat
         return c
 
     return jax.jit(make)()
+
+
+def decode_policy(args, backend: str) -> DecodePolicy:
+    """The run's decode policy for `backend`: --moe-impl, and --mix-norm-single-device (on / off) set in the
+    collectives table for this run only (tuning.json keeps its default), so one checkout measures both."""
+    policy = DecodePolicy(backend, args.moe_impl)
+    if args.mix_norm_single_device is None:
+        return policy
+    on = args.mix_norm_single_device == "on"
+    return policy.replace(tuning=policy.tuning.with_entries("collectives", mix_norm_single_device=on))
 
 
 def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
@@ -815,6 +828,11 @@ def run(args, log=print) -> dict:
         "cache_dtype": "fp8",
         "dtype": "bfloat16",
         "moe_impl": args.moe_impl,
+        # the layer boundaries under latency_specialized: the boundary kernel minus its exchange, or XLA's
+        "mix_norm_single_device": decode_policy(args, "latency_specialized").table("collectives")[
+            "mix_norm_single_device"
+        ],
+        "mix_norm_single_device_from": "tuning.json" if args.mix_norm_single_device is None else "the command line",
         "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
         "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp),
         "runs": [],
@@ -829,7 +847,7 @@ def run(args, log=print) -> dict:
     # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
         step = make_step(c, comm)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
@@ -953,7 +971,7 @@ def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
 
     def compile_spec(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         key = jax.eval_shape(lambda: jax.random.key(0))
         t = time.perf_counter()
@@ -1150,6 +1168,19 @@ def markdown(result: dict) -> str:
         f"here (counted; their cost is in the projection). jax {m['jax']}, {m['date']}.",
         "",
     ]
+    if "mix_norm_single_device" in result and any(r["backend"] == "latency_specialized" for r in result["runs"]):
+        on, src = result["mix_norm_single_device"], result["mix_norm_single_device_from"]
+        ran = [
+            f"{r['layers']} layers b{r['batch']}: {r['summary']['boundary_kernels']}"
+            for r in runs
+            if r["backend"] == "latency_specialized" and "boundary_kernels" in r["summary"]
+        ]
+        how = "the boundary kernel (mix_norm.py) minus its exchange, where it takes the call" if on else "XLA's kernels"
+        lines += [
+            f"Layer boundaries under latency_specialized: {how} (mix_norm_single_device {str(on).lower()}, from {src})"
+            + (f"; boundary kernels per step: {', '.join(ran)}." if ran else "."),
+            "",
+        ]
     if result.get("copy_bw"):
         lines += [
             f"Measured copy bandwidth (x+1 over 2 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
@@ -1358,6 +1389,15 @@ def parse_args(argv=None):
         default=MOE_IMPLS[0],
         choices=MOE_IMPLS,
         help="how the XLA routed experts read MXFP4 (the decode policy's moe_impl)",
+    )
+    p.add_argument(
+        "--mix-norm-single-device",
+        nargs="?",
+        const="on",
+        choices=("on", "off"),
+        default=None,
+        help="the layer-boundary kernel without its exchange under latency_specialized (on without a value), "
+        "overriding the collectives tuning's mix_norm_single_device for this run (default: the tuning's)",
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

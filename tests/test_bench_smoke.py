@@ -457,6 +457,58 @@ def test_rank_slice_speculative_runs_on_cpu(tmp_path):
     assert md.startswith(rs.markdown({k: v for k, v in data.items() if k != "speculative"}))  # appended only
 
 
+def test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only():
+    """--mix-norm-single-device [on|off] sets the collectives table's entry in the run's policy; without it the
+    tuning.json default holds, and the flag leaves that default and every other entry as they were."""
+    default = DecodePolicy("latency_specialized").table("collectives")
+    for argv, want in (([], default["mix_norm_single_device"]), (["--mix-norm-single-device"], True)):
+        for flag in (argv, ["--mix-norm-single-device", "off"]) if argv else (argv,):
+            policy = rs.decode_policy(rs.parse_args(flag), "latency_specialized")
+            table = policy.table("collectives")
+            assert table == dict(default, mix_norm_single_device=want if flag == argv else False)
+            assert policy.kernels and policy.moe_impl == "packed"
+            assert policy.table("gemv") == DecodePolicy().table("gemv")
+    assert DecodePolicy().table("collectives") == default  # tuning.json as it was
+
+
+def test_rank_slice_runs_the_boundary_kernel_on_cpu(monkeypatch, tmp_path):
+    """The CPU rank slice with --mix-norm-single-device, the collectives api planning as on a GPU and the
+    boundary kernel in interpret mode: under latency_specialized every join is the kernel (the demo's latent
+    norm is too narrow for it), under xla none is; the result says so and from where. The kernel's XLA query is
+    labelled in its layer's scope, as the attribution expects. (Without the flag the tuning's default holds:
+    test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only.)"""
+    import jax
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.collectives import api, mix_norm
+
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")  # the other ops' apis still see no GPU: XLA
+    calls, kernel = [], mix_norm.mix_norm
+
+    def counted(x, prefix, blocks, *a, **kw):
+        calls.append(len(blocks))
+        return kernel(x, prefix, blocks, *a, interpret=plgpu.InterpretGPUParams(), **kw)
+
+    monkeypatch.setattr(mix_norm, "mix_norm", counted)
+    argv = ["--preset", "demo", "--layers", "2", "--batches", "1", "--context", "64", "--iters", "1"]
+    argv += ["--backends", "xla,latency_specialized", "--mix-norm-single-device", "--out", str(tmp_path)]
+    rs.main(argv)
+    data = json.loads((tmp_path / "rank_slice.json").read_text())
+    assert "errors" not in data and [r["backend"] for r in data["runs"]] == ["xla", "latency_specialized"]
+    assert data["mix_norm_single_device"] is True and data["mix_norm_single_device_from"] == "the command line"
+    assert len(calls) == 2 * 2 and all(n >= 1 for n in calls)  # each layer's two joins (the last: the output mix)
+    xla, spec = (r["collectives"] for r in data["runs"])
+    assert spec == xla and spec["attn_out"] == 2  # the fused all-reduces are counted as the xla backend's
+    line = "Layer boundaries under latency_specialized: the boundary kernel (mix_norm.py) minus its exchange"
+    assert line in (tmp_path / "rank_slice.md").read_text()
+    assert "latency_specialized: XLA's kernels" in rs.markdown(dict(data, mix_norm_single_device=False))
+    cfg = rs.truncate(preset("demo"), 1)
+    step = rs.make_step(cfg, rs.StubComm("tp", rs.decode_policy(rs.parse_args(argv), "latency_specialized")))
+    cache = jax.eval_shape(lambda: rs.new_cache(cfg, 16, 1, 64))
+    exe = step.lower(rs.abstract_local_params(cfg, 16), jax.ShapeDtypeStruct((1,), jnp.int32), cache).compile()
+    assert (0, "mix_norm/mul") in set(rs.hlo_scopes(exe.as_text()).values())
+
+
 def test_rank_slice_speculative_estimate_and_table():
     """The round scaled to 93 layers: verify per layer kind, commit by the KDA layers, the drafter as is;
     tokens/s = batch x acceptance length / round."""
