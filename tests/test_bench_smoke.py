@@ -11,6 +11,7 @@ from collections import Counter
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testbase import cpu_only
 
 from bench import decode, projection
 from bench import rank_slice as rs
@@ -471,6 +472,7 @@ def test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only():
     assert DecodePolicy().table("collectives") == default  # tuning.json as it was
 
 
+@cpu_only
 def test_rank_slice_runs_the_boundary_kernel_on_cpu(monkeypatch, tmp_path):
     """The CPU rank slice with --mix-norm-single-device, the collectives api planning as on a GPU and the
     boundary kernel in interpret mode: under latency_specialized every join is the kernel (the demo's latent
