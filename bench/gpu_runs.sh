@@ -10,6 +10,10 @@
 #   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
 #   rank_slice   nvidia-h200      the TP16 rank slice, 12 layers, B 1 and 64, both backends (~4 min), and its decode
 #                                 report -> rank_slice_kernels.*, decode_rank_slice_kernels.*
+#   rank_slice_boundary nvidia-h200  the rank slice, 12 layers, B 1 and 64, latency_specialized: the layer boundaries
+#                                 as the boundary kernel without its exchange (--mix-norm-single-device: the run's
+#                                 policy, tuning.json untouched), then as XLA's kernels (~3 min)
+#                                 -> rank_slice_boundary.*, rank_slice_boundary_off.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -66,6 +70,13 @@ case "${1:-}" in
       --backends xla,latency_specialized --out "$work" --tag _kernels
     step decode_report 60 env JAX_PLATFORMS=cpu python3 bench/decode.py --rank-slice "$work/rank_slice_kernels.json" --tag rank_slice_kernels \
       --out "$work"
+    ;;
+  rank_slice_boundary)  # the kernel first; the same run with XLA's boundaries in the same call, to compare
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+    step rank_slice_boundary 240 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
+      --backends latency_specialized --mix-norm-single-device on --budget-s 180 --out "$work" --tag _boundary
+    step rank_slice_boundary_off 200 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
+      --backends latency_specialized --mix-norm-single-device off --budget-s 150 --out "$work" --tag _boundary_off
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95

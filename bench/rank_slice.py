@@ -10,15 +10,18 @@ so the collective term is added separately from bench/collectives.py measurement
 - Timing: CUPTI per-kernel device time of single decode steps (the cache is donated and threaded through, so
   the MLA cache write is in place as in serving); kernels are put in layers by launch order (each sublayer
   ends in an AttnRes join) and in decode ops by their fusion's op_name label in the optimised HLO.
-- Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read)
-  / 4.8 TB/s, and / the copy bandwidth measured here.
+- Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read,
+  the AttnRes blocks each boundary mixes) / 4.8 TB/s, and / the copy bandwidth measured here.
 - --speculative K: also the DSpark speculative round at each (layers, backend, batch), as speculative._step
   runs it but in three programs timed apart: verify over [anchor + K drafts] with synthetic acceptance, the
   commit, the drafter (observe + propose; replicated, so one rank runs all of it); tokens/s at a synthetic
   acceptance length (--acceptance-length, default 6) -> the outputs' "speculative" section.
+- --mix-norm-single-device [on|off]: the layer boundaries under latency_specialized as the boundary kernel minus
+  its exchange (the launch a TP16 rank runs) or as XLA's kernels, overriding the collectives tuning's
+  mix_norm_single_device for this run only (decode_policy); the segmenting knows the kernel by its name.
 
 Device: PYTHONPATH=. python3 bench/rank_slice.py --out $OUT [--layers 24] [--backends xla,latency_specialized]
-  [--speculative 7]
+  [--speculative 7] [--mix-norm-single-device [on|off]]
 CPU check: python bench/rank_slice.py --preset demo --layers 4 --batches 1,2 --out /tmp/rs [--speculative 3]
 """
 
@@ -51,6 +54,7 @@ from k3jax import sharding as sh
 from k3jax import speculative as spec_lib
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
+from pallas_kernels.collectives.mix_norm import BOUNDARY_KERNEL, NORM_KERNEL
 from pallas_kernels.policy import MOE_IMPLS, DecodePolicy
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
@@ -198,6 +202,16 @@ def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat
     return jax.jit(make)()
 
 
+def decode_policy(args, backend: str) -> DecodePolicy:
+    """The run's decode policy for `backend`: --moe-impl, and --mix-norm-single-device (on / off) set in the
+    collectives table for this run only (tuning.json keeps its default), so one checkout measures both."""
+    policy = DecodePolicy(backend, args.moe_impl)
+    if args.mix_norm_single_device is None:
+        return policy
+    on = args.mix_norm_single_device == "on"
+    return policy.replace(tuning=policy.tuning.with_entries("collectives", mix_norm_single_device=on))
+
+
 def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
     """One greedy decode step for the whole batch: (params, tokens [B], cache) -> (next tokens, cache). Every
     sequence is active, but as the engine's step sees it: n_new is data (here from the tokens), not a constant
@@ -282,8 +296,16 @@ def distinct_experts(cfg: K3Config, batch: int) -> float:
     return E * (1 - (1 - k / E) ** batch)
 
 
+def attnres_block_reads(cfg: K3Config) -> int:
+    """Stored AttnRes blocks one token's decode step reads: at every mix site its sources but the live prefix
+    (docs/model.md §2.4; layer 0's attention has none). Each boundary reads them whatever else it fuses."""
+    sites = sum(cfg.attn_res_sources(L, s) - 1 for L in range(cfg.num_hidden_layers) for s in ("attn", "mlp"))
+    return sites + cfg.attn_res_sources(cfg.num_hidden_layers - 1, "output") - 1
+
+
 def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
-    """Bytes one rank must move for one decode step of `batch` sequences (each weight read once)."""
+    """Bytes one rank must move for one decode step of `batch` sequences (each weight read once; the residual
+    stream and its stored blocks are replicated: every rank reads them whole, in bf16 as run() measures)."""
     weights = 0.0
     for s in local_table(cfg, tp):
         if s.init == "embed":
@@ -295,8 +317,15 @@ def floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
     n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
     kda_state = 2 * n_kda * batch * (H * K * K * 4 + 3 * (cfg.kda_conv_size - 1) * H * K * 2)
     mla_cache = n_mla * batch * context * (cfg.mla_cache_width + 8)  # fp8 row + two fp32 scales
-    total = weights + kda_state + mla_cache
-    return {"weights": int(weights), "kda_state_rw": kda_state, "mla_latent_read": mla_cache, "total": int(total)}
+    attnres = attnres_block_reads(cfg) * batch * cfg.hidden_size * 2
+    total = weights + kda_state + mla_cache + attnres
+    return {
+        "weights": int(weights),
+        "kda_state_rw": kda_state,
+        "mla_latent_read": mla_cache,
+        "attnres_blocks_read": attnres,
+        "total": int(total),
+    }
 
 
 OPS = ("KDA", "MLA", "routed experts", "router", "latent", "FFN", "boundary", "embed/head")
@@ -329,6 +358,7 @@ def op_floor_bytes(cfg: K3Config, tp: int, batch: int, context: int) -> dict:
     fb = floor_bytes(cfg, tp, batch, context)
     out["KDA"] += fb["kda_state_rw"]
     out["MLA"] += fb["mla_latent_read"]
+    out["boundary"] += fb["attnres_blocks_read"]
     return out
 
 
@@ -466,12 +496,28 @@ _BOUNDARY_LABELS = frozenset(("n...d,d->n...", "n...,n...d->...d", "reduce_preci
 _LIBRARY_NAMES = ("gemm", "nvjet", "cutlass", "cublas", "xmma")
 
 
+def _is_boundary_kernel(r) -> bool:
+    """The layer-boundary kernel (mix_norm.py with AttnRes): the whole join in one launch. Its trace name, as
+    every Mosaic kernel's, maps to no HLO instruction, so it is known by the kernel name mix_norm gives it."""
+    return r["name"].startswith(BOUNDARY_KERNEL)
+
+
+def _starts_join(r) -> bool:
+    """A join's first kernel: XLA's boundary (a kernel labelled with the AttnRes einsums or reduce_precision) or
+    the boundary kernel."""
+    return _label(r["op"]) in _BOUNDARY_LABELS or _is_boundary_kernel(r)
+
+
 def _opens_sublayer(r) -> bool:
     """A kernel that only a sublayer's own work launches (never a join): a projection or primitive labelled
-    with a non-boundary op, a library GEMM, a Mosaic kernel, or a kernel traced inside a kernel wrapper."""
+    with a non-boundary op, a library GEMM, a Mosaic kernel other than the boundary kernel (the MoE's latent
+    norm, the same kernel without AttnRes, is one), or a kernel traced inside a kernel wrapper. The boundary
+    kernel's XLA preparation (labelled _BOUNDARY_SCOPE) is neither: XLA may schedule it anywhere before."""
     lab, n = _label(r["op"]), r["name"].lower()
     if lab in _OP_OF_LABEL:
         return _OP_OF_LABEL[lab] != "boundary"
+    if _is_boundary_kernel(r) or lab.startswith(_BOUNDARY_SCOPE):
+        return False
     return "mosaic" in n or any(k in n for k in _LIBRARY_NAMES) or lab.startswith(_WRAPPERS)
 
 
@@ -479,15 +525,15 @@ def segment(rows, n_layers: int) -> list[tuple[int, int] | None] | None:
     """(layer, sublayer: 0 attention, 1 FFN) of each kernel from the launch order alone, or None when the
     sequence does not split into n_layers layers.
 
-    Every sublayer ends in a join (the AttnRes mix and norm: kernels labelled with the boundary einsums or
-    reduce_precision), so a step is: embed, then per layer [attention, join, FFN, join], then the head. A join
-    runs from its first boundary-labelled kernel to the next kernel that opens a sublayer (the generic norm
-    kernels between are the join's); the kernels before the first sublayer-opening kernel are the embedding,
-    those after the 2 x n_layers-th join the head."""
+    Every sublayer ends in a join (the AttnRes mix and norm: XLA's kernels labelled with the boundary einsums or
+    reduce_precision, or the one boundary kernel), so a step is: embed, then per layer [attention, join, FFN,
+    join], then the head. A join runs from its first kernel (_starts_join) to the next kernel that opens a
+    sublayer (the generic norm kernels between are the join's); the kernels before the first sublayer-opening
+    kernel are the embedding, those after the 2 x n_layers-th join the head."""
     joins, open_join, started = 0, False, False
     out = []
     for r in rows:
-        if _label(r["op"]) in _BOUNDARY_LABELS:
+        if _starts_join(r):
             open_join = started  # a boundary label before any sublayer is the embedding's norm
         elif _opens_sublayer(r):
             joins += open_join
@@ -578,6 +624,7 @@ def summarize(rows, cfg: K3Config) -> dict:
         "kernels": len(rows),
         "named_fraction": sum(r["named"] for r in rows) / max(len(rows), 1),
         "layers_from": "launch order" if rows and rows[0].get("segmented") else "HLO scopes",
+        "boundary_kernels": sum(_is_boundary_kernel(r) for r in rows),  # the joins that ran as one launch
         "by_kind": kinds,
         "top_ops": [
             {
@@ -641,6 +688,8 @@ _LIBRARY = ("gemm", "nvjet", "cutlass", "cublas")
 # kernel's grouping, the MLA decode kernel's split partials and combine
 _WRAPPERS = ("jit(grouped)", "jit(attention)")
 _OP_OF_WRAPPER = {"jit(grouped)": "routed experts", "jit(attention)": "MLA"}
+# the named scope of the boundary kernel's XLA preparation (the api's AttnRes query, res_norm x res_proj in fp32)
+_BOUNDARY_SCOPE = "mix_norm/"
 _ROUTING = ("top_k", "moe_route")  # the top-k selection: the router's, also amid the routed experts' kernels
 
 
@@ -652,12 +701,19 @@ def _attention_op(r) -> str:
     return "MLA" if r.get("kind", "").startswith("mla") else "KDA"
 
 
+def _labelled_op(r) -> str | None:
+    """The op a kernel's label or name alone says (the boundary kernel: the boundary), else None."""
+    return "boundary" if _is_boundary_kernel(r) else _OP_OF_LABEL.get(_label(r["op"]))
+
+
 def decode_ops(rows) -> list[str]:
     """The decode op (OPS) of each kernel of one step, in launch order (rows: attribute()'s dicts).
 
     Mosaic kernels carry no label (anonymous_mosaic_gpu_kernel): in an attention sublayer they are its layer
     kind's attention (KDA: the projections, the recurrence, o_proj; MLA: the decode kernel), in an FFN sublayer
-    the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's."""
+    the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's, the
+    boundary kernel (mix_norm with AttnRes) the boundary's, the same kernel without AttnRes the latent norm's.
+    The boundary kernel's XLA preparation is the boundary's wherever XLA put it."""
     if not rows or rows[0].get("segmented"):
         inside = [r["layer"] is not None for r in rows]
         first, last = (inside.index(True), len(rows) - 1 - inside[::-1].index(True)) if any(inside) else (0, -1)
@@ -673,6 +729,12 @@ def decode_ops(rows) -> list[str]:
         wrapper = next((w for w in _WRAPPERS if lab.startswith(w)), None)
         if i < first or i > last or not inside[i]:
             op = "embed/head"
+        elif _is_boundary_kernel(r):
+            op = current = "boundary"
+        elif r["name"].startswith(NORM_KERNEL):
+            op = current = "latent"  # the latent MoE's routed_expert_norm, after the combine (as XLA's)
+        elif lab.startswith(_BOUNDARY_SCOPE):
+            op = "boundary"  # params only: XLA may run it amid another op, which goes on after it
         elif any(k in name or k == lab for k in _ROUTING):
             op = "router"
             if current != "routed experts":
@@ -692,7 +754,7 @@ def decode_ops(rows) -> list[str]:
         elif current == "boundary" and any(k in name for k in _LIBRARY):
             # a library GEMM after a boundary opens the next sublayer: the attention in an attention sublayer,
             # else the op of the next labelled kernel, or (no projection before the next boundary) layer 0's FFN
-            nxt = next((_OP_OF_LABEL[_label(x["op"])] for x in rows[i + 1 :] if _label(x["op"]) in _OP_OF_LABEL), "")
+            nxt = next((_labelled_op(x) for x in rows[i + 1 :] if _labelled_op(x)), "")
             op = current = _attention_op(r) if sub == 0 else "FFN" if nxt in ("", "boundary") else nxt
         else:
             op = current
@@ -766,6 +828,11 @@ def run(args, log=print) -> dict:
         "cache_dtype": "fp8",
         "dtype": "bfloat16",
         "moe_impl": args.moe_impl,
+        # the layer boundaries under latency_specialized: the boundary kernel minus its exchange, or XLA's
+        "mix_norm_single_device": decode_policy(args, "latency_specialized").table("collectives")[
+            "mix_norm_single_device"
+        ],
+        "mix_norm_single_device_from": "tuning.json" if args.mix_norm_single_device is None else "the command line",
         "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
         "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp),
         "runs": [],
@@ -780,7 +847,7 @@ def run(args, log=print) -> dict:
     # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
         step = make_step(c, comm)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
@@ -904,7 +971,7 @@ def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
 
     def compile_spec(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", DecodePolicy(backend, args.moe_impl), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         key = jax.eval_shape(lambda: jax.random.key(0))
         t = time.perf_counter()
@@ -1101,6 +1168,19 @@ def markdown(result: dict) -> str:
         f"here (counted; their cost is in the projection). jax {m['jax']}, {m['date']}.",
         "",
     ]
+    if "mix_norm_single_device" in result and any(r["backend"] == "latency_specialized" for r in result["runs"]):
+        on, src = result["mix_norm_single_device"], result["mix_norm_single_device_from"]
+        ran = [
+            f"{r['layers']} layers b{r['batch']}: {r['summary']['boundary_kernels']}"
+            for r in runs
+            if r["backend"] == "latency_specialized" and "boundary_kernels" in r["summary"]
+        ]
+        how = "the boundary kernel (mix_norm.py) minus its exchange, where it takes the call" if on else "XLA's kernels"
+        lines += [
+            f"Layer boundaries under latency_specialized: {how} (mix_norm_single_device {str(on).lower()}, from {src})"
+            + (f"; boundary kernels per step: {', '.join(ran)}." if ran else "."),
+            "",
+        ]
     if result.get("copy_bw"):
         lines += [
             f"Measured copy bandwidth (x+1 over 2 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
@@ -1309,6 +1389,15 @@ def parse_args(argv=None):
         default=MOE_IMPLS[0],
         choices=MOE_IMPLS,
         help="how the XLA routed experts read MXFP4 (the decode policy's moe_impl)",
+    )
+    p.add_argument(
+        "--mix-norm-single-device",
+        nargs="?",
+        const="on",
+        choices=("on", "off"),
+        default=None,
+        help="the layer-boundary kernel without its exchange under latency_specialized (on without a value), "
+        "overriding the collectives tuning's mix_norm_single_device for this run (default: the tuning's)",
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -45,6 +45,13 @@ class Tuning:
         tables.update({op: json.dumps(t) for op, t in overrides.items()})
         return cls(tuple(sorted(tables.items())))
 
+    def with_entries(self, op: str, **entries) -> Tuning:
+        """This tuning with `entries` set in op's table, every other entry and table as it is (a run that tries a
+        setting without changing the tuning.json default, e.g. bench/rank_slice.py --mix-norm-single-device)."""
+        tables = dict(self.tables)
+        tables[op] = json.dumps(dict(self.get(op), **entries))
+        return Tuning(tuple(sorted(tables.items())))
+
     def get(self, op: str) -> dict:
         text = dict(self.tables).get(op)
         if text is None:

@@ -11,6 +11,8 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from kernel_testbase import cpu_only
 
 from bench import decode, projection
 from bench import rank_slice as rs
@@ -197,6 +199,25 @@ def test_op_floors_add_up_to_the_step_floor():
             assert ops["routed experts"] > 0 and ops["KDA"] > 0 and ops["MLA"] > 0
 
 
+def test_boundary_floor_reads_the_stored_blocks():
+    """Each join mixes the AttnRes blocks stored so far (one more at every block boundary, before the layer's
+    joins; layer 0's attention reads the prefix unmixed): the boundary's floor is those reads, bf16, replicated,
+    plus its norm and AttnRes weights."""
+    for name, layers, tp in (("k3", None, 16), ("k3", 12, 16), ("demo", None, 16), ("tiny", 5, 1)):
+        cfg = rs.truncate(preset(name), layers)
+        stored = reads = 0
+        for L in range(cfg.num_hidden_layers):
+            stored += L % cfg.attn_res_block_size == 0
+            reads += 2 * stored  # the MLP's mix, then the next attention's (the output's after the last layer)
+        assert rs.attnres_block_reads(cfg) == reads
+        for B in (1, 64):
+            fb = rs.floor_bytes(cfg, tp, B, 64)
+            assert fb["attnres_blocks_read"] == reads * B * cfg.hidden_size * 2
+            weights = sum(s.nbytes for s in rs.local_table(cfg, tp) if rs.op_of_tensor(s.path, cfg) == "boundary")
+            assert rs.op_floor_bytes(cfg, tp, B, 64)["boundary"] == weights + fb["attnres_blocks_read"]
+    assert rs.attnres_block_reads(preset("k3")) == 816  # 12 layers each with 1..7 blocks, then 9 with 8
+
+
 def test_decode_ops_follow_a_layer(rng):
     """One layer's kernels as a step launches them (embed, KDA sublayer, boundary, MoE sublayer, boundary,
     head): each lands in its op, the unlabelled ones by the op before them or the hand-overs."""
@@ -310,18 +331,34 @@ def test_every_result_file_is_in_the_index():
     assert not unlisted, f"bench/results/README.md does not say what these are: {unlisted}"
 
 
-def _synthetic_step(rng, cfg, wrong_layer):
+def _synthetic_step(rng, cfg, wrong_layer, fused_boundary=False):
     """A latency_specialized-like step of `cfg`'s layers as CUPTI lists it: (name, us, HLO layer, op label).
     Mosaic kernels have no HLO name; the fusions' HLO layers are `wrong_layer` (a reused kernel named after a
-    later layer's fusion), so only the launch order tells the layers. -> (kernels, want layer, want op)."""
+    later layer's fusion), so only the launch order tells the layers. fused_boundary: every join is the boundary
+    kernel (mix_norm_single_device), its query's XLA kernel right before it or amid the sublayer it ends (XLA
+    may schedule it anywhere), and the MoE's latent norm the same kernel without AttnRes.
+    -> (kernels, want layer, want op)."""
+    from pallas_kernels.collectives import mix_norm
+
     us = lambda: float(rng.uniform(1, 20))  # noqa: E731
     mosaic = "anonymous_mosaic_gpu_kernel"
+    boundary_kernel = f"{mix_norm.BOUNDARY_KERNEL}_mosaic_gpu_kernel"
+    latent_norm = f"{mix_norm.NORM_KERNEL}_mosaic_gpu_kernel"
+    query = ("loop_multiply_fusion_3", "mix_norm/mul", "boundary")
     join = [
         ("input_reduce_fusion_1", "n...d,d->n.../dot_general", "boundary"),
         ("loop_divide_fusion", "div", "boundary"),
         ("loop_reduce_fusion_2", "reduce_precision", "boundary"),
         ("loop_multiply_fusion", "mul", "boundary"),
     ]
+
+    def ends(sublayer):  # the sublayer's kernels, then its join
+        if not fused_boundary:
+            return sublayer + join
+        if rng.random() < 0.5:
+            return sublayer + [query, (boundary_kernel, boundary_kernel, "boundary")]
+        return sublayer[:1] + [query] + sublayer[1:] + [(boundary_kernel, boundary_kernel, "boundary")]
+
     seq = [("loop_gather_fusion", "gather", None, "embed/head"), ("fusion_0", "mul", None, "embed/head")]
     for L, kind in enumerate(cfg.layer_kinds):
         if kind.startswith("kda"):
@@ -340,25 +377,28 @@ def _synthetic_step(rng, cfg, wrong_layer):
                 (mosaic, mosaic, "routed experts"),
             ]
             ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
+            ffn += [(latent_norm, latent_norm, "latent")] if fused_boundary else []
             ffn += [("gemm_fusion_dot_9", "tl,dl->td/dot_general", "latent")]
         else:
             ffn = [
                 ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),
                 ("fusion_10", "convert_element_type", "FFN"),
             ]
-        seq += [(n, op, L, want) for n, op, want in attn + join + ffn + join]
+        seq += [(n, op, L, want) for n, op, want in ends(attn) + ends(ffn)]
     seq += [("loop_select_fusion", "jit(take_along_axis)/select_n", None, "embed/head")]
     seq += [("gemm_fusion_dot_11", "gemm_fusion_dot_11", None, "embed/head")]
     kernels = [(n, us(), None if n == op else wrong_layer, op) for n, op, _, _ in seq]
     return kernels, [L for _, _, L, _ in seq], [w for _, _, _, w in seq]
 
 
-def test_layers_follow_the_launch_order_not_the_kernel_names(rng):
+@pytest.mark.parametrize("fused_boundary", [False, True])
+def test_layers_follow_the_launch_order_not_the_kernel_names(rng, fused_boundary):
     """Issue 28: under latency_specialized every kernel landed in layer 3, the running maximum of the layers
-    that reused kernels' names map to. The layers come from the launch order (each sublayer ends in a join),
-    from the live attribution and from a saved JSON's kernel list alike; kind sums add up to the step."""
+    that reused kernels' names map to. The layers come from the launch order (each sublayer ends in a join:
+    XLA's kernels or the one boundary kernel), from the live attribution and from a saved JSON's kernel list
+    alike; kind sums add up to the step."""
     cfg = rs.truncate(preset("k3"), 8)  # kda_dense, kda_moe x2, mla_moe, kda_moe x3, mla_moe
-    kernels, want_layer, want_op = _synthetic_step(rng, cfg, wrong_layer=3)
+    kernels, want_layer, want_op = _synthetic_step(rng, cfg, wrong_layer=3, fused_boundary=fused_boundary)
     scopes = {rs._norm(n): (L, op) for n, _, L, op in kernels if n != op}
     for rows in (
         rs.attribute([(n, us) for n, us, _, _ in kernels], scopes, cfg),
@@ -377,6 +417,11 @@ def test_layers_follow_the_launch_order_not_the_kernel_names(rng):
         assert (
             sum(r["name"].startswith("anonymous") for r, op in zip(rows, ops, strict=True) if op == "KDA") == 3 * n_kda
         )
+        assert s["boundary_kernels"] == (2 * cfg.num_hidden_layers if fused_boundary else 0)
+        if fused_boundary:  # two boundary kernels per layer, each in its layer, and their queries with them
+            per_layer = Counter(r["layer"] for r in rows if r["name"].startswith("mix_norm_attnres"))
+            assert per_layer == dict.fromkeys(range(cfg.num_hidden_layers), 2)
+            assert rs.by_op(rows)["boundary"]["kernels"] == 4 * cfg.num_hidden_layers
 
 
 def test_layers_fall_back_to_the_hlo_scopes_when_the_order_does_not_split(rng):
@@ -413,6 +458,59 @@ def test_rank_slice_speculative_runs_on_cpu(tmp_path):
     md = (tmp_path / "rank_slice.md").read_text()
     assert "## Speculative round: DSpark, K = 3 drafts, synthetic acceptance length 4" in md
     assert md.startswith(rs.markdown({k: v for k, v in data.items() if k != "speculative"}))  # appended only
+
+
+def test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only():
+    """--mix-norm-single-device [on|off] sets the collectives table's entry in the run's policy; without it the
+    tuning.json default holds, and the flag leaves that default and every other entry as they were."""
+    default = DecodePolicy("latency_specialized").table("collectives")
+    for argv, want in (([], default["mix_norm_single_device"]), (["--mix-norm-single-device"], True)):
+        for flag in (argv, ["--mix-norm-single-device", "off"]) if argv else (argv,):
+            policy = rs.decode_policy(rs.parse_args(flag), "latency_specialized")
+            table = policy.table("collectives")
+            assert table == dict(default, mix_norm_single_device=want if flag == argv else False)
+            assert policy.kernels and policy.moe_impl == "packed"
+            assert policy.table("gemv") == DecodePolicy().table("gemv")
+    assert DecodePolicy().table("collectives") == default  # tuning.json as it was
+
+
+@cpu_only
+def test_rank_slice_runs_the_boundary_kernel_on_cpu(monkeypatch, tmp_path):
+    """The CPU rank slice with --mix-norm-single-device, the collectives api planning as on a GPU and the
+    boundary kernel in interpret mode: under latency_specialized every join is the kernel (the demo's latent
+    norm is too narrow for it), under xla none is; the result says so and from where. The kernel's XLA query is
+    labelled in its layer's scope, as the attribution expects. (Without the flag the tuning's default holds:
+    test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only.)"""
+    import jax
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.collectives import api, mix_norm
+
+    monkeypatch.setattr(api, "current_platform", lambda: "gpu")  # the other ops' apis still see no GPU: XLA
+    calls, kernel = [], mix_norm.mix_norm
+
+    def counted(x, prefix, blocks, *a, **kw):
+        calls.append(len(blocks))
+        return kernel(x, prefix, blocks, *a, interpret=plgpu.InterpretGPUParams(), **kw)
+
+    monkeypatch.setattr(mix_norm, "mix_norm", counted)
+    argv = ["--preset", "demo", "--layers", "2", "--batches", "1", "--context", "64", "--iters", "1"]
+    argv += ["--backends", "xla,latency_specialized", "--mix-norm-single-device", "--out", str(tmp_path)]
+    rs.main(argv)
+    data = json.loads((tmp_path / "rank_slice.json").read_text())
+    assert "errors" not in data and [r["backend"] for r in data["runs"]] == ["xla", "latency_specialized"]
+    assert data["mix_norm_single_device"] is True and data["mix_norm_single_device_from"] == "the command line"
+    assert len(calls) == 2 * 2 and all(n >= 1 for n in calls)  # each layer's two joins (the last: the output mix)
+    xla, spec = (r["collectives"] for r in data["runs"])
+    assert spec == xla and spec["attn_out"] == 2  # the fused all-reduces are counted as the xla backend's
+    line = "Layer boundaries under latency_specialized: the boundary kernel (mix_norm.py) minus its exchange"
+    assert line in (tmp_path / "rank_slice.md").read_text()
+    assert "latency_specialized: XLA's kernels" in rs.markdown(dict(data, mix_norm_single_device=False))
+    cfg = rs.truncate(preset("demo"), 1)
+    step = rs.make_step(cfg, rs.StubComm("tp", rs.decode_policy(rs.parse_args(argv), "latency_specialized")))
+    cache = jax.eval_shape(lambda: rs.new_cache(cfg, 16, 1, 64))
+    exe = step.lower(rs.abstract_local_params(cfg, 16), jax.ShapeDtypeStruct((1,), jnp.int32), cache).compile()
+    assert (0, "mix_norm/mul") in set(rs.hlo_scopes(exe.as_text()).values())
 
 
 def test_rank_slice_speculative_estimate_and_table():

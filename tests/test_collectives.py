@@ -398,6 +398,11 @@ def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_bloc
     text = _lower_for_cuda(monkeypatch, n, per_rank, [(n, b, d)] * (1 + prefix + n_blocks) + [(n, d)] * 3, dtype)
     assert "mosaic_gpu" in text and "stablehlo.all_reduce" not in text
     assert "stablehlo.concatenate" not in text  # the blocks go in as they are: no stacked copy per boundary
+    # what a trace calls the launch: a layer boundary (with AttnRes) apart from the latent norm (without)
+    from pallas_kernels.collectives import mix_norm
+
+    name, other = (mix_norm.BOUNDARY_KERNEL, mix_norm.NORM_KERNEL)[:: 1 if n_blocks else -1]
+    assert f"{name}_mosaic_gpu" in text and other not in text
 
 
 @pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")

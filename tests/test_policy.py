@@ -73,6 +73,23 @@ def test_tuning_tables_are_data_of_the_policy():
         p.table("nope")
 
 
+def test_tuning_with_entries_sets_one_entry_of_one_table():
+    """Tuning.with_entries: a copy with the named entries of one table set (added where new), the rest of that
+    table and every other table as they were, the original untouched; hashable, so a policy holding it is a
+    different jit key."""
+    base = XLA.tuning
+    flipped = not base.get("collectives")["mix_norm_single_device"]
+    t = base.with_entries("collectives", mix_norm_single_device=flipped, new_entry=3)
+    assert t.get("collectives") == dict(base.get("collectives"), mix_norm_single_device=flipped, new_entry=3)
+    assert all(t.get(op) == base.get(op) for op, _ in base.tables if op != "collectives")
+    untouched = base.get("collectives")
+    assert untouched["mix_norm_single_device"] is not flipped and "new_entry" not in untouched
+    p = SPECIALIZED.replace(tuning=t)
+    assert p.table("collectives")["mix_norm_single_device"] is flipped and hash(p) != hash(SPECIALIZED)
+    with pytest.raises(KeyError, match="no tuning table"):
+        base.with_entries("nope", x=1)
+
+
 def test_no_environment_variable_decides_a_kernel():
     """The policy is the one switch: no module of the model, the engine or the kernels reads os.environ."""
     files = [*(ROOT / "pallas_kernels").rglob("*.py"), *(ROOT / "k3jax" / "layers").rglob("*.py")]

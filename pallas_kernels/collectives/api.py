@@ -226,21 +226,24 @@ def all_reduce_mix_norm(
 
         q, shape, dtype = plan.block_rows, x_partial.shape, x_partial.dtype
         tile = lambda a: None if a is None else a.reshape(*a.shape[: a.ndim - len(shape)], -1, q, LANES)  # noqa: E731
-        mix_q = (
-            res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
-            if blocks
-            else jnp.ones(shape[-1], jnp.float32)
-        )
-        new, normed = mix_norm.mix_norm(
-            tile(x_partial),
-            tile(prefix),
-            [tile(b) for b in blocks],
-            mix_q.reshape(q, LANES),
-            norm_w.astype(dtype).reshape(q, LANES),
-            eps,
-            axis_name=axis_name,
-            n=n(),
-        )
+        # a named scope: a profile attributes the XLA kernel of the query (params only, so XLA may run it
+        # anywhere before the launch) to the boundary by its label (bench/rank_slice.py)
+        with jax.named_scope("mix_norm"):
+            mix_q = (
+                res_norm_w.astype(jnp.float32) * res_proj_w.astype(jnp.float32)
+                if blocks
+                else jnp.ones(shape[-1], jnp.float32)
+            )
+            new, normed = mix_norm.mix_norm(
+                tile(x_partial),
+                tile(prefix),
+                [tile(b) for b in blocks],
+                mix_q.reshape(q, LANES),
+                norm_w.astype(dtype).reshape(q, LANES),
+                eps,
+                axis_name=axis_name,
+                n=n(),
+            )
         return new.reshape(shape), normed.reshape(shape)
 
     plan = lambda: plan_mix_norm(  # noqa: E731

@@ -29,6 +29,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.collectives.kernels import exchange_st
 
 F32 = jnp.float32
+# What a trace calls the launch (CUPTI: the name + "_mosaic_gpu_kernel"; unnamed it would be the body's, "body",
+# which other kernels share). With AttnRes it is a layer boundary, a sublayer's end; without stored blocks (the
+# latent MoE's routed_expert_norm) it sits inside a sublayer: bench/rank_slice.py's layer segmenting tells them
+# apart by these names.
+BOUNDARY_KERNEL = "mix_norm_attnres"
+NORM_KERNEL = "mix_norm_rmsnorm"
 
 
 def _mean_sq(v):
@@ -170,6 +176,7 @@ def mix_norm(
         scratch_types=scratch,
         grid=(B,),
         grid_names=("tokens",),
+        kernel_name=BOUNDARY_KERNEL if N else NORM_KERNEL,
         compiler_params=plgpu.CompilerParams(profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
         interpret=interpret,
     )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
