@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_testbase import cpu_only
 
 from bench import decode, projection
 from bench import rank_slice as rs
