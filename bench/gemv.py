@@ -31,6 +31,8 @@ CASES = [
     ("qkvg+f_a tp8", 7168, (6144, 128), "launch"),
     ("o tp16", 768, (7168,), "o_proj_launch"),
     ("o tp8", 1536, (7168,), "o_proj_launch"),
+    ("mla_in tp16", 7168, (1536, 576, 768), "mla_in_launch"),  # MLA q_a, kv_a, g (tp8: 12 heads of g)
+    ("mla_in tp8", 7168, (1536, 576, 1536), "mla_in_launch"),
 ]
 # --sweep: (block_k, split_k, steps, x_stream). SMEM = steps x (a rows x block_k weight tile + a tokens x
 # block_k x tile) <= 227 KB. TP16's 50 row blocks x split 2 fill 100 of 132 SMs; splits must divide
