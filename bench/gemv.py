@@ -90,6 +90,8 @@ CASES = [
     Case("o tp8", 1536, (7168,), "o_proj_launch"),
     Case("moe_in tp16", 7168, moe_in_rows(16), "moe_in_launch", MOE_DTYPES, tuple(MOE_LAUNCHES)),
     Case("moe_in tp8", 7168, moe_in_rows(8), "moe_in_launch", MOE_DTYPES, tuple(MOE_LAUNCHES)),
+    Case("mla_in tp16", 7168, (1536, 576, 768), "mla_in_launch"),  # MLA q_a, kv_a, g (tp8: 12 heads of g)
+    Case("mla_in tp8", 7168, (1536, 576, 1536), "mla_in_launch"),
 ]
 
 

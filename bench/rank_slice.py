@@ -652,10 +652,9 @@ def summarize(rows, cfg: K3Config) -> dict:
 _OP_LABELS = {
     "KDA": ("...d,shkd->...shk", "...d,rd->...r", "...r,rhk->...hk", "...d,dh->...h", "...c,dc->...d"),
     "MLA": (
-        "btd,dq->btq",
-        "btd,dr->btr",
-        "btd,dhv->bthv",
-        "btd,dv->btv",
+        "q_a/bd,nd->bn",  # mla_in_projections: each output's named scope
+        "kv_a/bd,nd->bn",
+        "g/bd,nd->bn",
         "btq,qhe->bthe",
         "bthe,bse->bhts",
         "bthr,bsr->bhts",

@@ -273,7 +273,8 @@ class Job:
         step, shape = self.chunks[self.axis], spec.shape
         streamable = {  # HF rows map to whole indices of our streamed axis (store.chunk_shape picks it)
             "copy": e.shape == shape,
-            "reshape": len(shape) > 1 and e.shape[0] == shape[0] and np.prod(e.shape) == np.prod(shape),  # o [D,H,K]
+            # whole HF rows per index: o [D, H, K] (one row an index), MLA g [H, Vd, D] (Vd rows a head)
+            "reshape": len(shape) > 1 and e.shape[0] % shape[0] == 0 and np.prod(e.shape) == np.prod(shape),
             "T": e.shape == (int(np.prod(shape[1:])), shape[0]),
         }.get(spec.transform, False)
         if not streamable or step >= shape[self.axis]:

@@ -125,7 +125,7 @@ def _latent_rows(p, x_BTD, pos_BT, c: DSparkConfig):
 def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
     """Absorbed MLA, no output gate: the block sees the context rows before the anchor and ALL block rows."""
     N, R = c.qk_nope_head_dim, c.kv_lora_rank
-    q = mla.queries(p, x_BTD)
+    q = mla.queries(p, linear(x_BTD, p["q_a"], "btd,dq->btq"))  # the drafter's own table: q_a in-major
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")
     q_pe = rope_interleaved(q[..., N:], pos_BT[:, :, None], c)
     rows = jnp.concatenate([ctx_rows_BSC.astype(x_BTD.dtype), _latent_rows(p, x_BTD, pos_BT, c)], axis=1)

@@ -143,9 +143,10 @@ def extend(
     def attn(L, p, x):
         entry = cache["layers"][L]
         if cfg.is_mla(L):
-            entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, valid_BT, R)
+            q_a, kv, g = mla.mla_in_projections(p, x, comm.policy)
+            entry = cache_lib.write_rows(entry, mla.latent_rows(p, kv, cfg), pos_BT, valid_BT, R)
             new_layers[L] = entry
-            return mla.mla_cached(p, x, cfg, entry, pos_BT + 1, comm.policy)  # the entry as stored
+            return mla.mla_cached(p, q_a, g, cfg, entry, pos_BT + 1, comm.policy)  # the entry as stored
         if T == 1:
             out, state, conv = kda.kda_decode(
                 p, x[:, 0], cfg, entry["state"], entry["conv"], comm.policy, active_B=n_new_B

@@ -8,6 +8,9 @@ Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out 
 - the MoE sublayer's dense projections are out-major too, for the same kernel: `router` [E, D], `latent_down`
   [Dl, D], `shared_gate`/`shared_up` [S, D] (one decode-GEMV launch reads the normed x once for all four),
   `latent_up` [D, Dl] and `shared_down` [D, S];
+- the MLA sublayer's projections of the normed x are out-major too, for the same kernel: `q_a` [Q, D], `kv_a`
+  [R+P, D] and `g` [H, Vd, D] (one decode-GEMV launch reads x once for all three; g keeps its heads axis, split
+  under TP, and a rank's [H_l, Vd, D] is its [H_l*Vd, D] rows);
 - KDA q/k/v/g projections stacked as `qkvg` [4, H, K, D] (one GEMV per step);
 - KDA q/k/v conv weights stacked as `conv` [3, H, K, 4];
 - MLA `kv_b` split into the absorbed decode layouts `w_uk` [H, nope, R] and `w_uv` [H, v, R];
@@ -30,8 +33,8 @@ import numpy as np
 from k3jax.config import MXFP4_GROUP, K3Config
 
 # 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major); 4: KDA b [H, D];
-# 5: MoE router, latent_down/up and shared gate/up/down out-major
-TABLE_VERSION = 5
+# 5: MoE router, latent_down/up and shared gate/up/down out-major; 6: MLA q_a [Q, D], kv_a [R+P, D], g [H, Vd, D]
+TABLE_VERSION = 6
 HF_PREFIX = "language_model."
 
 # Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
@@ -221,7 +224,9 @@ def _kda(add, a, ha, cfg: K3Config):
 def _mla(add, norm, a, ha, cfg: K3Config):
     D, H = cfg.hidden_size, cfg.num_attention_heads
     Q, R, N, P, Vd = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    add(a + ("q_a",), ha + "q_a_proj.weight", (D, Q), ("embed", "q_lora"), "T", (Q, D), fan_in=D)
+    # q_a, kv_a and g, the three projections of the normed x, are out-major, the HF rows (see the module
+    # docstring): one decode-GEMV launch reads x once for all three (layers/mla.py mla_in_projections)
+    add(a + ("q_a",), ha + "q_a_proj.weight", (Q, D), ("q_lora", "embed"), fan_in=D)
     norm(a + ("q_a_norm",), ha + "q_a_layernorm.weight", Q, "q_lora")
     add(
         a + ("q_b",),
@@ -232,7 +237,7 @@ def _mla(add, norm, a, ha, cfg: K3Config):
         (H * (N + P), Q),
         fan_in=Q,
     )
-    add(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", (D, R + P), ("embed", None), "T", (R + P, D), fan_in=D)
+    add(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", (R + P, D), (None, "embed"), fan_in=D)
     norm(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", R, None)
     add(
         a + ("w_uk",),
@@ -252,7 +257,7 @@ def _mla(add, norm, a, ha, cfg: K3Config):
         (H * (N + Vd), R),
         fan_in=R,
     )
-    add(a + ("g",), ha + "g_proj.weight", (D, H, Vd), ("embed", "mla_heads", None), "T", (H * Vd, D), fan_in=D)
+    add(a + ("g",), ha + "g_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "reshape", (H * Vd, D), fan_in=D)
     add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd), fan_in=H * Vd)
 
 

@@ -69,9 +69,10 @@ def verify(
         entry = cache["layers"][L]
         if cfg.is_mla(L):
             R = cfg.kv_lora_rank
-            entry = cache_lib.write_rows(entry, mla.latent_rows(p, x, cfg), pos_BT, all_valid, R)
+            q_a, kv, g = mla.mla_in_projections(p, x, comm.policy)
+            entry = cache_lib.write_rows(entry, mla.latent_rows(p, kv, cfg), pos_BT, all_valid, R)
             layers[L] = entry
-            return mla.mla_cached(p, x, cfg, entry, pos_BT + 1, comm.policy)  # causal inside the block
+            return mla.mla_cached(p, q_a, g, cfg, entry, pos_BT + 1, comm.policy)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)
         y, commit_data[L] = kda_api.kda_verify(
             qkv,

@@ -364,7 +364,7 @@ def _synthetic_step(rng, cfg, wrong_layer, fused_boundary=False):
             attn = [(mosaic, mosaic, "KDA"), ("loop_add_fusion", "add", "KDA"), (mosaic, mosaic, "KDA")]
             attn += [(mosaic, mosaic, "KDA")]
         else:
-            attn = [("gemm_fusion_dot_3", "btd,dq->btq/dot_general", "MLA"), ("fusion_4", "reduce_max", "MLA")]
+            attn = [("gemm_fusion_dot_3", "q_a/bd,nd->bn/dot_general", "MLA"), ("fusion_4", "reduce_max", "MLA")]
             attn += [("loop_convert_fusion", "jit(attention)/jit(partials)/convert_element_type", "MLA")]
             attn += [(mosaic, mosaic, "MLA"), ("fusion_5", "jit(attention)/exp", "MLA")]
         if kind.endswith("moe"):

@@ -77,7 +77,7 @@ def test_load_refusals(ckpt, tmp_path):
     def version(m):
         m["table_version"] += 1
 
-    def older(m):  # the previous table's checkpoint (v4: the MoE's dense projections in-major) is re-converted
+    def older(m):  # the previous table's checkpoint (v5: MLA's q_a, kv_a and g in-major) is re-converted
         m["table_version"] -= 1
 
     def shape(m):

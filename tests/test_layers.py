@@ -163,7 +163,8 @@ def test_mla_full_and_cached(rng, tiny):
     T = int(rng.integers(4, 24))
     x = _x(rng, 1, T, cfg.hidden_size)
     o_ref, rows_ref = ref.mla_layer(hf, L, tc, x[0])
-    rows = mla.latent_rows(p, F32(x), cfg)
+    q_a, kv, g = mla.mla_in_projections(p, F32(x))
+    rows = mla.latent_rows(p, kv, cfg)
     _check(rows[0], rows_ref, "mla latent rows")
     full = mla.mla_full(p, F32(x), cfg)
     _check(full[0], o_ref, "mla_full")
@@ -171,12 +172,44 @@ def test_mla_full_and_cached(rng, tiny):
     # cached; the cache is longer than the sequence and its tail holds garbage that the mask must hide
     S = T + 5
     cache = jnp.concatenate([rows, F32(_x(rng, 1, S - T, rows.shape[-1]))], axis=1)
-    cached = mla.mla_cached(p, F32(x), cfg, cache, jnp.arange(1, T + 1)[None])
+    cached = mla.mla_cached(p, q_a, g, cfg, cache, jnp.arange(1, T + 1)[None])
     _check(cached, full, "mla_cached vs mla_full", tol=1e-6)
     T1 = int(rng.integers(1, T))
     o2_ref, _ = ref.mla_layer(hf, L, tc, x[0, T1:], past_latent=rows_ref[:T1])
-    cached2 = mla.mla_cached(p, F32(x[:, T1:]), cfg, cache, jnp.arange(T1 + 1, T + 1)[None])
+    cached2 = mla.mla_cached(p, q_a[:, T1:], g[:, T1:], cfg, cache, jnp.arange(T1 + 1, T + 1)[None])
     _check(cached2[0], o2_ref, "mla_cached after a cached prefix")
+
+
+def test_mla_in_projections_are_one_gemv_call(rng, tiny):
+    """A decode batch's q_a, kv_a and gate are one decode-GEMV call (table mla_in_launch; on CPU its reference
+    runs, and is recorded), wider batches (prefill) the same maths without it, rounded to bf16, against float64
+    from the HF rows (the out-major layout is the HF one: g's heads are its [H*Vd, D] rows)."""
+    cfg, params, hf, tc = tiny
+    L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_mla(L)]))
+    p = P.cast_params(params["layers"][L]["attn"], jnp.bfloat16)
+    x = jnp.asarray(_x(rng, 2, 35, cfg.hidden_size), jnp.bfloat16)  # B*T = 70 > the GEMV's 64
+    B, T = int(rng.integers(1, 3)), int(rng.integers(1, 33))  # B*T <= 64: a decode step or a verify block
+    comm = Comm(policy=DecodePolicy("latency_specialized"))
+    with policy_lib.recording(policy_lib.DispatchLog()) as wide:
+        wide_outs = mla.mla_in_projections(p, x, comm.policy)
+    with policy_lib.recording(policy_lib.DispatchLog()) as decode:
+        outs = mla.mla_in_projections(p, x[:B, :T], comm.policy)
+    assert "gemv mla_in_launch" not in wide.ops and decode.ops["gemv mla_in_launch"]["impl"] == "xla"
+    H, Vd = cfg.num_attention_heads, cfg.v_head_dim
+    x64 = np.asarray(x[:B, :T], np.float64)
+    hf_names = ("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "g_proj.weight")
+    for got, wide_got, name in zip(outs, wide_outs, hf_names, strict=True):
+        w64 = np.asarray(hf[f"layers.{L}.self_attn.{name}"], np.float64)
+        w64 = np.asarray(jnp.asarray(w64, jnp.bfloat16), np.float64)  # the stored bf16 weights
+        want, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        if name == "g_proj.weight":
+            want, scale = want.reshape(B, T, H, Vd), scale.reshape(B, T, H, Vd)
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape, (name, got.shape)
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= 2**-8 * np.abs(want) + 2**-18 * scale), (name, float(err.max()))
+        np.testing.assert_allclose(  # the same maths up to the order of the fp32 sums
+            np.asarray(wide_got[:B, :T], np.float64), np.asarray(got, np.float64), rtol=2**-7, atol=2**-18 * scale.max()
+        )
 
 
 # ---- FFNs and MoE -----------------------------------------------------------------------------------------

@@ -460,8 +460,9 @@ def test_mla_cached_reads_the_fp8_entry_as_its_dequantised_rows(rng, tiny_cfg_pa
     rows = jnp.asarray(rng.standard_normal((B, S, cfg.mla_cache_width)), jnp.float32)
     entry = cache_lib.write_rows(entry, rows, jnp.broadcast_to(jnp.arange(S), (B, S)), jnp.ones((B, S), bool), R)
     key_len = jnp.asarray([[5, 6, 7], [S - 2, S - 1, S]], jnp.int32)
-    got = mla.mla_cached(p, x, cfg, entry, key_len)
-    want = mla.mla_cached(p, x, cfg, cache_lib.read_rows(entry, R, jnp.float32), key_len)
+    q_a, _, g = mla.mla_in_projections(p, x)
+    got = mla.mla_cached(p, q_a, g, cfg, entry, key_len)
+    want = mla.mla_cached(p, q_a, g, cfg, cache_lib.read_rows(entry, R, jnp.float32), key_len)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -486,11 +487,12 @@ def test_mla_cached_runs_the_kernel_under_the_specialized_policy(rng, monkeypatc
     monkeypatch.setattr(
         api, "_kernel_op", lambda policy: functools.partial(sm90.mla_decode_attention, interpret=interpret())
     )
+    q_a, _, g = mla.mla_in_projections(p, x)
     log = DispatchLog()
     with recording(log), abstract_gpu("sm90"):
-        got = mla.mla_cached(p, x, cfg, entry, key_len, SPECIALIZED)
+        got = mla.mla_cached(p, q_a, g, cfg, entry, key_len, SPECIALIZED)
     assert log.ops[api.OP] == {"impl": "pallas", "reason": None}
-    want = mla.mla_cached(p, x, cfg, entry, key_len, XLA)
+    want = mla.mla_cached(p, q_a, g, cfg, entry, key_len, XLA)
     assert rel_err(got, want) < 1e-5
 
 
