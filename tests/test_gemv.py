@@ -277,8 +277,8 @@ def test_o_proj_launches_cover_what_they_claim():
 @pytest.mark.parametrize("tp", [16, 8, 2])
 def test_moe_in_launches_cover_what_they_claim(tp):
     """The MoE's router + latent_down + shared gate/up launch (one rank's rows: at TP16 and TP8 the router and
-    latent_down are not whole 64-row blocks) fits every batch its table covers, fp32 logits included; the rest,
-    today every batch (the table is not measured yet), the api refuses, so the model runs XLA."""
+    latent_down are not whole 64-row blocks) fits every batch its table covers (today 1-64), fp32 logits
+    included; the rest the api refuses, so the model runs XLA."""
     rows = _moe_in_rows(tp)
     table = XLA.table("gemv")["sm90"]["moe_in_launch"]
     assert api.MAX_BATCH == kernel.MAX_TOKENS
@@ -300,8 +300,7 @@ MLA_IN_ROWS = {16: (1536, 576, 768), 8: (1536, 576, 1536)}  # one rank's q_a, kv
 
 def test_mla_in_launches_cover_what_they_claim():
     """The MLA's q_a + kv_a + g launch (one TP16 / TP8 rank's rows, whole 64-row blocks) fits every batch its
-    table covers; the rest, today every batch (the table is not measured yet), the api refuses, so the model
-    runs XLA."""
+    table covers (today 1-64); the rest the api refuses, so the model runs XLA."""
     table = XLA.table("gemv")["sm90"]["mla_in_launch"]
     for rows in MLA_IN_ROWS.values():
         ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in rows)
@@ -350,10 +349,11 @@ def test_moe_in_launch_lowers_for_cuda_with_fp32_logits(tp, B, split_k, x_stream
 
 
 def _policy_with(table, **launch):
-    """The decode policy with one gemv table holding `launch` for every batch: the api as the model takes it
-    once that table is measured and filled."""
+    """The decode policy with one gemv table holding `launch` for every batch (none: the table emptied, so the
+    api refuses every batch and the reference runs)."""
     files = XLA.table("gemv")  # the parsed file, shared: copied, never changed
-    gemv = {**files, "sm90": {**files["sm90"], table: [dict(max_batch=kernel.MAX_TOKENS, **launch)]}}
+    entries = [dict(max_batch=kernel.MAX_TOKENS, **launch)] if launch else []
+    gemv = {**files, "sm90": {**files["sm90"], table: entries}}
     return DecodePolicy("latency_specialized", tuning=Tuning.from_files(gemv=gemv))
 
 
@@ -362,11 +362,11 @@ def _policy_with(table, **launch):
 def test_moe_in_api_takes_the_kernel_once_its_table_has_an_entry(B, split_k, x_stream):
     """The MoE's call (layers/moe.py in_projections: table moe_in_launch, fp32 logits) with one TP16 rank's
     weights, lowered for CUDA on an abstract H100: with an entry the api launches the kernel (no XLA dot in the
-    program); with the file's empty table it runs the reference."""
+    program); with an empty table it runs the reference."""
     x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
     ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in _moe_in_rows(16))
     filled = _policy_with("moe_in_launch", block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
-    for policy, kernel_runs in ((filled, True), (SPECIALIZED, False)):
+    for policy, kernel_runs in ((filled, True), (_policy_with("moe_in_launch"), False)):
         with abstract_gpu("sm90"):
             f = jax.jit(lambda x, ws, p=policy: api.gemv(x, ws, out_dtypes=MOE_DTYPES, policy=p, table="moe_in_launch"))
             text = f.trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()

@@ -176,11 +176,11 @@ def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform, tun
     """Whether the layer-boundary kernel (mix_norm.py) takes these per-rank operands (block_shapes: one shape
     per stored block); pure, tested on CPU. n == 1 (no tensor-parallel axis: TP1, the rank slice's stub) is the
     kernel without its exchange, taken only where the policy's "collectives" tuning (default: tuning.json) has
-    mix_norm_single_device: it has not been measured against the XLA boundary yet."""
+    mix_norm_single_device (on since it was measured against the XLA boundary: tuning.json says where)."""
     t = tuning or XLA.table("collectives")
     reason = _common_reason(x_dtype, n, platform, min_n=1)
     if not reason and n == 1 and not t.get("mix_norm_single_device", False):
-        reason = "one device: the boundary kernel without an all-reduce is off until measured (mix_norm_single_device)"
+        reason = "one device: the boundary kernel without an all-reduce is off in this tuning (mix_norm_single_device)"
     d = x_shape[-1] if x_shape else 0
     if not reason and prefix_shape is not None and tuple(prefix_shape) != tuple(x_shape):
         reason = f"prefix{prefix_shape} is not shaped like x{x_shape}"
