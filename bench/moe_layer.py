@@ -5,6 +5,7 @@ the HBM time of reading every distinct selected expert's bytes once (1.10 MB per
 
   PYTHONPATH=. python3 bench/moe_layer.py [OUT_DIR] [--tps 16,8] [--tokens 1,2,4,8,16,32,64,128,512]
       [--impls packed,gather] [--name moe_layer] [--routing uniform|skewed] [--cold] [--split-groups]
+      [--kernel-variant NAME:field=int,... (a kernel column with those launch fields, repeatable)]
   (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
 
 Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
@@ -82,20 +83,33 @@ def cold(f):
     return jax.jit(flushed), jax.jit(flush), junk
 
 
-def variants(impls, split_groups=False):
+def parse_kernel_variant(text):
+    """'NAME:key=value,key=value' -> (NAME, {key: int value}): launch fields set on every sm90 launch entry."""
+    name, _, sets = text.partition(":")
+    return name, {k: int(v) for k, v in (kv.split("=") for kv in sets.split(",") if kv)}
+
+
+def kernel_policy(split_groups=False, **fields):
     """The kernel at every T (tuning.json's launches, its serving threshold set aside; split_groups forced on
-    where asked) and each XLA path."""
+    where asked; `fields` set on every sm90 launch entry)."""
     moe = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
     moe["sm90"]["serve_min_tokens"] = 1
-    for entry in moe["sm90"]["launch"] if split_groups else ():
-        entry["split_groups"] = True
-    tuning = policy_lib.Tuning.from_files(moe=moe)
-    out = {"kernel": policy_lib.DecodePolicy("latency_specialized", tuning=tuning)}
+    for entry in moe["sm90"]["launch"]:
+        entry.update(fields)
+        if split_groups:
+            entry["split_groups"] = True
+    return policy_lib.DecodePolicy("latency_specialized", tuning=policy_lib.Tuning.from_files(moe=moe))
+
+
+def variants(impls, split_groups=False, kernel_variants=()):
+    """The kernel as tuning.json has it, each kernel variant (kernel_NAME) and each XLA path."""
+    out = {"kernel": kernel_policy(split_groups)}
+    out.update({f"kernel_{n}": kernel_policy(split_groups, **f) for n, f in kernel_variants})
     out.update({f"xla_{impl}": policy_lib.DecodePolicy(moe_impl=impl) for impl in impls if impl})
     return out
 
 
-def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, split_groups=False):
+def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, split_groups=False, kernel_variants=()):
     dev = jax.devices()[0]
     results = dict(
         device=f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})",
@@ -120,7 +134,7 @@ def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, sp
             row = dict(tp=tp, I=I, T=T, distinct=distinct, largest_group=largest, expert_mb=per_expert / 1e6)
             row["floor_us"] = floor_us
             outs = {}
-            for v, pol in variants(impls, split_groups).items():
+            for v, pol in variants(impls, split_groups, kernel_variants).items():
 
                 def f(ex, z, sel, w, pol=pol):
                     return api.routed_experts(ex, z, sel, w, **BETA, policy=pol)
@@ -137,7 +151,7 @@ def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, sp
                     row[f"{v}_ran"] = log.ops[api.OP]
                     row[f"{v}_us"] = device_us(f, *args) - flush_us
                     row[f"{v}_kernels"] = len(kernel_names(f, *args))
-                    if v == "kernel":
+                    if v.startswith("kernel"):
                         row[f"{v}_per_kernel_us"] = [(n, round(t, 2)) for n, t in per_kernel_us(f, *args)]
                     row[f"{v}_of_floor"] = floor_us / row[f"{v}_us"]
                 except Exception as e:  # noqa: BLE001  (a failure is a row entry, not the end of the run)
@@ -149,7 +163,8 @@ def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, sp
             results["rows"].append(row)
             print({k: v for k, v in row.items() if not k.endswith("per_kernel_us")}, flush=True)
             pathlib.Path(out_dir, f"{name}.json").write_text(json.dumps(results, indent=1))
-            write_table(results, pathlib.Path(out_dir, f"{name}.md"), ["kernel", *(f"xla_{i}" for i in impls)])
+            names = ["kernel", *(f"kernel_{n}" for n, _ in kernel_variants), *(f"xla_{i}" for i in impls)]
+            write_table(results, pathlib.Path(out_dir, f"{name}.md"), names)
         del ex
 
 
@@ -191,5 +206,12 @@ if __name__ == "__main__":
     ap.add_argument("--routing", choices=ROUTINGS, default="uniform")
     ap.add_argument("--cold", action="store_true", help="flush the L2 before each call")
     ap.add_argument("--split-groups", action="store_true", help="the kernel with tuning's split_groups on")
+    ap.add_argument(
+        "--kernel-variant",
+        type=parse_kernel_variant,
+        action="append",
+        default=[],
+        help="NAME:field=int,...: a kernel column with these launch fields on every sm90 entry (repeatable)",
+    )
     a = ap.parse_args()
-    main(a.out_dir, a.tps, a.tokens, a.impls, a.name, a.routing, a.cold, a.split_groups)
+    main(a.out_dir, a.tps, a.tokens, a.impls, a.name, a.routing, a.cold, a.split_groups, a.kernel_variant)

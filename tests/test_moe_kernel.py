@@ -4,6 +4,7 @@ experts with the extreme codes and scales, shared and unchosen experts, T not a 
 than a token tile), CUDA lowering at one TP16 / TP8 / TP1 rank's real shapes, the refusals and the api's
 fallback; real shapes on the GPU."""
 
+import dataclasses
 import json
 
 import jax
@@ -246,10 +247,13 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 )
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
-    tuning.json's launch for T: both Mosaic GPU kernels lower, the inline decode with them (A from registers)."""
+    tuning.json's launch for T, mma_overlap flipped where T is even: both Mosaic GPU kernels lower, the inline
+    decode with them (A from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
-    tuning = policy_lib.default_tuning().get("moe")
+    tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
+    for entry in tuning["sm90"]["launch"] if T % 2 == 0 else ():
+        entry["mma_overlap"] = not entry.get("mma_overlap", False)
 
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
@@ -373,16 +377,18 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize("I, T", [(192, 3), (384, 3), (192, 12)])
-def test_kernel_fp32_sums_on_gpu_match_numpy(I, T):
-    """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8): the gate/up
-    sums W1 z / W3 z, h and the down kernel's W2 h for every pair, at real shapes, within 1e-5 of
-    sum |W| |x| of the float64 product."""
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 3), (192, 12)])
+def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, overlap):
+    """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8; T = 1 reads z's
+    row directly) with and without mma_overlap: the gate/up sums W1 z / W3 z, h and the down kernel's W2 h for
+    every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
     z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
     launch = sm90.pick_launch(policy_lib.default_tuning().get("moe"), T)
+    launch = dataclasses.replace(launch, mma_overlap=overlap)
     groups, part, h, y = sm90.grouped(ex, z, sel, **BETA, launch=launch, out_dtype=jnp.float32)
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
     _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, k)

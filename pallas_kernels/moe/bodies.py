@@ -23,6 +23,7 @@ class Launch:
     up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
     down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
     split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
+    mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -46,6 +47,15 @@ def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
     T, k = sel_Tk.shape
     pieces = grouping.split_groups(groups.slots_3S, T, k, num_experts, launch.tokens_per_tile)
     return grouping.Groups(row_P=groups.row_P, slots_3S=pieces)
+
+
+def token_rows(z_TL, groups: grouping.Groups, k: int, num_experts: int, launch: Launch, *, interpret=None):
+    """The rows the gate/up kernel's token tiles read: one token (T = 1) is every slot's only token, so its row,
+    padded to a tile, is read as it is (the kernels' `one_token`); more are copied to their pairs' rows
+    (grouping.pair_rows: a kernel launch, 3.2 us at T = 1 on the H200, bench/results/moe_layer.json)."""
+    if z_TL.shape[0] == 1:
+        return jnp.pad(z_TL, ((0, launch.tokens_per_tile - 1), (0, 0)))
+    return grouping.pair_rows(z_TL, groups, k, num_experts, interpret=interpret)
 
 
 def expert_shapes(experts):

@@ -297,10 +297,13 @@ def _scratch(N: int):
     ]
 
 
-def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, decode):
+def _up_body(
+    slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, decode, one_token
+):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
-    (z in pair order) -> part [splits, R, 2 I] fp32: columns 128 b .. 128 b + 63 the split's W1 sums of rows
-    64 b .. 64 b + 63 for the slot's pairs, the next 64 their W3 sums."""
+    (z in pair order; one_token: z's one row, every slot's token) -> part [splits, R, 2 I] fp32: columns
+    128 b .. 128 b + 63 the split's W1 sums of rows 64 b .. 64 b + 63 for the slot's pairs, the next 64 their
+    W3 sums."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
@@ -312,6 +315,7 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, 
         @pl.loop(0, pl.cdiv(count, n_tokens))
         def _(tile):
             row0 = start + tile * n_tokens
+            x_row0 = 0 if one_token else row0
 
             def step(idx, c1, c3, s1, s3, x):
                 rows = [[load_row(sc.at[:, g]) for g in range(UP_BLOCK // 16)] for sc in (s1, s3)]
@@ -320,7 +324,7 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, 
             w_spec = plgpu.BlockSpec((HALF, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
             s_spec = plgpu.BlockSpec((HALF, UP_BLOCK // 16), lambda k: (b, k0 + k))
             x_spec = plgpu.BlockSpec(
-                (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=tiled(128)
+                (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (x_row0, k0 + k), transforms=tiled(128)
             )
             plgpu.emit_pipeline(
                 step,
@@ -390,13 +394,16 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *
             )
 
 
-def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None):
-    """The gate/up kernel -> the fp32 partial sums [splits, R, 2 I] (per 64-row block: its W1 x, then W3 x)."""
+def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None):
+    """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x).
+    x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], x_RL.shape[0]
+    S, R = slots_3S.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
-        functools.partial(_up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret)),
+        functools.partial(
+            _up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret), one_token=one_token
+        ),
         out_type=jax.ShapeDtypeStruct((splits, R, 2 * I), F32),
         scratch_types=_scratch(N),
         grid=(S, I // HALF, splits),
@@ -450,8 +457,17 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
-    x = grouping.pair_rows(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
-    part = gate_up(experts, groups.slots_3S, x, launch=launch, interpret=interpret)
+    T, k = sel_Tk.shape
+    x = bodies.token_rows(z_TL, groups, k, E, launch, interpret=interpret)
+    part = gate_up(
+        experts,
+        groups.slots_3S,
+        x,
+        launch=launch,
+        rows=grouping.num_rows(T, k, E),
+        one_token=T == 1,
+        interpret=interpret,
+    )
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     y = down(experts, groups.slots_3S, h, launch=launch, out_dtype=out_dtype, interpret=interpret)
     return groups, part, h, y

@@ -173,23 +173,34 @@ def decode_tiles(codes_R32, scales_R2, *, interpret=None):
     return kernel(codes_R32, scales_R2)
 
 
-def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem):
+def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem, *, overlap=False):
     """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8, scale_row(g): the step's E8M0 scale
     group g ([64], ROW_LAYOUT; Kb / 16 groups), x [N, 2 Kb] bf16 (in K_ORDER). a_smem: None (A from registers,
-    decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode). Each chunk's WGMMA is waited for
-    before the next chunk is decoded, so one chunk's A (8 registers) is held at a time, not the step's 64: the
-    gate/up kernel's 225-255 registers a thread became 107-159, faster at T = 1 / 8 by 20% (bench/NOTES.md)."""
-    for j in range(codes_smem.shape[1] // CHUNK_BYTES):
+    decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode). Without overlap each chunk's
+    WGMMA is waited for before the next chunk is decoded, so one chunk's A (8 registers) is held at a time, not
+    the step's 64: the gate/up kernel's 225-255 registers a thread became 107-159, faster at T = 1 / 8 by 20%
+    (bench/NOTES.md). overlap: the next chunk is decoded while the last WGMMA runs (wgmma_wait(1): two chunks'
+    A live), the step's last WGMMA left in flight for the caller's wait."""
+    _mma_tiles([(acc_ref, codes_smem, scale_row)], x_smem, a_smem, overlap=overlap)
+
+
+def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False):
+    """_mma_tile for several (acc, codes, scale_row) tiles over the same x, their chunks interleaved (W1's chunk
+    j, W3's chunk j, W1's chunk j + 1, ...): with overlap, each WGMMA runs while the other tile's chunk is
+    decoded. The caller waits for the last WGMMA (wgmma_wait(0)) before it reads an accumulator."""
+    overlap = overlap and a_smem is None  # interpret mode's A tile in SMEM is rewritten by the next chunk
+    for j in range(tiles[0][1].shape[1] // CHUNK_BYTES):
         x = x_smem.at[:, pl.ds(j * CHUNK, CHUNK)].transpose((1, 0))
-        lo, hi = scale_row(2 * j), scale_row(2 * j + 1)
-        if a_smem is None:
-            a = _decode_gpu(codes_smem, lo, hi, chunk=j)
-        else:
-            a_smem[...] = _decode_interpret(codes_smem, lo, hi, chunk=j)
-            plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
-            a = a_smem
-        plgpu.wgmma(acc_ref, a, x)
-        plgpu.wgmma_wait(0)
+        for acc_ref, codes_smem, scale_row in tiles:
+            lo, hi = scale_row(2 * j), scale_row(2 * j + 1)
+            if a_smem is None:
+                a = _decode_gpu(codes_smem, lo, hi, chunk=j)
+            else:
+                a_smem[...] = _decode_interpret(codes_smem, lo, hi, chunk=j)
+                plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
+                a = a_smem
+            plgpu.wgmma(acc_ref, a, x)
+            plgpu.wgmma_wait(1 if overlap else 0)
 
 
 # ------------------------------------------------------------------------------------------------ the launch
@@ -248,10 +259,10 @@ def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
             dst[...] = load_row(out_smem.at[:, t]).astype(dst.dtype)
 
 
-def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps):
+def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps, one_token, overlap):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
-    (z in pair order and K_ORDER) -> part [splits, 2, R, I] fp32: the split's W1 / W3 sums of rows
-    64b .. 64b + 63 for the slot's pairs."""
+    (z in pair order and K_ORDER; one_token: z's one row, every slot's token) -> part [splits, 2, R, I] fp32:
+    the split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
@@ -263,16 +274,21 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
         @pl.loop(0, pl.cdiv(count, n_tokens))
         def _(tile):
             row0 = start + tile * n_tokens
+            x_row0 = 0 if one_token else row0
 
             def scope(acc1, acc3):
                 def step(_, c1, c3, s1, s3, x):
-                    for acc, codes, scales in ((acc1, c1, s1), (acc3, c3, s3)):
-                        _mma_tile(acc, codes, lambda g, sc=scales: load_row(sc.at[:, g]), x, a_smem)
+                    tiles = [
+                        (acc, c, lambda g, sc=sc: load_row(sc.at[:, g]))
+                        for acc, c, sc in ((acc1, c1, s1), (acc3, c3, s3))
+                    ]
+                    _mma_tiles(tiles, x, a_smem, overlap=overlap)
+                    plgpu.wgmma_wait(0)  # the stage's buffers are released after the step
 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
                 s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
                 x_spec = plgpu.BlockSpec(
-                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (row0, k0 + k), transforms=tiled(128)
+                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (x_row0, k0 + k), transforms=tiled(128)
                 )
                 plgpu.emit_pipeline(
                     step,
@@ -290,7 +306,7 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
             store(u, out_smem, lambda t: part_ref.at[kk, 1, row0 + t, cols])
 
 
-def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks):
+def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
     through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
@@ -312,7 +328,8 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                 srows = [load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
 
                 def mma(acc):
-                    _mma_tile(acc, codes, srows.__getitem__, h, a_smem)
+                    _mma_tile(acc, codes, srows.__getitem__, h, a_smem, overlap=overlap)
+                    plgpu.wgmma_wait(0)
                     return acc[...]
 
                 y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
@@ -342,13 +359,14 @@ def _a_scratch():
     return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
 
-def gate_up(experts, slots_3S, x_RL, *, launch: Launch, interpret=None, a_in_smem=False):
-    """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), R, I] of W1 x and W3 x per row."""
+def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None, a_in_smem=False):
+    """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row.
+    x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], x_RL.shape[0]
+    S, R = slots_3S.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
-        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps),
+        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, one_token=one_token, overlap=launch.mma_overlap),
         out_type=jax.ShapeDtypeStruct((splits, 2, R, I), F32),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, I // ROWS, splits),
@@ -370,6 +388,7 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
             n_tokens=N,
             steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
             row_blocks=launch.down_row_blocks,
+            overlap=launch.mma_overlap,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
@@ -381,9 +400,9 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
     return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
-def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, *, interpret=None):
-    """z in the aligned pair order with its columns in K_ORDER: [R, L] (the gate/up kernel's N side)."""
-    return grouping.pair_rows(permute_k(z_TL), groups, k, E, interpret=interpret)
+def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *, interpret=None):
+    """z's rows for the gate/up kernel's N side (bodies.token_rows), its columns in K_ORDER."""
+    return bodies.token_rows(permute_k(z_TL), groups, k, E, launch, interpret=interpret)
 
 
 def glu(part, *, situ_beta, situ_linear_beta):
@@ -403,8 +422,9 @@ def grouped(
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
-    x = pair_inputs(z_TL, groups, sel_Tk.shape[1], E, interpret=interpret)
-    part = gate_up(experts, groups.slots_3S, x, **kw)
+    T, k = sel_Tk.shape
+    x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
+    part = gate_up(experts, groups.slots_3S, x, rows=grouping.num_rows(T, k, E), one_token=T == 1, **kw)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     y = down(experts, groups.slots_3S, h, out_dtype=out_dtype, **kw)
     return groups, part, h, y
