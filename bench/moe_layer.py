@@ -5,7 +5,7 @@ the HBM time of reading every distinct selected expert's bytes once (1.10 MB per
 
   PYTHONPATH=. python3 bench/moe_layer.py [OUT_DIR] [--tps 16,8] [--tokens 1,2,4,8,16,32,64,128,512]
       [--impls packed,gather] [--name moe_layer] [--routing uniform|skewed] [--cold] [--split-groups]
-      [--kernel-variant NAME:field=int,... (a kernel column with those launch fields, repeatable)]
+      [--kernel-variant NAME:field=int,... (a kernel column with those launch fields, repeatable)] [--once TP,T]
   (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
 
 Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
@@ -168,6 +168,14 @@ def main(out_dir, tps, tokens, impls, name, routing="uniform", l2_cold=False, sp
         del ex
 
 
+def run_once(tp, T):
+    """One kernel call at TP tp and T tokens, nothing timed: the process to put under ncu (--once)."""
+    ex = experts(jax.random.key(tp), I_TP1 // tp)
+    z, sel, w = inputs(jax.random.key(1000 + T), T)
+    pol = kernel_policy()
+    jax.block_until_ready(jax.jit(lambda *a: api.routed_experts(*a, **BETA, policy=pol))(ex, z, sel, w))
+
+
 def _cell(row, v):
     t = row.get(f"{v}_us")
     if not isinstance(t, float):
@@ -213,5 +221,9 @@ if __name__ == "__main__":
         default=[],
         help="NAME:field=int,...: a kernel column with these launch fields on every sm90 entry (repeatable)",
     )
+    ap.add_argument("--once", type=ints, default=None, help="TP,T: one kernel call, nothing timed (for ncu)")
     a = ap.parse_args()
+    if a.once:
+        run_once(*a.once)
+        sys.exit(0)
     main(a.out_dir, a.tps, a.tokens, a.impls, a.name, a.routing, a.cold, a.split_groups, a.kernel_variant)

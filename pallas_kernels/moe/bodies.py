@@ -49,6 +49,20 @@ def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
     return grouping.Groups(row_P=groups.row_P, slots_3S=pieces)
 
 
+def slot(table_ref, s, one_token: bool):
+    """Slot s's (expert, first row in pair order, size) from the kernels' table: the grouping's [3, S] slot
+    table, or one_token: the token's choices sel [1, k] themselves (each its own group of one at row ALIGN s,
+    grouping.group_by_expert's T = 1 table, with no XLA kernel to stack it)."""
+    if one_token:
+        return table_ref[0, s], grouping.ALIGN * s, 1
+    return table_ref[0, s], table_ref[1, s], table_ref[2, s]
+
+
+def slot_table(sel_Tk, groups: grouping.Groups):
+    """The table the kernels walk (bodies.slot): sel itself for one token, else the grouping's slots."""
+    return sel_Tk.astype(jnp.int32) if sel_Tk.shape[0] == 1 else groups.slots_3S
+
+
 def token_rows(z_TL, groups: grouping.Groups, k: int, num_experts: int, launch: Launch, *, interpret=None):
     """The rows the gate/up kernel's token tiles read: one token (T = 1) is every slot's only token, so its row,
     padded to a tile, is read as it is (the kernels' `one_token`); more are copied to their pairs' rows

@@ -305,7 +305,7 @@ def _up_body(
     128 b .. 128 b + 63 the split's W1 sums of rows 64 b .. 64 b + 63 for the slot's pairs, the next 64 their
     W3 sums."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
-    e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
+    e, start, count = bodies.slot(slots_ref, s, one_token)
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
     k0 = kk * n_k
     mma = Mma(acc, a_smem, done)
@@ -342,12 +342,14 @@ def _up_body(
             )
 
 
-def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, row_blocks, decode):
+def _down_body(
+    slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, row_blocks, decode, one_token
+):
     """Grid (slot, group r of `row_blocks` 128-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 -> y [R, L]: the group's rows of y for the slot's pairs. The pipeline walks (row block,
     K step); the last K step of a block writes its rows."""
     s, r = lax.axis_index("s"), lax.axis_index("r")
-    e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
+    e, start, count = bodies.slot(slots_ref, s, one_token)
     I = h_ref.shape[-1]
     kb = down_k_bytes(I)
     n_k = I // 2 // kb
@@ -394,11 +396,11 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *
             )
 
 
-def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None):
+def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None):
     """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x).
     x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], rows
+    S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
         functools.partial(
@@ -411,13 +413,13 @@ def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=Fal
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(slots_3S, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
+    return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=None):
+def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF16, interpret=None):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], h_RI.shape[0]
+    S, R = table.shape[1], h_RI.shape[0]
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
         functools.partial(
@@ -426,6 +428,7 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
             steps=down_stages(launch, I),
             row_blocks=launch.down_row_blocks,
             decode=_decoder(interpret),
+            one_token=one_token,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
         scratch_types=_scratch(N),
@@ -434,7 +437,7 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_RI)
+    return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
 def gate_up_sums(part):
@@ -459,17 +462,11 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     groups = bodies.group(sel_Tk, E, launch)
     T, k = sel_Tk.shape
     x = bodies.token_rows(z_TL, groups, k, E, launch, interpret=interpret)
-    part = gate_up(
-        experts,
-        groups.slots_3S,
-        x,
-        launch=launch,
-        rows=grouping.num_rows(T, k, E),
-        one_token=T == 1,
-        interpret=interpret,
-    )
+    table, one = bodies.slot_table(sel_Tk, groups), T == 1
+    kw = dict(launch=launch, one_token=one, interpret=interpret)
+    part = gate_up(experts, table, x, rows=grouping.num_rows(T, k, E), **kw)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
-    y = down(experts, groups.slots_3S, h, launch=launch, out_dtype=out_dtype, interpret=interpret)
+    y = down(experts, table, h, out_dtype=out_dtype, **kw)
     return groups, part, h, y
 
 

@@ -264,7 +264,7 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
     (z in pair order and K_ORDER; one_token: z's one row, every slot's token) -> part [splits, 2, R, I] fp32:
     the split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
-    e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
+    e, start, count = bodies.slot(slots_ref, s, one_token)
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
     k0 = kk * n_k
     a_smem = a_smem[0] if a_smem else None
@@ -306,13 +306,13 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
             store(u, out_smem, lambda t: part_ref.at[kk, 1, row0 + t, cols])
 
 
-def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap):
+def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, one_token):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
     through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
     50 K CTAs of 12 K weights each at T = 64 ran at 31% of HBM)."""
     s, r = lax.axis_index("s"), lax.axis_index("r")
-    e, start, count = slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
+    e, start, count = bodies.slot(slots_ref, s, one_token)
     block = w2c.shape[-1]
     a_smem = a_smem[0] if a_smem else None
 
@@ -359,11 +359,11 @@ def _a_scratch():
     return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
 
-def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None, a_in_smem=False):
+def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None, a_in_smem=False):
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row.
     x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], rows
+    S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
         functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, one_token=one_token, overlap=launch.mma_overlap),
@@ -374,13 +374,13 @@ def gate_up(experts, slots_3S, x_RL, *, launch: Launch, rows: int, one_token=Fal
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(slots_3S, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
+    return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=None, a_in_smem=False):
+def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF16, interpret=None, a_in_smem=False):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
     E, I, L = expert_shapes(experts)
-    S, R = slots_3S.shape[1], h_RI.shape[0]
+    S, R = table.shape[1], h_RI.shape[0]
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
         functools.partial(
@@ -389,6 +389,7 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
             steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
             row_blocks=launch.down_row_blocks,
             overlap=launch.mma_overlap,
+            one_token=one_token,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
@@ -397,7 +398,7 @@ def down(experts, slots_3S, h_RI, *, launch: Launch, out_dtype=BF16, interpret=N
         compiler_params=_LANE,
         interpret=interpret,
     )
-    return kernel(slots_3S, experts["w2_codes"], experts["w2_scales"], h_RI)
+    return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
 def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *, interpret=None):
@@ -406,9 +407,12 @@ def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *
 
 
 def glu(part, *, situ_beta, situ_linear_beta):
-    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side)."""
-    g, u = jnp.sum(part, axis=0)
-    return permute_k(bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta))
+    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side). The
+    columns are put in K_ORDER before the split sum (elementwise maths commutes with the permutation): XLA:GPU
+    reads a transposed input inside the sum's fusion, where a transpose of its output ran as a second kernel
+    (1.2-11 us at T = 1-512, bench/results/moe_layer.json)."""
+    g, u = jnp.sum(permute_k(part), axis=0)
+    return bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
@@ -424,9 +428,10 @@ def grouped(
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
     T, k = sel_Tk.shape
     x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
-    part = gate_up(experts, groups.slots_3S, x, rows=grouping.num_rows(T, k, E), one_token=T == 1, **kw)
+    table, one = bodies.slot_table(sel_Tk, groups), T == 1
+    part = gate_up(experts, table, x, rows=grouping.num_rows(T, k, E), one_token=one, **kw)
     h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
-    y = down(experts, groups.slots_3S, h, out_dtype=out_dtype, **kw)
+    y = down(experts, table, h, out_dtype=out_dtype, one_token=one, **kw)
     return groups, part, h, y
 
 
