@@ -376,8 +376,12 @@ def _synthetic_step(rng, cfg, wrong_layer, fused_boundary=False):
                 (mosaic, mosaic, "routed experts"),
             ]
             ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
-            ffn += [(latent_norm, latent_norm, "latent")] if fused_boundary else []
-            ffn += [("gemm_fusion_dot_9", "tl,dl->td/dot_general", "latent")]
+            if fused_boundary:  # the latent norm kernel, then the finish's one GEMV launch (moe.finish)
+                ffn += [(latent_norm, latent_norm, "latent"), (mosaic, mosaic, "FFN")]
+            else:  # the finish's reference: latent_up, shared_down, their add
+                ffn += [("gemm_fusion_dot_9", "latent_up/bk,nk->bn/dot_general", "latent")]
+                ffn += [("gemm_fusion_dot_10", "shared_down/bk,nk->bn/dot_general", "FFN")]
+                ffn += [("loop_add_fusion_2", "add", "boundary")]
         else:
             ffn = [
                 ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),
