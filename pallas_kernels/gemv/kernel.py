@@ -27,6 +27,10 @@ that reads them slices them (the slice joins a fusion that runs anyway). A bf16 
 columns past N: the output is exactly [B, N], with no XLA slice (a copy kernel of its own where the consumer
 cannot fuse it, e.g. a Pallas kernel). Weights of whole blocks keep the register stores that were measured.
 
+gemv_sum is the pairs' form: several (x_j [B, K_j], w_j [N, K_j]) sharing N summed into one [B, N] output in
+one launch (the MoE's finish, latent_up + shared_down), each product rounded before the sum as the model rounds
+it; its section below says how.
+
 x streams beside the weights rather than staying resident in SMEM: resident slabs grow with the batch, and the
 resident form measured slower at every batch (bench/results/gemv_b64_stream.json, gemv_small_on_n.json).
 """
@@ -277,8 +281,8 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
 # rows of the array, so K_j must be a multiple of one: each pair takes the widest swizzle whose row divides K_j
 # (224: 64 bytes, 32 columns; 384, 448, 768: 128 bytes, 64 columns), the pair's weight and x tiles the same (WGMMA
 # needs its operands' swizzles equal). A pair whose last block would be empty is refused (pair_blocks): TP16
-# (224, 384) takes block_k 128 (3 steps of 96 + 128 columns) or 192 / 256 (2 of 128 + 192), TP8 (448, 768) 192
-# (4 of 128 + 192) or 256 (3 of 192 + 256), not 128.
+# (224, 384) takes block_k 128 (3 steps of 96 + 128 columns) or 192 / 256 (2 of 128 + 192), TP8 (448, 768) 128
+# (6 of 80, on a 32-byte swizzle, + 128), 192 (4 of 128 + 192) or 256 (3 of 192 + 256); block_k 64 neither.
 SWIZZLES = (128, 64, 32)  # bytes; a bf16 swizzle row is half as many columns
 
 
