@@ -112,7 +112,8 @@ case "${1:-}" in
     step gemv_moe 330 python3 bench/gemv.py "$work" --cases moe_in --sweep --name gemv_moe --deadline-s 270
     ;;
   moe_out_tests)
-    step pytest_moe_out 170 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -m gpu -k moe_out -rf
+    step pytest_moe_out 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gemv.py -m gpu -k moe_out -n 4 -rf
     ;;
   gemv_moe_out)  # moe_out_launch is a prediction (o_proj's analogue): the sweep's rows measure it
     step gemv_moe_out 200 python3 bench/gemv.py "$work" --cases moe_out --sweep --batches 1,64,8,32 \
