@@ -27,6 +27,10 @@
 #   gemv_moe     nvidia-h200      the MoE in-projections (router fp32 + latent_down + shared gate/up, one launch)
 #                                 at TP16 / TP8: XLA vs every candidate launch (--sweep), B 1-64 (~5 min)
 #                                 -> gemv_moe.json
+#   moe_out_tests nvidia-h200     the MoE finish's pairs GEMV (latent_up + shared_down, one launch) GPU tests at TP16 /
+#                                 TP8 real shapes, B 1-64, the table's launch and others (~2 min)
+#   gemv_moe_out nvidia-h200      the MoE finish at TP16 / TP8: XLA vs the moe_out_launch table and every candidate
+#                                 kernel (--sweep), B 1, 64, 8, 32 (~3 min) -> gemv_moe_out.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
@@ -109,6 +113,14 @@ case "${1:-}" in
     ;;
   gemv_moe)  # moe_in_launch is empty: the sweep's rows are its candidates; rows past the deadline are skipped
     step gemv_moe 330 python3 bench/gemv.py "$work" --cases moe_in --sweep --name gemv_moe --deadline-s 270
+    ;;
+  moe_out_tests)
+    step pytest_moe_out 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gemv.py -m gpu -k moe_out -n 4 -rf
+    ;;
+  gemv_moe_out)  # moe_out_launch is a prediction (o_proj's analogue): the sweep's rows measure it
+    step gemv_moe_out 200 python3 bench/gemv.py "$work" --cases moe_out --sweep --batches 1,64,8,32 \
+      --name gemv_moe_out --deadline-s 150
     ;;
   mla)
     step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -m gpu -rf

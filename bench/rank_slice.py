@@ -668,9 +668,16 @@ _OP_LABELS = {
     ),
     "boundary": ("n...d,d->n...", "n...,n...d->...d", "reduce_precision"),
     "router": ("router/bd,nd->bn", "top_k", "neg", "jit(take_along_axis)/select_n"),
-    "latent": ("latent_down/bd,nd->bn", "tl,dl->td"),
+    "latent": ("latent_down/bd,nd->bn", "latent_up/bk,nk->bn", "tl,dl->td"),  # (tl,dl->td: before moe.finish)
     "routed experts": ("tkl,tk->tl",),
-    "FFN": ("...d,df->...f", "...f,fd->...d", "shared_gate/bd,nd->bn", "shared_up/bd,nd->bn", "ts,ds->td"),
+    "FFN": (
+        "...d,df->...f",
+        "...f,fd->...d",
+        "shared_gate/bd,nd->bn",
+        "shared_up/bd,nd->bn",
+        "shared_down/bk,nk->bn",  # moe.finish's reference (its kernel: a Mosaic kernel after the latent path)
+        "ts,ds->td",
+    ),
 }
 _OP_OF_LABEL = {lab: op for op, labs in _OP_LABELS.items() for lab in labs}
 _HANDS_OVER = {
@@ -678,6 +685,8 @@ _HANDS_OVER = {
     "...k,kd->...d": "boundary",
     "tl,dl->td": "boundary",
     "ts,ds->td": "boundary",
+    "latent_up/bk,nk->bn": "boundary",
+    "shared_down/bk,nk->bn": "boundary",
     "latent_down/bd,nd->bn": "routed experts",
     "jit(take_along_axis)/select_n": "routed experts",
     "tkl,tk->tl": "latent",
@@ -711,8 +720,9 @@ def decode_ops(rows) -> list[str]:
     Mosaic kernels carry no label (anonymous_mosaic_gpu_kernel): in an attention sublayer they are its layer
     kind's attention (KDA: the projections, the recurrence, o_proj; MLA: the decode kernel), in an FFN sublayer
     the routed experts' gate/up and down after the router, else the FFN's; moe_route_topk is the router's, the
-    boundary kernel (mix_norm with AttnRes) the boundary's, the same kernel without AttnRes the latent norm's.
-    The boundary kernel's XLA preparation is the boundary's wherever XLA put it."""
+    boundary kernel (mix_norm with AttnRes) the boundary's, the same kernel without AttnRes the latent norm's, and
+    the MoE's finish after it (latent_up + shared_down in one GEMV launch, moe.finish) the FFN's (its larger
+    weight). The boundary kernel's XLA preparation is the boundary's wherever XLA put it."""
     if not rows or rows[0].get("segmented"):
         inside = [r["layer"] is not None for r in rows]
         first, last = (inside.index(True), len(rows) - 1 - inside[::-1].index(True)) if any(inside) else (0, -1)

@@ -376,8 +376,12 @@ def _synthetic_step(rng, cfg, wrong_layer, fused_boundary=False):
                 (mosaic, mosaic, "routed experts"),
             ]
             ffn += [(mosaic, mosaic, "routed experts"), ("fusion_8", "tkl,tk->tl/dot_general", "routed experts")]
-            ffn += [(latent_norm, latent_norm, "latent")] if fused_boundary else []
-            ffn += [("gemm_fusion_dot_9", "tl,dl->td/dot_general", "latent")]
+            if fused_boundary:  # the latent norm kernel, then the finish's one GEMV launch (moe.finish)
+                ffn += [(latent_norm, latent_norm, "latent"), (mosaic, mosaic, "FFN")]
+            else:  # the finish's reference: latent_up, shared_down, their add
+                ffn += [("gemm_fusion_dot_9", "latent_up/bk,nk->bn/dot_general", "latent")]
+                ffn += [("gemm_fusion_dot_10", "shared_down/bk,nk->bn/dot_general", "FFN")]
+                ffn += [("loop_add_fusion_2", "add", "boundary")]
         else:
             ffn = [
                 ("nvjet_sm90_tss_224x64", "nvjet_sm90_tss_224x64", "FFN"),
@@ -564,6 +568,58 @@ def test_gemv_bench_moe_cases_are_one_ranks_and_every_candidate_fits():
                 (dict(block_k=k, split_k=s, steps=st, x_stream=xs) for k, s, st, xs in gemv.MOE_LAUNCHES), key=str
             )
     assert gemv.pick_cases("moe_in") == list(moe.values())
+
+
+def test_gemv_bench_moe_out_cases_are_one_ranks_and_each_kernel_is_timed_once():
+    """bench/gemv.py's MoE finish cases: one TP16 / TP8 rank's latent_up and shared_down K (Dl and S split by tp)
+    into N = D; at every batch 1-64 the table's launch and the MOE_OUT_LAUNCHES candidates the kernel takes, each
+    kernel they make once (at TP16 block_k 192 and 256 make the same one)."""
+    from bench import gemv
+    from k3jax.config import K3Config
+    from pallas_kernels.gemv import kernel
+
+    cfg = K3Config()
+    out = {c.name: c for c in gemv.CASES if c.table == "moe_out_launch"}
+    assert set(out) == {"moe_out tp16", "moe_out tp8"}
+    for tp in (16, 8):
+        case = out[f"moe_out tp{tp}"]
+        assert case.ks == (cfg.routed_expert_hidden_size // tp, cfg.shared_intermediate // tp)
+        assert case.rows == (cfg.hidden_size,) == (case.D,)
+        assert gemv.weight_bytes(case) * gemv.n_sets(case) >= gemv.COLD_BYTES  # the sets outgrow the L2
+        for B in (1, 8, 9, 33, 64):
+            launches, tuned = gemv.candidates(case, B, sweep=True)
+            assert tuned in launches and len(launches) >= 2
+            made = [
+                (kernel.pair_blocks(case.ks, la["block_k"])[:2], la["steps"], la["x_stream"])
+                for la in launches.values()
+            ]
+            n = [m[0][0] for m in made]
+            assert len({(m[0], min(m[1], k), m[2]) for m, k in zip(made, n, strict=True)}) == len(made)
+    assert gemv.pick_cases("moe_out") == list(out.values())
+
+
+@cpu_only
+def test_gemv_bench_runs_a_moe_out_case_on_cpu(tmp_path, monkeypatch):
+    """bench/gemv.py end to end at a scaled-down finish (K 224 + 96 into N = 128), the pairs' kernel in interpret
+    mode on an abstract H100 and the CUPTI timers stubbed: XLA and each candidate get a time and a small error
+    against float64."""
+    from bench import gemv
+
+    monkeypatch.setattr(gemv, "device_us", lambda f, *a: (jax.block_until_ready(f(*a)), 2.0)[1])
+    monkeypatch.setattr(gemv, "per_kernel_us", lambda f, x, sets, iters: [("kernel", 1.0)] * len(sets))
+    monkeypatch.setattr(gemv, "SETS", 2)
+    launches = ((128, 1, 2, "M"), (192, 1, 2, "N"))  # the second makes the table's kernel (B 5: k192 st4 N): once
+    case = gemv.Case("moe_out tiny", 128, (128,), "moe_out_launch", launches=launches, ks=(224, 96))
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    with abstract_gpu("sm90"):
+        res = gemv.main(tmp_path, (5,), True, "gemv_tiny", [case], interpret=plgpu.InterpretGPUParams(), cold_bytes=0)
+    (row,) = res["rows"]
+    assert row["ks"] == (224, 96) and row["out_dtypes"] == ["bfloat16"]
+    assert row["tuned"] == "pallas k192 s1 st4 xsN" and "pallas k192 s1 st2 xsN_us" not in row
+    for key in ["xla", row["tuned"], gemv.launch_key(*launches[0])]:
+        assert row[f"{key}_us"] == 1.0, (key, row)
+        assert 0 < row[f"{key}_rel_err"] < 1e-2, (key, row)
 
 
 @cpu_only

@@ -437,3 +437,242 @@ def test_moe_in_on_gpu_matches_numpy(B, tp, split_k, x_stream):
     policy = _policy_with("moe_in_launch", block_k=128, split_k=split_k, steps=6, x_stream=x_stream)
     got = api.run_kernel(x, ws, "moe_in_launch", policy, MOE_DTYPES)  # the kernel itself: raises, never falls back
     _check_mixed(got, x, ws, MOE_DTYPES)
+
+
+# ---- the pairs' GEMV: Σ_j x_j @ w_jᵀ into one output (the MoE's finish: latent_up + shared_down) --------------
+def _moe_out_ks(tp):
+    """One rank's K of latent_up [D, Dl] and shared_down [D, S], split by their inputs (params.py): TP16 224 and
+    384 (224 not a whole 64-column swizzle row), TP8 448 and 768."""
+    cfg = K3Config()
+    return cfg.routed_expert_hidden_size // tp, cfg.shared_intermediate // tp
+
+
+def _pairs(r, B, N, Ks, dtype=jnp.bfloat16, integers=False):
+    """Fresh x_j [B, K_j] and w_j [N, K_j]; integers: small whole numbers, whose fp32 sums are exact (any order)."""
+    if integers:
+        xs = tuple(jnp.asarray(r.integers(-15, 16, (B, K)), dtype) for K in Ks)
+        return xs, tuple(jnp.asarray(r.integers(-15, 16, (N, K)), dtype) for K in Ks)
+    xs = tuple(jnp.asarray(r.standard_normal((B, K)), dtype) for K in Ks)
+    return xs, tuple(jnp.asarray(r.standard_normal((N, K)) * K**-0.5, dtype) for K in Ks)
+
+
+def _rounded(a, dtype):
+    return np.asarray(jnp.asarray(np.asarray(a, np.float32), dtype), np.float64)
+
+
+def _sum_model(xs, ws, dtype):
+    """The model's sum of products from the maths, in float64 (docs/model.md §6 step 5): each product exact,
+    rounded to the activation dtype (a GEMM's one rounding), then the rounded products added in order, each add
+    rounded. -> (the sum, each product exact)."""
+    products = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for x, w in zip(xs, ws, strict=True)]
+    y = _rounded(products[0], dtype)
+    for p in products[1:]:
+        y = _rounded(y + _rounded(p, dtype), dtype)
+    return y, products
+
+
+def _check_sum(got, xs, ws, dtype=jnp.bfloat16):
+    """got against the float64 model: the fp32 sums' order may move each product's rounding by one ulp, so
+    within an ulp of every product and of the sum (2^-8 relative in bf16, 2^-23 in fp32), and a wrong pair, a
+    missed block or garbage past K_j is far past that."""
+    want, products = _sum_model(xs, ws, dtype)
+    ulp = 2.0 ** -(jnp.finfo(dtype).nmant)
+    assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bound = ulp * (sum(np.abs(p) for p in products) + np.abs(want)) + 1e-6 * np.max(np.abs(want))
+    assert np.all(err <= bound), float((err / bound).max())
+
+
+def _interpret_sum(xs, ws, **launch):
+    """The pairs' kernel in interpret mode on an abstract H100, race-checked."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    with abstract_gpu("sm90"):
+        kernel.check_sum_supported(xs, ws, **launch)
+        got = kernel.gemv_sum(xs, ws, interpret=plgpu.InterpretGPUParams(detect_races=True), **launch)
+    assert not get_races().races_found
+    return got
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "B, N, Ks, block_k, steps, x_stream",
+    [
+        (1, 128, (224, 384), 128, 3, "N"),  # TP16's K: 3 lockstep steps of 96 (64-byte swizzle) + 128 columns
+        (5, 64, (224, 384), 192, 2, "N"),  # 2 steps of 128 + 192: latent_up's last 32 columns the TMA's zeros
+        (12, 128, (224, 384), 256, 2, "N"),  # 12 tokens: x padded to 16 rows
+        (13, 64, (224, 96), 128, 2, "M"),
+        (64, 64, (224, 384), 192, 2, "M"),
+        (20, 128, (96, 160, 64), 128, 2, "M"),  # three pairs: the adds chained in order
+        (3, 64, (80, 144), 64, 3, "N"),  # 32-byte swizzles (80, 144: 16-column rows), 32 + 48 columns a step
+        (37, 64, (448, 128), 256, 2, "N"),  # TP8's latent_up K: 2 steps of 256 + 64
+    ],
+)
+def test_sum_kernel_interpret_matches_numpy(B, N, Ks, block_k, steps, x_stream):
+    """Σ_j x_j @ w_jᵀ in one launch against the float64 model, K_j not multiples of the block (nor of 128),
+    batches not whole 8s, the tokens on N or M, race-free."""
+    xs, ws = _pairs(rng(), B, N, Ks)
+    _check_sum(_interpret_sum(xs, ws, block_k=block_k, steps=steps, x_stream=x_stream), xs, ws)
+
+
+@cpu_only
+@pytest.mark.parametrize("x_stream", ["N", "M"])
+def test_sum_kernel_rounds_each_product_then_their_sum(x_stream):
+    """Whole-number inputs, whose fp32 sums are exact in any order: the kernel equals the model's two roundings
+    (each product to bf16, then the bf16 add) bit for bit, and so does the reference; one rounding of the fp32
+    sum differs in many places (so this test tells the two apart)."""
+    xs, ws = _pairs(rng(), 6, 128, (224, 384), integers=True)
+    want, products = _sum_model(xs, ws, jnp.bfloat16)
+    got = _interpret_sum(xs, ws, block_k=192, steps=2, x_stream=x_stream)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+    np.testing.assert_array_equal(np.asarray(reference.gemv_sum(xs, ws), np.float64), want)
+    assert np.mean(_rounded(products[0] + products[1], jnp.bfloat16) != want) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sum_reference_matches_numpy(dtype):
+    """The reference (the model's XLA path) in the serving dtype and in fp32 (verification: the roundings are
+    fp32's), against the float64 model."""
+    xs, ws = _pairs(rng(), 7, 192, (224, 384), dtype)
+    _check_sum(reference.gemv_sum(xs, ws), xs, ws, dtype)
+
+
+def test_sum_api_falls_back_to_the_reference_off_hopper_and_in_fp32():
+    """On CPU (no sm90), and for fp32 activations under any device (the kernel is bf16 only), the api runs the
+    reference: equal to it bit for bit, the choice recorded."""
+    from pallas_kernels import policy as policy_lib
+
+    for dtype in (jnp.bfloat16, jnp.float32):
+        xs, ws = _pairs(rng(), 3, 128, (224, 384), dtype)
+        with policy_lib.recording(policy_lib.DispatchLog()) as log:
+            got = api.gemv_sum(xs, ws, policy=SPECIALIZED)
+        assert log.ops["gemv_sum moe_out_launch"]["impl"] == "xla"
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.gemv_sum(xs, ws)))
+        _check_sum(got, xs, ws, dtype)
+
+
+@pytest.mark.parametrize("tp", [16, 8, 4, 2])
+def test_moe_out_launches_cover_what_they_claim(tp):
+    """The MoE finish's launch (one rank's latent_up and shared_down: K 224 + 384 at TP16, 448 + 768 at TP8, N =
+    7168) fits every batch its table covers (today 1-64); the rest the api refuses, so the model runs XLA."""
+    table = XLA.table("gemv")["sm90"]["moe_out_launch"]
+    Ks = _moe_out_ks(tp)
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    for B in range(1, api.MAX_BATCH + 1):
+        xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+        if any(e.get("min_batch", 1) <= B <= e["max_batch"] for e in table):
+            kernel.check_sum_supported(xs, ws, **api.pick_launch(B, max(Ks), table="moe_out_launch"))
+        else:
+            with pytest.raises(NotImplementedError, match=f"batch {B}: no GEMV moe_out_launch"):
+                api.pick_launch(B, max(Ks), table="moe_out_launch")
+
+
+def test_pair_blocks_cover_each_k_in_lockstep():
+    """Every pair gets the same steps, a block width that is a multiple of a swizzle row dividing its K, and
+    no empty last block; where no width does, a refusal (the api then runs XLA)."""
+    assert kernel.pair_blocks((224, 384), 192) == (2, (128, 192), (64, 128))
+    assert kernel.pair_blocks((224, 384), 128) == (3, (96, 128), (64, 128))
+    assert kernel.pair_blocks((448, 768), 192) == (4, (128, 192), (128, 128))
+    assert kernel.pair_blocks((448, 768), 128) == (6, (80, 128), (32, 128))  # 448 in 6: 16-column rows
+    for Ks in [(224, 384), (448, 768), (896, 1536), (80, 144), (96, 160, 64)]:
+        for block_k in (64, 128, 192, 256):
+            try:
+                n, bks, sws = kernel.pair_blocks(Ks, block_k)
+            except NotImplementedError:
+                continue
+            for K, bk, sw in zip(Ks, bks, sws, strict=True):
+                assert bk <= block_k and bk % (sw // 2) == 0 and K % (sw // 2) == 0 and (n - 1) * bk < K <= n * bk
+    with pytest.raises(NotImplementedError, match="empty last block"):
+        kernel.pair_blocks((448, 768), 64)  # 12 steps: 448 in 12 blocks of 48 leaves the last empty
+    with pytest.raises(NotImplementedError, match="multiple of"):
+        kernel.pair_blocks((224, 384), 96)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "batch", "n", "rows", "k", "split", "smem", "pairs", "x_stream"])
+def test_sum_kernel_refuses_what_it_cannot_run(bad):
+    B = 65 if bad == "batch" else 64 if bad == "smem" else 2
+    Ks = (224, 136) if bad == "k" else (224, 384)
+    dtype = jnp.float32 if bad == "dtype" else jnp.bfloat16
+    xs = tuple(jax.ShapeDtypeStruct((B, K), dtype) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((7168 + (100 if bad == "rows" else 0), K), jnp.bfloat16) for K in Ks)
+    if bad == "n":  # the pairs' N differ
+        ws = (ws[0], jax.ShapeDtypeStruct((7104, Ks[1]), jnp.bfloat16))
+    if bad == "pairs":
+        xs = xs[:1]
+    launch = dict(block_k=192, split_k=2 if bad == "split" else 1, steps=2, x_stream="Q" if bad == "x_stream" else "M")
+    if bad == "smem":  # 4 steps of TP8-like blocks at 64 tokens: 2 x (64 + 64) x (256 + 384) x 2 > 227 KB
+        xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in (512, 768))
+        ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in (512, 768))
+        launch.update(block_k=384, steps=2)
+    with pytest.raises(NotImplementedError):
+        kernel.check_sum_supported(xs, ws, **launch)
+
+
+@cpu_only
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize(
+    "B, block_k, steps, x_stream",
+    [(1, None, None, None), (8, None, None, None), (9, None, None, None), (64, None, None, None)]
+    + [(1, 128, 6, "N"), (13, 256, 2, "N"), (33, 192, 2, "N"), (64, 192, 2, "N"), (40, 128, 2, "M")],
+)
+def test_sum_kernel_lowers_for_cuda_at_moe_out_shapes(tp, B, block_k, steps, x_stream):
+    """One TP16 / TP8 rank's latent_up + shared_down (N = 7168, K 224 + 384 / 448 + 768) in one launch, with
+    tuning.json's moe_out_launch (block_k None) or others, exactly [B, 7168] bf16."""
+    Ks = _moe_out_ks(tp)
+    if block_k is None:
+        launch = api.pick_launch(B, max(Ks), table="moe_out_launch")
+    else:
+        launch = dict(block_k=block_k, split_k=1, steps=steps, x_stream=x_stream)
+    xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    with abstract_gpu("sm90"):
+        kernel.check_sum_supported(xs, ws, **launch)
+        f = jax.jit(lambda xs, ws: kernel.gemv_sum(xs, ws, **launch))
+        lowered = f.trace(xs, ws).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert (lowered.out_info.shape, lowered.out_info.dtype) == ((B, 7168), jnp.bfloat16)
+
+
+@cpu_only
+@pytest.mark.parametrize("B", [1, 24])
+def test_moe_out_api_takes_the_kernel_once_its_table_has_an_entry(B):
+    """The MoE finish's call (layers/moe.py finish: table moe_out_launch) with one TP16 rank's weights, lowered
+    for CUDA on an abstract H100: with an entry the api launches the kernel (no XLA dot in the program); with an
+    empty table it runs the reference (two dots and the add)."""
+    Ks = _moe_out_ks(16)
+    xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    filled = _policy_with("moe_out_launch", block_k=192, split_k=1, steps=2, x_stream="N" if B == 1 else "M")
+    for policy, kernel_runs in ((filled, True), (_policy_with("moe_out_launch"), False)):
+        with abstract_gpu("sm90"):
+            f = jax.jit(lambda xs, ws, p=policy: api.gemv_sum(xs, ws, policy=p, table="moe_out_launch"))
+            text = f.trace(xs, ws).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mosaic_gpu" in text, "dot_general" in text) == (kernel_runs, not kernel_runs)
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [1, 5, 8, 9, 13, 64])
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("launch", ["table", "k128 N", "k192 M", "k256 N"])
+def test_moe_out_on_gpu_matches_numpy(B, tp, launch):
+    """One TP16 / TP8 rank's latent_up + shared_down in one launch (the kernel itself: raises, never falls back)
+    against the float64 model, and against XLA's reference on the same GPU (the same roundings: up to the fp32
+    sums' order, an ulp)."""
+    Ks = _moe_out_ks(tp)
+    xs, ws = _pairs(rng(), B, 7168, Ks)
+    if launch == "table":
+        got = api.run_sum_kernel(xs, ws, "moe_out_launch")
+    else:
+        bk, stream = launch.split()
+        params = dict(block_k=int(bk[1:]), split_k=1, steps={"k128": 6, "k192": 2, "k256": 2}[bk], x_stream=stream)
+        try:
+            kernel.check_sum_supported(xs, ws, **params)
+        except NotImplementedError as e:
+            pytest.skip(str(e))  # e.g. block_k 128 at TP8 (an empty last block), or too much SMEM
+        got = kernel.gemv_sum(xs, ws, **params)
+    _check_sum(got, xs, ws)
+    xla = np.asarray(jax.jit(reference.gemv_sum)(xs, ws), np.float64)
+    _, products = _sum_model(xs, ws, jnp.bfloat16)
+    bound = 2**-8 * (sum(np.abs(p) for p in products) + np.abs(xla)) + 1e-6 * np.max(np.abs(xla))
+    assert np.all(np.abs(np.asarray(got, np.float64) - xla) <= bound)

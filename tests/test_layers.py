@@ -271,6 +271,40 @@ def test_moe_in_projections_are_one_gemv_call(rng, tiny):
         )
 
 
+def test_moe_finish_is_one_gemv_sum_call(rng, tiny):
+    """A decode batch's latent_up + shared_down is one call of the pairs' GEMV (table moe_out_launch; on CPU its
+    reference runs, and is recorded), wider batches the same maths without it: each product rounded to bf16, then
+    a bf16 add (docs/model.md §6 step 5), against float64 from the weights."""
+    cfg, params, hf, tc = tiny
+    L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_moe(L)]))
+    p = P.cast_params(params["layers"][L]["ffn"], jnp.bfloat16)
+    (D, Dl), S = p["latent_up"].shape, p["shared_down"].shape[1]
+    y_lat = jnp.asarray(_x(rng, 70, Dl), jnp.bfloat16)
+    hidden = jnp.asarray(_x(rng, 70, S), jnp.bfloat16)
+    T = int(rng.integers(1, 65))
+    comm = Comm(policy=DecodePolicy("latency_specialized"))
+    with policy_lib.recording(policy_lib.DispatchLog()) as wide:
+        wide_y = moe.finish(p, y_lat, hidden, comm)
+    with policy_lib.recording(policy_lib.DispatchLog()) as decode:
+        y = moe.finish(p, y_lat[:T], hidden[:T], comm)
+    assert "gemv_sum moe_out_launch" not in wide.ops and decode.ops["gemv_sum moe_out_launch"]["impl"] == "xla"
+
+    def bf16(a):
+        return np.asarray(jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16), np.float64)
+
+    ps = [
+        np.asarray(a[:T], np.float64) @ np.asarray(p[n], np.float64).T
+        for a, n in ((y_lat, "latent_up"), (hidden, "shared_down"))
+    ]
+    want = bf16(bf16(ps[0]) + bf16(ps[1]))
+    assert y.dtype == jnp.bfloat16 and y.shape == (T, D)
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert np.all(err <= 2**-8 * (np.abs(ps[0]) + np.abs(ps[1]) + np.abs(want))), float(err.max())
+    np.testing.assert_allclose(  # the same maths up to the order of the fp32 sums
+        np.asarray(wide_y[:T], np.float64), np.asarray(y, np.float64), rtol=2**-7, atol=2**-18 * np.abs(want).max()
+    )
+
+
 def test_moe_impl_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="moe_impl"):
         DecodePolicy(moe_impl="dense")

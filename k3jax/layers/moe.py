@@ -2,7 +2,8 @@
 routed_expert_norm on the weighted latent sum, up projection, plus shared experts on the full hidden.
 
 The routed experts run through pallas_kernels.moe (grouped MXFP4 kernel or its XLA reference); the router,
-latent_down and the shared experts' gate and up through pallas_kernels.gemv (one decode launch, or its reference).
+latent_down and the shared experts' gate and up through pallas_kernels.gemv (one decode launch, or its reference),
+and so do latent_up and the shared experts' down (the finish: one launch of the pairs' GEMV, or its reference).
 """
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers.boundary import join
-from k3jax.layers.common import F32, linear, situ_glu
+from k3jax.layers.common import F32, situ_glu
 from pallas_kernels import moe_route
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.gemv import reference as gemv_ref
@@ -30,6 +31,18 @@ def in_projections(p, x_TD, comm: Comm = LOCAL):
     if x_TD.shape[0] <= gemv_api.MAX_BATCH:
         return gemv_api.gemv(x_TD, ws, out_dtypes=out_dtypes, names=names, policy=comm.policy, table="moe_in_launch")
     return gemv_ref.gemv(x_TD, ws, out_dtypes, names)
+
+
+def finish(p, y_lat_TL, hidden_TS, comm: Comm = LOCAL):
+    """latent_up(y_lat) + shared_down(hidden) -> [T, D] in the activation dtype (this rank's partial under tp):
+    each a bf16 GEMM rounded, then a bf16 add (docs/model.md §6 step 5). A decode batch asks for ONE launch of
+    the pairs' GEMV over the two out-major weights (tuning table moe_out_launch), which keeps both roundings;
+    its reference, also the path of wider batches, is the two GEMMs and the add, each under its weight's name."""
+    names = ("latent_up", "shared_down")  # the XLA ops' scopes (a profile's labels)
+    xs, ws = (y_lat_TL, hidden_TS), tuple(p[n] for n in names)
+    if y_lat_TL.shape[0] <= gemv_api.MAX_BATCH:
+        return gemv_api.gemv_sum(xs, ws, names=names, policy=comm.policy, table="moe_out_launch")
+    return gemv_ref.gemv_sum(xs, ws, names)
 
 
 def router_logits(p, x_TD):
@@ -108,5 +121,5 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
         y_lat = comm.all_reduce(y_lat, "latent_sum")
     y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[1])
     hidden = situ_glu(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # the shared experts'
-    y = linear(y_lat, p["latent_up"], "tl,dl->td") + linear(hidden, p["shared_down"], "ts,ds->td")
+    y = finish(p, y_lat, hidden, comm)
     return (y, sel) if return_routing else y

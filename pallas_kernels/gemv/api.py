@@ -1,6 +1,7 @@
 """Dispatch for the decode GEMV: the Hopper kernel where the decode policy asks for kernels and it applies
 (sm90, bf16, a batch that the policy's gemv tuning has a launch for: <= 64), the XLA reference otherwise
-(pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends")."""
+(pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends"). gemv: one x against several
+weights, an output each; gemv_sum: several (x_j, w_j) pairs sharing N summed into one output (the MoE's finish)."""
 
 from pallas_kernels import common
 from pallas_kernels import policy as policy_lib
@@ -54,4 +55,29 @@ def gemv(x_BD, ws_ND, *, out_dtypes=None, names=None, policy: DecodePolicy = XLA
         policy,
         lambda: run_kernel(x_BD, ws_ND, table, policy, out_dtypes),
         lambda: reference.gemv(x_BD, ws_ND, out_dtypes, names),
+    )
+
+
+def run_sum_kernel(xs_BK, ws_NK, table="moe_out_launch", policy: DecodePolicy = XLA):
+    """The pairs' kernel itself: NotImplementedError where it does not take the call (gemv_sum then runs the
+    reference). The table's entry is picked by the batch and the widest pair's K."""
+    arch = common.gpu_arch()
+    if arch is None or arch[0] != 9:
+        raise NotImplementedError(f"GEMV kernel is Hopper-only (sm90), got {arch}")
+    from pallas_kernels.gemv import kernel
+
+    launch = pick_launch(xs_BK[0].shape[0], max(x.shape[1] for x in xs_BK), table=table, policy=policy)
+    kernel.check_sum_supported(xs_BK, ws_NK, **launch)
+    return kernel.gemv_sum(tuple(xs_BK), tuple(ws_NK), **launch)
+
+
+def gemv_sum(xs_BK, ws_NK, *, names=None, policy: DecodePolicy = XLA, table="moe_out_launch"):
+    """Σ_j x_j [B, K_j] @ w_jᵀ for out-major w_j [N, K_j] -> [B, N] in x's dtype: each product rounded to x's
+    dtype, then added in order (reference.gemv_sum), in one launch where the policy's table has an entry for the
+    batch. names: the reference's named scope per product."""
+    return policy_lib.dispatch(
+        f"gemv_sum {table}",
+        policy,
+        lambda: run_sum_kernel(xs_BK, ws_NK, table, policy),
+        lambda: reference.gemv_sum(xs_BK, ws_NK, names),
     )

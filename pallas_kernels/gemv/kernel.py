@@ -27,6 +27,10 @@ that reads them slices them (the slice joins a fusion that runs anyway). A bf16 
 columns past N: the output is exactly [B, N], with no XLA slice (a copy kernel of its own where the consumer
 cannot fuse it, e.g. a Pallas kernel). Weights of whole blocks keep the register stores that were measured.
 
+gemv_sum is the pairs' form: several (x_j [B, K_j], w_j [N, K_j]) sharing N summed into one [B, N] output in
+one launch (the MoE's finish, latent_up + shared_down), each product rounded before the sum as the model rounds
+it; its section below says how.
+
 x streams beside the weights rather than staying resident in SMEM: resident slabs grow with the batch, and the
 resident form measured slower at every batch (bench/results/gemv_b64_stream.json, gemv_small_on_n.json).
 """
@@ -257,3 +261,170 @@ def _partials(x_BD, ws_ND, *, block_k, split_k, steps, x_stream, interpret, out_
         interpret=interpret,
     )
     return tuple(kernel(x_TD, *ws_ND))
+
+
+# ---- several (x_j, w_j) pairs sharing N, summed into one output (the MoE's finish) ---------------------------
+# y [B, N] = Σ_j x_j [B, K_j] @ w_jᵀ, w_j out-major [N, K_j]: one TP16 rank's latent_up (K 224) and shared_down
+# (K 384) into the MoE's [T, D = 7168] partial (layers/moe.py finish; TP8: 448 and 768). Each CTA owns one
+# 64-row block of N and streams every pair's slice of it through ONE pipeline, the pairs in lockstep: step k
+# loads block k of every pair (pair j's tile [ROWS, bk_j] and x_j's [T, bk_j]) and issues one WGMMA per pair into
+# that pair's own fp32 accumulator. The model's rule for the sum (docs/model.md §6 step 5: each product is a
+# bf16 GEMM, rounded; "y_rout + y_sh is a bf16 add") is kept: each accumulator is rounded to the activation dtype,
+# then the rounded products are added in order, each add rounded (a bf16 add: fp32 sum, one rounding). N whole
+# 64-row blocks only (D = 7168 is 112), one split only (a split's partials would need a glue kernel to sum them
+# before the rounding: the point is one launch), so the kernel writes the output itself: N = 7168 / 64 = 112 CTAs.
+#
+# The pairs' K differ and need not be multiples of the block width (224 = 7 x 32): a lockstep pipeline needs the
+# same number of steps n for every pair, so n comes from the widest pair (n = ceil(max K / block_k)) and each
+# pair's block is the multiple of its swizzle row that covers its K in n steps; the last block's columns past K_j
+# are the TMA's zeros (x_j's and w_j's both: the products vanish). The TMA reads a swizzled tile as whole swizzle
+# rows of the array, so K_j must be a multiple of one: each pair takes the widest swizzle whose row divides K_j
+# (224: 64 bytes, 32 columns; 384, 448, 768: 128 bytes, 64 columns), the pair's weight and x tiles the same (WGMMA
+# needs its operands' swizzles equal). A pair whose last block would be empty is refused (pair_blocks): TP16
+# (224, 384) takes block_k 128 (3 steps of 96 + 128 columns) or 192 / 256 (2 of 128 + 192), TP8 (448, 768) 128
+# (6 of 80, on a 32-byte swizzle, + 128), 192 (4 of 128 + 192) or 256 (3 of 192 + 256); block_k 64 neither.
+SWIZZLES = (128, 64, 32)  # bytes; a bf16 swizzle row is half as many columns
+
+
+def pair_blocks(Ks, block_k):
+    """-> (n, bks, swizzles): the pipeline's steps, each pair's block width and swizzle (bytes): the widest
+    swizzle whose row (swizzle / 2 columns) divides K_j and makes bk_j, the smallest multiple of that row with
+    n x bk_j >= K_j, leave no empty last block ((n - 1) x bk_j < K_j); NotImplementedError where none does."""
+    if block_k % (_SWIZZLE // 2):
+        raise NotImplementedError(f"block_k {block_k}: a multiple of {_SWIZZLE // 2} (a 128-byte swizzle row)")
+    n = -(-max(Ks) // block_k)
+    bks, swizzles = [], []
+    for K in Ks:
+        for sw in SWIZZLES:
+            g = sw // 2
+            bk = -(-K // (n * g)) * g  # ceil(ceil(K / n) / g) = ceil(K / (n g))
+            if K % g == 0 and (n - 1) * bk < K:
+                bks.append(bk)
+                swizzles.append(sw)
+                break
+        else:
+            raise NotImplementedError(
+                f"K {tuple(Ks)} in {n} lockstep steps of block_k {block_k}: K = {K} takes no block width (a multiple "
+                f"of a swizzle row dividing it, {[s // 2 for s in SWIZZLES]}) without an empty last block"
+            )
+    return n, tuple(bks), tuple(swizzles)
+
+
+def _transforms(swizzle):
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def sum_smem_bytes(B, Ks, block_k, steps, x_stream="N"):
+    """The pipeline's stages (every pair's weight and x tiles) and the output staging: on N the fp32 sum
+    [ROWS, T] its token rows are read from, on M the rounded [T, ROWS] tile its TMA stores."""
+    n, bks, _ = pair_blocks(Ks, block_k)
+    T = tokens(B, x_stream)
+    out = ROWS * T * (4 if x_stream == "N" else 2)
+    return min(steps, n) * (ROWS + T) * sum(bks) * 2 + out
+
+
+def check_sum_supported(xs_BK, ws_NK, block_k, split_k=1, steps=2, x_stream="N"):
+    if x_stream not in X_STREAMS:
+        raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
+    if not xs_BK or len(xs_BK) != len(ws_NK):
+        raise NotImplementedError(f"{len(xs_BK)} x's for {len(ws_NK)} weights: one x per weight")
+    if any(a.dtype != jnp.bfloat16 for a in (*xs_BK, *ws_NK)):
+        raise NotImplementedError(f"bf16 only: {[str(a.dtype) for a in (*xs_BK, *ws_NK)]}")
+    B, N = xs_BK[0].shape[0], ws_NK[0].shape[0]
+    if B > MAX_TOKENS:
+        raise NotImplementedError(f"batch {B} > {MAX_TOKENS}: a GEMM, not a decode GEMV (XLA's is fine there)")
+    shapes = [(x.shape, w.shape) for x, w in zip(xs_BK, ws_NK, strict=True)]
+    if any(
+        x.ndim != 2 or w.ndim != 2 or x.shape[0] != B or w.shape[0] != N or x.shape[1] != w.shape[1] or x.shape[1] % 8
+        for x, w in zip(xs_BK, ws_NK, strict=True)
+    ):
+        raise NotImplementedError(
+            f"pairs {shapes}: need x_j [{B}, K_j] and w_j [N, K_j] sharing B and N, K_j a multiple of 8 (the TMA's "
+            "16-byte row strides)"
+        )
+    if N % ROWS:
+        raise NotImplementedError(f"N = {N}: whole {ROWS}-row blocks only (the output is stored a block at a time)")
+    if split_k != 1:
+        raise NotImplementedError(f"split_k {split_k}: one split (the kernel rounds each pair's whole sum itself)")
+    n = pair_blocks([x.shape[1] for x in xs_BK], block_k)[0]
+    if n < 2:
+        raise NotImplementedError(f"K {[x.shape[1] for x in xs_BK]} in one step of {block_k}: the pipeline needs two")
+    need = sum_smem_bytes(B, [x.shape[1] for x in xs_BK], block_k, steps, x_stream)
+    if need > SMEM_BYTES:
+        raise NotImplementedError(
+            f"batch {B}: {min(steps, n)} stages of every pair's tiles need {need} bytes of SMEM (> {SMEM_BYTES}); "
+            "lower steps or block_k"
+        )
+
+
+def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
+    """refs: the x_j [x_rows(B), K_j], the w_j [N, K_j], the output [B, N], then scratch: on N the fp32 sum
+    [ROWS, T] (a token's column becomes its output row), on M the rounded [T, ROWS] tile a TMA stores."""
+    J = len(bks)
+    xs, ws, (out_ref, staging) = refs[:J], refs[J : 2 * J], refs[2 * J :]
+    blk = lax.axis_index("n")
+    block = pl.ds(blk * ROWS, ROWS)
+
+    def scope(*accs):
+        def step(_, *tiles):  # each pair's weight tile, then its x tile
+            for acc, w_smem, x_smem in zip(accs, tiles[::2], tiles[1::2], strict=True):
+                if x_stream == "M":  # acc [T, ROWS] += x [T, bk] @ wᵀ [bk, ROWS]
+                    plgpu.wgmma(acc, x_smem, w_smem.transpose((1, 0)))
+                else:  # acc [ROWS, T] += w [ROWS, bk] @ xᵀ [bk, T]
+                    plgpu.wgmma(acc, w_smem, x_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(J)  # the previous step's WGMMAs are done: their slots may be refilled (delay_release)
+
+        specs = []
+        for bk, sw in zip(bks, swizzles, strict=True):  # block k of pair j: columns past K_j are the TMA's zeros
+            tr = _transforms(sw)
+            specs.append(plgpu.BlockSpec((ROWS, bk), lambda k: (blk, k), transforms=tr, delay_release=1))
+            specs.append(plgpu.BlockSpec((T, bk), lambda k: (0, k), transforms=tr, delay_release=1))
+        gmem = [r for pair in zip(ws, xs, strict=True) for r in pair]
+        plgpu.emit_pipeline(step, grid=(n_steps,), max_concurrent_steps=steps, in_specs=specs)(*gmem)
+        plgpu.wgmma_wait(0)
+        return tuple(acc[...] for acc in accs)
+
+    shape = (T, ROWS) if x_stream == "M" else (ROWS, T)
+    accs = pl.run_scoped(scope, *(plgpu.ACC(shape, F32) for _ in bks))
+    dtype = out_ref.dtype
+    y = accs[0].astype(dtype)  # each product rounded (a bf16 GEMM), then the bf16 adds in order
+    for acc in accs[1:]:
+        y = (y.astype(F32) + acc.astype(dtype).astype(F32)).astype(dtype)
+    if x_stream == "M":  # the [T, ROWS] tile to out [B, N]: the TMA drops the rows past B
+        staging[...] = y
+        plgpu.commit_smem()  # the tile's register stores, before the TMA reads it
+        plgpu.copy_smem_to_gmem(staging, out_ref.at[pl.ds(0, T), block])
+        plgpu.wait_smem_to_gmem(0)
+    else:  # token b's column (4 lanes a row) -> out row b; the values are already rounded: exact in fp32
+        staging[...] = y.astype(F32)
+        plgpu.commit_smem()  # a warpgroup barrier: each token's column is read by other threads
+        for b in range(n_tokens):
+            col = plgpu.load(staging.at[:, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            out_ref.at[b, block][...] = col.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gemv_sum(xs_BK, ws_NK, *, block_k=192, split_k=1, steps=4, x_stream="N", interpret=None):
+    """Σ_j x_j [B, K_j] @ w_jᵀ (w_j out-major [N, K_j], bf16) -> [B, N] in x's dtype, in one launch: each pair's
+    product an fp32 sum rounded to x's dtype, the rounded products added in order with bf16 adds
+    (reference.gemv_sum). split_k must be 1 (check_sum_supported)."""
+    del split_k  # one split: the table's field, checked by check_sum_supported
+    B, N = xs_BK[0].shape[0], ws_NK[0].shape[0]
+    T = tokens(B, x_stream)
+    n, bks, swizzles = pair_blocks([x.shape[1] for x in xs_BK], block_k)
+    # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
+    xs_TK = tuple(jnp.pad(x, ((0, x_rows(B) - B), (0, 0))) for x in xs_BK)
+    dtype = xs_BK[0].dtype
+    staging = plgpu.SMEM((T, ROWS), dtype) if x_stream == "M" else plgpu.SMEM((ROWS, T), F32)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _sum_body, bks=bks, swizzles=swizzles, n_steps=n, steps=min(steps, n), T=T, x_stream=x_stream, n_tokens=B
+        ),
+        out_type=jax.ShapeDtypeStruct((B, N), dtype),
+        scratch_types=[staging],
+        grid=(N // ROWS,),
+        grid_names=("n",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+    return kernel(*xs_TK, *ws_NK)

@@ -36,3 +36,16 @@ def gemv(x_BD, ws_ND, out_dtypes=None, names=None):
             else:
                 outs.append(dot("bd,nd->bn", x_BD, w.astype(x_BD.dtype)).astype(x_BD.dtype))
     return tuple(outs)
+
+
+def gemv_sum(xs_BK, ws_NK, names=None):
+    """Σ_j x_j [B, K_j] @ w_jᵀ (w_j out-major [N, K_j]) -> [B, N] in x's dtype, as the model writes a sum of
+    projections (docs/model.md §6 step 5, the MoE's y_rout + y_sh): each product the GEMM rule (an fp32 sum
+    rounded to x's dtype), then the rounded products added in order in x's dtype. names: a jax.named_scope per
+    product (its HLO op name, which a profile attributes kernels by)."""
+    y = None
+    for x, w, name in zip(xs_BK, ws_NK, names or (None,) * len(ws_NK), strict=True):
+        with jax.named_scope(name) if name else contextlib.nullcontext():
+            p = dot("bk,nk->bn", x, w.astype(x.dtype)).astype(x.dtype)
+        y = p if y is None else y + p
+    return y
