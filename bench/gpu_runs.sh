@@ -37,7 +37,7 @@
 #   moe_next     nvidia-h200      the routed experts L2-cold, under skewed routing, and with split_groups (~7 min)
 #                                 -> moe_layer_cold.*, moe_layer_skewed.*, moe_layer_skewed_split.*
 #   moe_variants nvidia-h200      the routed experts' GPU tests, then the kernel as tuned beside its launch variants
-#                                 (mma_overlap; down_row_blocks 1 / 4 at T <= 8) and XLA packed, TP16, T 1-512 (~4 min)
+#                                 (mma_overlap, direct, both) and XLA packed, TP16, T 1-512 (~4 min)
 #                                 -> moe_launch_variants.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
@@ -143,8 +143,8 @@ case "${1:-}" in
   moe_variants)
     step pytest_moe 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu -rf
     step moe_launch_variants 330 python3 bench/moe_layer.py "$work" --tps 16 --impls packed --tokens 1,2,8,64,512 \
-      --kernel-variant overlap:mma_overlap=1 --kernel-variant drb1:down_row_blocks=1 \
-      --kernel-variant drb4:down_row_blocks=4 --name moe_launch_variants
+      --kernel-variant overlap:mma_overlap=1 --kernel-variant direct:direct=1 \
+      --kernel-variant both:mma_overlap=1,direct=1 --name moe_launch_variants
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"

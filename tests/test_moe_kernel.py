@@ -209,6 +209,39 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
     check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
 
 
+@cpu_only
+@pytest.mark.parametrize("T", [2, 5, 8])
+def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy(T):
+    """The direct form (launch `direct`: every pair its own slot, the tile every token, column p // k kept, no
+    grouping and no pair_rows): an expert every token chose (read T times), experts nobody chose, T short of the
+    tile, in bf16 against the reference and float64 NumPy, and each pair's fp32 sums (part / h / y at row 8p)."""
+    r = rng()
+    E, I, L, k = 12, 192, 1024, 4
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
+    tuning = {"sm90": {"launch": [{**TUNING["sm90"]["launch"][0], "direct": True}]}}
+    with abstract_gpu("sm90"):
+        got = sm90.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
+        )
+        launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2, direct=True)
+        groups, part, h, y = sm90.grouped(
+            ex,
+            z,
+            jnp.asarray(sel),
+            **BETA,
+            launch=launch,
+            interpret=interpret_params(),
+            a_in_smem=True,
+            out_dtype=jnp.float32,
+        )
+    assert not races_found()
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
+    assert part.shape == (2, 2, grouping.ALIGN * T * k, I)
+    np.testing.assert_array_equal(groups.row_P, grouping.ALIGN * np.arange(T * k))
+    _check_sums(np_ex, z, sel, groups, part, h, y, k)
+
+
 def _check_sums(np_ex, z, sel, groups, part, h_RI, y, k):
     """moe_testbase.check_sums on sm90's outputs: the partials [splits, 2, R, I] summed, h back from K_ORDER."""
     unorder = np.argsort(sm90.K_ORDER)
@@ -247,13 +280,14 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 )
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
-    tuning.json's launch for T, mma_overlap flipped where T is even: both Mosaic GPU kernels lower, the inline
-    decode with them (A from registers)."""
+    tuning.json's launch for T, mma_overlap and direct flipped where T is even: both Mosaic GPU kernels lower,
+    the inline decode with them (A from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
     for entry in tuning["sm90"]["launch"] if T % 2 == 0 else ():
         entry["mma_overlap"] = not entry.get("mma_overlap", False)
+        entry["direct"] = not entry.get("direct", False)  # T = 8: the direct form
 
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
@@ -377,18 +411,18 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 3), (192, 12)])
-def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, overlap):
-    """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8; T = 1 reads z's
-    row directly) with and without mma_overlap: the gate/up sums W1 z / W3 z, h and the down kernel's W2 h for
+@pytest.mark.parametrize("fields", [{}, {"mma_overlap": True}, {"direct": True}], ids=["tuned", "overlap", "direct"])
+@pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 8), (192, 12)])
+def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
+    """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8; T = 1 the direct
+    form) and with mma_overlap / direct set: the gate/up sums W1 z / W3 z, h and the down kernel's W2 h for
     every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
     z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
     launch = sm90.pick_launch(policy_lib.default_tuning().get("moe"), T)
-    launch = dataclasses.replace(launch, mma_overlap=overlap)
+    launch = dataclasses.replace(launch, **fields)
     groups, part, h, y = sm90.grouped(ex, z, sel, **BETA, launch=launch, out_dtype=jnp.float32)
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
     _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, k)

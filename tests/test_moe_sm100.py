@@ -91,6 +91,30 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
 
 
 @cpu_only
+def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy():
+    """The direct form (launch `direct`: every pair its own slot, the tile every token, column p // k kept):
+    T = 5 with an expert every token chose, in bf16 against the reference and float64 NumPy, and each pair's fp32
+    sums at row 8p."""
+    r = rng()
+    T, E, I, L, k = 5, 12, 128, 1024, 4
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
+    tuning = {"sm100": {"launch": [{**TUNING["sm100"]["launch"][0], "direct": True}]}}
+    with abstract_gpu("sm100"):
+        got = sm100.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
+        )
+        launch = sm100.Launch(tokens_per_tile=16, up_steps=2, down_steps=2, up_splits=2, direct=True)
+        groups, part, h, y = sm100.grouped(
+            ex, z, jnp.asarray(sel), **BETA, launch=launch, interpret=interpret_params(), out_dtype=jnp.float32
+        )
+    assert not races_found()
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
+    assert part.shape == (2, grouping.ALIGN * T * k, 2 * I)
+    check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
+
+
+@cpu_only
 def test_kernel_interpret_fp32_sums_match_numpy():
     """Each pair's W1 z and W3 z (the gate/up partials of a K split over 2 CTAs, summed), h = SiTU-GLU of their
     bf16 roundings and W2 h (the down kernel's fp32 out: K = 576 in 3 steps, 2 row blocks a CTA) against float64,

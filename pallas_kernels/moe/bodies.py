@@ -24,6 +24,7 @@ class Launch:
     down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
     split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
+    direct: bool = False  # T <= tokens_per_tile: no grouping, every pair its own slot (is_direct)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -39,37 +40,78 @@ def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
     return Launch(**{k: v for k, v in entry.items() if k in fields})
 
 
+def is_direct(T: int, launch: Launch) -> bool:
+    """The pairs as slots, ungrouped: slot p = pair p (token p // k's choice p % k), the gate/up tile's tokens
+    every token of the step (z itself, padded to one tile: no pair_rows copy), column p // k of it kept, the
+    rows of pair p at ALIGN p. No XLA grouping kernels and no pair_rows launch (at T = 2-8 ~8 us, at T = 1 3.2
+    us: bench/results/moe_layer.json); an expert two tokens chose is read twice (at T = 8 ~7% more bytes, the
+    second read mostly from L2). One token's choices are different experts: always direct."""
+    return T == 1 or (launch.direct and T <= launch.tokens_per_tile)
+
+
 def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
-    """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so."""
+    """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so; direct
+    (is_direct): each pair its own slot, at row ALIGN p (grouping.group_by_expert's one-token table)."""
+    T, k = sel_Tk.shape
+    if is_direct(T, launch):
+        e = sel_Tk.reshape(-1).astype(jnp.int32)
+        row = grouping.ALIGN * jnp.arange(T * k, dtype=jnp.int32)
+        return grouping.Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
     groups = grouping.group_by_expert(sel_Tk, num_experts)
     if not launch.split_groups:
         return groups
-    T, k = sel_Tk.shape
     pieces = grouping.split_groups(groups.slots_3S, T, k, num_experts, launch.tokens_per_tile)
     return grouping.Groups(row_P=groups.row_P, slots_3S=pieces)
 
 
-def slot(table_ref, s, one_token: bool):
+def direct_k(sel_Tk, launch: Launch) -> int:
+    """The kernels' static direct_k: k where the pairs are the slots (is_direct), else 0."""
+    T, k = sel_Tk.shape
+    return k if is_direct(T, launch) else 0
+
+
+def num_rows(T: int, k: int, num_experts: int, launch: Launch) -> int:
+    """Rows of the kernels' pair order: ALIGN a pair in the direct form, the grouping's otherwise."""
+    return grouping.ALIGN * T * k if is_direct(T, launch) else grouping.num_rows(T, k, num_experts)
+
+
+def slot(table_ref, s, direct_k: int):
     """Slot s's (expert, first row in pair order, size) from the kernels' table: the grouping's [3, S] slot
-    table, or one_token: the token's choices sel [1, k] themselves (each its own group of one at row ALIGN s,
-    grouping.group_by_expert's T = 1 table, with no XLA kernel to stack it)."""
-    if one_token:
+    table, or (direct_k) the choices sel [1, T k] themselves: pair s at row ALIGN s, a group of one."""
+    if direct_k:
         return table_ref[0, s], grouping.ALIGN * s, 1
     return table_ref[0, s], table_ref[1, s], table_ref[2, s]
 
 
-def slot_table(sel_Tk, groups: grouping.Groups):
-    """The table the kernels walk (bodies.slot): sel itself for one token, else the grouping's slots."""
-    return sel_Tk.astype(jnp.int32) if sel_Tk.shape[0] == 1 else groups.slots_3S
+def slot_table(sel_Tk, groups: grouping.Groups, launch: Launch):
+    """The table the kernels walk (slot): sel itself, [1, T k], where the pairs are the slots, else the
+    grouping's slots (no XLA kernel stacks a table for the direct form)."""
+    T, k = sel_Tk.shape
+    return sel_Tk.reshape(1, T * k).astype(jnp.int32) if is_direct(T, launch) else groups.slots_3S
 
 
 def token_rows(z_TL, groups: grouping.Groups, k: int, num_experts: int, launch: Launch, *, interpret=None):
-    """The rows the gate/up kernel's token tiles read: one token (T = 1) is every slot's only token, so its row,
-    padded to a tile, is read as it is (the kernels' `one_token`); more are copied to their pairs' rows
-    (grouping.pair_rows: a kernel launch, 3.2 us at T = 1 on the H200, bench/results/moe_layer.json)."""
-    if z_TL.shape[0] == 1:
-        return jnp.pad(z_TL, ((0, launch.tokens_per_tile - 1), (0, 0)))
+    """The rows the gate/up kernel's token tiles read: the direct form's (is_direct) tile is every token, z
+    padded to a tile, read as it is; grouped, z copied to its pairs' rows (grouping.pair_rows)."""
+    T = z_TL.shape[0]
+    if is_direct(T, launch):
+        return jnp.pad(z_TL, ((0, launch.tokens_per_tile - T), (0, 0)))
     return grouping.pair_rows(z_TL, groups, k, num_experts, interpret=interpret)
+
+
+def direct_rows(a, direct: bool):
+    """The gate/up partials [..., R, I] -> the rows the GLU reads: every ALIGN-th in the direct form (its pairs'
+    rows; the others were never written), all otherwise."""
+    return a[..., :: grouping.ALIGN, :] if direct else a
+
+
+def pad_direct_rows(h_PI, direct: bool):
+    """h of the direct form's pairs [P, I] -> [ALIGN P, I], pair p at row ALIGN p (the down kernel's token tile
+    starts on an ALIGN boundary; the rows between are zeros, their columns never stored)."""
+    if not direct:
+        return h_PI
+    P, I = h_PI.shape
+    return jnp.pad(h_PI[:, None, :], ((0, 0), (0, grouping.ALIGN - 1), (0, 0))).reshape(P * grouping.ALIGN, I)
 
 
 def expert_shapes(experts):

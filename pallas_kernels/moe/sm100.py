@@ -209,10 +209,10 @@ def _mma_step(mma: Mma, halves, x_smem, *, first, decode):
         plgpu.barrier_wait(mma.done.at[j % 2])
 
 
-def _store_columns(mma: Mma, out_smem, out_row, *, tile_first, count, n_tokens, round_to=None):
-    """The accumulator [128, N]'s column t (token t of the tile) -> out_row(t) [128] for the tokens the group
-    has: tcgen05.ld into registers, through SMEM, each column read back a value per row. round_to: a dtype the
-    sums are rounded to first (the spec's bf16 after the expert GEMM)."""
+def _store_columns(mma: Mma, out_smem, out_row, *, take, n_tokens, round_to=None):
+    """The accumulator [128, N]'s column t (token t of the tile) -> out_row(t) [128] where take(t): tcgen05.ld
+    into registers, through SMEM, each column read back a value per row. round_to: a dtype the sums are rounded
+    to first (the spec's bf16 after the expert GEMM)."""
     acc = plgpu.async_load_tmem(mma.acc)
     plgpu.wait_load_tmem()  # the next tile's first MMA overwrites the accumulator
     if round_to is not None:
@@ -222,7 +222,7 @@ def _store_columns(mma: Mma, out_smem, out_row, *, tile_first, count, n_tokens, 
 
     for t in range(n_tokens):
 
-        @pl.when(tile_first + t < count)
+        @pl.when(take(t))
         def _(t=t):
             dst = out_row(t)
             dst[...] = plgpu.load(out_smem.at[:, t], layout=COL_LAYOUT, optimized=False).astype(dst.dtype)
@@ -298,14 +298,14 @@ def _scratch(N: int):
 
 
 def _up_body(
-    slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, decode, one_token
+    table_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, decode, direct_k
 ):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
-    (z in pair order; one_token: z's one row, every slot's token) -> part [splits, R, 2 I] fp32: columns
-    128 b .. 128 b + 63 the split's W1 sums of rows 64 b .. 64 b + 63 for the slot's pairs, the next 64 their
-    W3 sums."""
+    (z in pair order; direct_k: z itself, the tile every token) -> part [splits, R, 2 I] fp32: columns
+    128 b .. 128 b + 63 the split's W1 sums of rows 64 b .. 64 b + 63 for the slot's pairs (direct_k: pair s,
+    column s // k), the next 64 their W3 sums."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
-    e, start, count = bodies.slot(slots_ref, s, one_token)
+    e, start, count = bodies.slot(table_ref, s, direct_k)
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
     k0 = kk * n_k
     mma = Mma(acc, a_smem, done)
@@ -315,7 +315,7 @@ def _up_body(
         @pl.loop(0, pl.cdiv(count, n_tokens))
         def _(tile):
             row0 = start + tile * n_tokens
-            x_row0 = 0 if one_token else row0
+            x_row0 = 0 if direct_k else row0
 
             def step(idx, c1, c3, s1, s3, x):
                 rows = [[load_row(sc.at[:, g]) for g in range(UP_BLOCK // 16)] for sc in (s1, s3)]
@@ -332,24 +332,23 @@ def _up_body(
                 max_concurrent_steps=min(steps, n_k),
                 in_specs=[w_spec, w_spec, s_spec, s_spec, x_spec],
             )(w1c.at[e], w3c.at[e], w1s.at[e], w3s.at[e], x_ref)
+            if direct_k:  # the slot's one pair: its token's column, to its row
+                take, row = (lambda t: t == s // direct_k), (lambda t: row0)
+            else:
+                take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
             _store_columns(
-                mma,
-                out_smem,
-                lambda t: part_ref.at[kk, row0 + t, pl.ds(b * ROWS, ROWS)],
-                tile_first=tile * n_tokens,
-                count=count,
-                n_tokens=n_tokens,
+                mma, out_smem, lambda t: part_ref.at[kk, row(t), pl.ds(b * ROWS, ROWS)], take=take, n_tokens=n_tokens
             )
 
 
 def _down_body(
-    slots_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, row_blocks, decode, one_token
+    table_ref, w2c, w2s, h_ref, y_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, row_blocks, decode, direct_k
 ):
     """Grid (slot, group r of `row_blocks` 128-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 -> y [R, L]: the group's rows of y for the slot's pairs. The pipeline walks (row block,
     K step); the last K step of a block writes its rows."""
     s, r = lax.axis_index("s"), lax.axis_index("r")
-    e, start, count = bodies.slot(slots_ref, s, one_token)
+    e, start, count = bodies.slot(table_ref, s, direct_k)
     I = h_ref.shape[-1]
     kb = down_k_bytes(I)
     n_k = I // 2 // kb
@@ -379,8 +378,7 @@ def _down_body(
                         mma,
                         out_smem,
                         lambda t: y_ref.at[row0 + t, pl.ds(first, ROWS)],
-                        tile_first=tile * n_tokens,
-                        count=count,
+                        take=lambda t: tile * n_tokens + t < count,
                         n_tokens=n_tokens,
                         round_to=round_to,
                     )
@@ -396,15 +394,16 @@ def _down_body(
             )
 
 
-def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None):
+def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None):
     """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x).
-    x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
+    table / x: the kernels' slot table (bodies.slot_table) and token rows (bodies.token_rows); direct_k:
+    bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
         functools.partial(
-            _up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret), one_token=one_token
+            _up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret), direct_k=direct_k
         ),
         out_type=jax.ShapeDtypeStruct((splits, R, 2 * I), F32),
         scratch_types=_scratch(N),
@@ -416,7 +415,7 @@ def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False,
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF16, interpret=None):
+def down(experts, table, h_RI, *, launch: Launch, direct_k=0, out_dtype=BF16, interpret=None):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], h_RI.shape[0]
@@ -428,7 +427,7 @@ def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF1
             steps=down_stages(launch, I),
             row_blocks=launch.down_row_blocks,
             decode=_decoder(interpret),
-            one_token=one_token,
+            direct_k=direct_k,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
         scratch_types=_scratch(N),
@@ -447,9 +446,11 @@ def gate_up_sums(part):
     return gu[:, :, 0].reshape(R, -1), gu[:, :, 1].reshape(R, -1)
 
 
-def glu(part, *, situ_beta, situ_linear_beta):
-    """The gate/up partials -> h [R, I] bf16 (the down kernel's N side, natural order)."""
-    return bodies.glu(*gate_up_sums(part), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+def glu(part, *, situ_beta, situ_linear_beta, direct=False):
+    """The gate/up partials -> h [R, I] bf16 (the down kernel's N side, natural order; direct:
+    bodies.direct_rows / pad_direct_rows)."""
+    g, u = gate_up_sums(bodies.direct_rows(part, direct))
+    return bodies.pad_direct_rows(bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta), direct)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")
@@ -462,10 +463,10 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     groups = bodies.group(sel_Tk, E, launch)
     T, k = sel_Tk.shape
     x = bodies.token_rows(z_TL, groups, k, E, launch, interpret=interpret)
-    table, one = bodies.slot_table(sel_Tk, groups), T == 1
-    kw = dict(launch=launch, one_token=one, interpret=interpret)
-    part = gate_up(experts, table, x, rows=grouping.num_rows(T, k, E), **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
+    kw = dict(launch=launch, direct_k=dk, interpret=interpret)
+    part = gate_up(experts, table, x, rows=bodies.num_rows(T, k, E, launch), **kw)
+    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, direct=dk > 0)
     y = down(experts, table, h, out_dtype=out_dtype, **kw)
     return groups, part, h, y
 

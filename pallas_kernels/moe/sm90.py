@@ -245,26 +245,26 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
 # ------------------------------------------------------------------------------------------------ the kernels
 
 
-def _store_columns(acc_F32, out_smem, out_row, *, tile_first, count, n_tokens):
-    """The [64, N] fp32 tile's column t (token t of the tile) -> out_row(t) [64] for the tokens the group has:
-    through SMEM, each column read back in the row layout (a value per row) and stored as one output row."""
+def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens):
+    """The [64, N] fp32 tile's column t (token t of the tile) -> out_row(t) [64] where take(t): through SMEM,
+    each column read back in the row layout (a value per row) and stored as one output row."""
     out_smem[...] = acc_F32
     plgpu.commit_smem()  # a warpgroup barrier: each column is read by other threads than wrote it
 
     for t in range(n_tokens):
 
-        @pl.when(tile_first + t < count)
+        @pl.when(take(t))
         def _(t=t):  # traced here and now: the default only tells the linter so
             dst = out_row(t)
             dst[...] = load_row(out_smem.at[:, t]).astype(dst.dtype)
 
 
-def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps, one_token, overlap):
+def _up_body(table_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps, direct_k, overlap):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
-    (z in pair order and K_ORDER; one_token: z's one row, every slot's token) -> part [splits, 2, R, I] fp32:
-    the split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs."""
+    (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
+    split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k)."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
-    e, start, count = bodies.slot(slots_ref, s, one_token)
+    e, start, count = bodies.slot(table_ref, s, direct_k)
     n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
     k0 = kk * n_k
     a_smem = a_smem[0] if a_smem else None
@@ -274,7 +274,6 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
         @pl.loop(0, pl.cdiv(count, n_tokens))
         def _(tile):
             row0 = start + tile * n_tokens
-            x_row0 = 0 if one_token else row0
 
             def scope(acc1, acc3):
                 def step(_, c1, c3, s1, s3, x):
@@ -288,7 +287,9 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
                 s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
                 x_spec = plgpu.BlockSpec(
-                    (pl.Element(n_tokens), 2 * UP_BLOCK), lambda k: (x_row0, k0 + k), transforms=tiled(128)
+                    (pl.Element(n_tokens), 2 * UP_BLOCK),
+                    lambda k: (0 if direct_k else row0, k0 + k),
+                    transforms=tiled(128),
                 )
                 plgpu.emit_pipeline(
                     step,
@@ -300,19 +301,23 @@ def _up_body(slots_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
 
             acc = plgpu.ACC((ROWS, n_tokens), F32)
             g, u = pl.run_scoped(scope, acc, acc)
-            store = functools.partial(_store_columns, tile_first=tile * n_tokens, count=count, n_tokens=n_tokens)
+            if direct_k:  # the slot's one pair: its token's column, to its row
+                take, row = (lambda t: t == s // direct_k), (lambda t: row0)
+            else:
+                take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
+            store = functools.partial(_store_columns, take=take, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            store(g, out_smem, lambda t: part_ref.at[kk, 0, row0 + t, cols])
-            store(u, out_smem, lambda t: part_ref.at[kk, 1, row0 + t, cols])
+            store(g, out_smem, lambda t: part_ref.at[kk, 0, row(t), cols])
+            store(u, out_smem, lambda t: part_ref.at[kk, 1, row(t), cols])
 
 
-def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, one_token):
+def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, direct_k):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
     through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
     50 K CTAs of 12 K weights each at T = 64 ran at 31% of HBM)."""
     s, r = lax.axis_index("s"), lax.axis_index("r")
-    e, start, count = bodies.slot(slots_ref, s, one_token)
+    e, start, count = bodies.slot(table_ref, s, direct_k)
     block = w2c.shape[-1]
     a_smem = a_smem[0] if a_smem else None
 
@@ -339,8 +344,7 @@ def _down_body(slots_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                     y,
                     out_smem,
                     lambda t: y_ref.at[row0 + t, rows],
-                    tile_first=tile * n_tokens,
-                    count=count,
+                    take=lambda t: tile * n_tokens + t < count,
                     n_tokens=n_tokens,
                 )
 
@@ -359,14 +363,15 @@ def _a_scratch():
     return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
 
-def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False, interpret=None, a_in_smem=False):
+def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, a_in_smem=False):
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row.
-    x: the pairs' rows [rows, L] (bodies.token_rows), or one_token: the one token's row (padded to a tile)."""
+    table / x: the kernels' slot table (bodies.slot_table) and token rows (bodies.token_rows); direct_k:
+    bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
     kernel = plgpu.kernel(
-        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, one_token=one_token, overlap=launch.mma_overlap),
+        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, direct_k=direct_k, overlap=launch.mma_overlap),
         out_type=jax.ShapeDtypeStruct((splits, 2, R, I), F32),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, I // ROWS, splits),
@@ -377,7 +382,7 @@ def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, one_token=False,
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF16, interpret=None, a_in_smem=False):
+def down(experts, table, h_RI, *, launch: Launch, direct_k=0, out_dtype=BF16, interpret=None, a_in_smem=False):
     """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], h_RI.shape[0]
@@ -389,7 +394,7 @@ def down(experts, table, h_RI, *, launch: Launch, one_token=False, out_dtype=BF1
             steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
             row_blocks=launch.down_row_blocks,
             overlap=launch.mma_overlap,
-            one_token=one_token,
+            direct_k=direct_k,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
@@ -406,13 +411,14 @@ def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *
     return bodies.token_rows(permute_k(z_TL), groups, k, E, launch, interpret=interpret)
 
 
-def glu(part, *, situ_beta, situ_linear_beta):
-    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side). The
-    columns are put in K_ORDER before the split sum (elementwise maths commutes with the permutation): XLA:GPU
-    reads a transposed input inside the sum's fusion, where a transpose of its output ran as a second kernel
-    (1.2-11 us at T = 1-512, bench/results/moe_layer.json)."""
-    g, u = jnp.sum(permute_k(part), axis=0)
-    return bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+def glu(part, *, situ_beta, situ_linear_beta, direct=False):
+    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side; direct:
+    bodies.direct_rows / pad_direct_rows). The columns are put in K_ORDER before the split sum (elementwise maths
+    commutes with the permutation): XLA:GPU reads a transposed input inside the sum's fusion, where a transpose
+    of its output ran as a second kernel (1.2-11 us at T = 1-512, bench/results/moe_layer.json)."""
+    g, u = jnp.sum(permute_k(bodies.direct_rows(part, direct)), axis=0)
+    h = bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    return bodies.pad_direct_rows(h, direct)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
@@ -428,10 +434,10 @@ def grouped(
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
     T, k = sel_Tk.shape
     x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
-    table, one = bodies.slot_table(sel_Tk, groups), T == 1
-    part = gate_up(experts, table, x, rows=grouping.num_rows(T, k, E), one_token=one, **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
-    y = down(experts, table, h, out_dtype=out_dtype, one_token=one, **kw)
+    table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
+    part = gate_up(experts, table, x, rows=bodies.num_rows(T, k, E, launch), direct_k=dk, **kw)
+    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, direct=dk > 0)
+    y = down(experts, table, h, out_dtype=out_dtype, direct_k=dk, **kw)
     return groups, part, h, y
 
 
