@@ -24,7 +24,7 @@ class Launch:
     down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
     split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
-    direct: bool = False  # T <= tokens_per_tile: no grouping, every pair its own slot (is_direct)
+    direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -41,12 +41,12 @@ def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
 
 
 def is_direct(T: int, launch: Launch) -> bool:
-    """The pairs as slots, ungrouped: slot p = pair p (token p // k's choice p % k), the gate/up tile's tokens
-    every token of the step (z itself, padded to one tile: no pair_rows copy), column p // k of it kept, the
-    rows of pair p at ALIGN p. No XLA grouping kernels and no pair_rows launch (at T = 2-8 ~8 us, at T = 1 3.2
-    us: bench/results/moe_layer.json); an expert two tokens chose is read twice (at T = 8 ~7% more bytes, the
-    second read mostly from L2). One token's choices are different experts: always direct."""
-    return T == 1 or (launch.direct and T <= launch.tokens_per_tile)
+    """The pairs as slots, ungrouped (launch `direct`, up to a tile of tokens): slot p = pair p (token p // k's
+    choice p % k), the gate/up tile's tokens every token of the step (z itself, padded to one tile: no
+    pair_rows copy), column p // k of it kept, the rows of pair p at ALIGN p. No XLA grouping kernels and no
+    pair_rows launch (3.2 us at T = 1, ~8 us at T = 2-8: bench/results/moe_layer.json); an expert two tokens
+    chose is read twice (at T = 8 ~7% more bytes, the second read mostly from L2)."""
+    return launch.direct and T <= launch.tokens_per_tile
 
 
 def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
