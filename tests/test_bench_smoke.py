@@ -572,8 +572,8 @@ def test_gemv_bench_moe_cases_are_one_ranks_and_every_candidate_fits():
 
 def test_gemv_bench_moe_out_cases_are_one_ranks_and_each_kernel_is_timed_once():
     """bench/gemv.py's MoE finish cases: one TP16 / TP8 rank's latent_up and shared_down K (Dl and S split by tp)
-    into N = D; at every batch 1-64 the table's launch and the MOE_OUT_LAUNCHES candidates the kernel takes, each
-    kernel they make once (at TP16 block_k 192 and 256 make the same one)."""
+    into N = D; at every batch 1-64 the table's launch (if any) and the MOE_OUT_LAUNCHES candidates the kernel
+    takes, each kernel they make once (at TP16 block_k 192 and 256 make the same one)."""
     from bench import gemv
     from k3jax.config import K3Config
     from pallas_kernels.gemv import kernel
@@ -588,7 +588,7 @@ def test_gemv_bench_moe_out_cases_are_one_ranks_and_each_kernel_is_timed_once():
         assert gemv.weight_bytes(case) * gemv.n_sets(case) >= gemv.COLD_BYTES  # the sets outgrow the L2
         for B in (1, 8, 9, 33, 64):
             launches, tuned = gemv.candidates(case, B, sweep=True)
-            assert tuned in launches and len(launches) >= 2
+            assert (tuned in launches or tuned.startswith("none: ")) and len(launches) >= 2  # the table may be empty
             made = [
                 (kernel.pair_blocks(case.ks, la["block_k"])[:2], la["steps"], la["x_stream"])
                 for la in launches.values()
@@ -616,8 +616,12 @@ def test_gemv_bench_runs_a_moe_out_case_on_cpu(tmp_path, monkeypatch):
         res = gemv.main(tmp_path, (5,), True, "gemv_tiny", [case], interpret=plgpu.InterpretGPUParams(), cold_bytes=0)
     (row,) = res["rows"]
     assert row["ks"] == (224, 96) and row["out_dtypes"] == ["bfloat16"]
-    assert row["tuned"] == "pallas k192 s1 st4 xsN" and "pallas k192 s1 st2 xsN_us" not in row
-    for key in ["xla", row["tuned"], gemv.launch_key(*launches[0])]:
+    if row["tuned"].startswith("none: "):  # moe_out_launch stays empty until the kernel is measured
+        keys = ["xla", *(gemv.launch_key(*la) for la in launches)]
+    else:
+        assert row["tuned"] == "pallas k192 s1 st4 xsN" and "pallas k192 s1 st2 xsN_us" not in row
+        keys = ["xla", row["tuned"], gemv.launch_key(*launches[0])]
+    for key in keys:
         assert row[f"{key}_us"] == 1.0, (key, row)
         assert 0 < row[f"{key}_rel_err"] < 1e-2, (key, row)
 

@@ -613,17 +613,14 @@ def test_sum_kernel_refuses_what_it_cannot_run(bad):
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize(
     "B, block_k, steps, x_stream",
-    [(1, None, None, None), (8, None, None, None), (9, None, None, None), (64, None, None, None)]
+    [(1, 192, 4, "N"), (8, 192, 4, "N"), (9, 192, 2, "M"), (64, 192, 2, "M")]  # the predicted table (tuning _doc)
     + [(1, 128, 6, "N"), (13, 256, 2, "N"), (33, 192, 2, "N"), (64, 192, 2, "N"), (40, 128, 2, "M")],
 )
 def test_sum_kernel_lowers_for_cuda_at_moe_out_shapes(tp, B, block_k, steps, x_stream):
     """One TP16 / TP8 rank's latent_up + shared_down (N = 7168, K 224 + 384 / 448 + 768) in one launch, with
-    tuning.json's moe_out_launch (block_k None) or others, exactly [B, 7168] bf16."""
+    the launches tuning.json's moe_out_launch _doc predicts and others, exactly [B, 7168] bf16."""
     Ks = _moe_out_ks(tp)
-    if block_k is None:
-        launch = api.pick_launch(B, max(Ks), table="moe_out_launch")
-    else:
-        launch = dict(block_k=block_k, split_k=1, steps=steps, x_stream=x_stream)
+    launch = dict(block_k=block_k, split_k=1, steps=steps, x_stream=x_stream)
     xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
     ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
     with abstract_gpu("sm90"):
@@ -654,23 +651,20 @@ def test_moe_out_api_takes_the_kernel_once_its_table_has_an_entry(B):
 @gpu_only
 @pytest.mark.parametrize("B", [1, 5, 8, 9, 13, 64])
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("launch", ["table", "k128 N", "k192 M", "k256 N"])
+@pytest.mark.parametrize("launch", ["k192 s4 N", "k192 s2 M", "k128 s6 N", "k256 s2 N"])
 def test_moe_out_on_gpu_matches_numpy(B, tp, launch):
-    """One TP16 / TP8 rank's latent_up + shared_down in one launch (the kernel itself: raises, never falls back)
-    against the float64 model, and against XLA's reference on the same GPU (the same roundings: up to the fp32
-    sums' order, an ulp)."""
+    """One TP16 / TP8 rank's latent_up + shared_down in one launch (the kernel itself: raises, never falls back;
+    the first two the table tuning.json's _doc predicts) against the float64 model, and against XLA's reference
+    on the same GPU (the same roundings: up to the fp32 sums' order, an ulp)."""
     Ks = _moe_out_ks(tp)
     xs, ws = _pairs(rng(), B, 7168, Ks)
-    if launch == "table":
-        got = api.run_sum_kernel(xs, ws, "moe_out_launch")
-    else:
-        bk, stream = launch.split()
-        params = dict(block_k=int(bk[1:]), split_k=1, steps={"k128": 6, "k192": 2, "k256": 2}[bk], x_stream=stream)
-        try:
-            kernel.check_sum_supported(xs, ws, **params)
-        except NotImplementedError as e:
-            pytest.skip(str(e))  # e.g. block_k 128 at TP8 (an empty last block), or too much SMEM
-        got = kernel.gemv_sum(xs, ws, **params)
+    bk, st, stream = launch.split()
+    params = dict(block_k=int(bk[1:]), split_k=1, steps=int(st[1:]), x_stream=stream)
+    try:
+        kernel.check_sum_supported(xs, ws, **params)
+    except NotImplementedError as e:
+        pytest.skip(str(e))  # e.g. block_k 128 at TP8 (an empty last block), or too much SMEM
+    got = kernel.gemv_sum(xs, ws, **params)
     _check_sum(got, xs, ws)
     xla = np.asarray(jax.jit(reference.gemv_sum)(xs, ws), np.float64)
     _, products = _sum_model(xs, ws, jnp.bfloat16)
