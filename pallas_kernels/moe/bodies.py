@@ -114,6 +114,14 @@ def pad_direct_rows(h_PI, direct: bool):
     return jnp.pad(h_PI[:, None, :], ((0, 0), (0, grouping.ALIGN - 1), (0, 0))).reshape(P * grouping.ALIGN, I)
 
 
+def ungroup(y_RL, groups: grouping.Groups, T: int, k: int, launch: Launch):
+    """The down kernel's rows [R, L] -> [T, k, L] in (token, choice) order: the direct form's every ALIGN-th row
+    (a strided slice XLA reads inside the combine's fusion), the grouping's row_P gather otherwise."""
+    if is_direct(T, launch):
+        return y_RL[:: grouping.ALIGN].reshape(T, k, *y_RL.shape[1:])
+    return grouping.ungroup(y_RL, groups, T, k)
+
+
 def expert_shapes(experts):
     """(E, I, L) of MXFP4 experts: w1 codes [E, I, L/2]."""
     E, I, L2 = experts["w1_codes"].shape

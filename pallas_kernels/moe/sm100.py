@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import bodies, grouping, mxfp4, reference
+from pallas_kernels.moe import bodies, mxfp4, reference
 from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
 ARCH = "sm100"
@@ -478,4 +478,4 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
     check_supported(experts, z_TL, sel_Tk, launch)
     beta = dict(situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     groups, _, _, y = grouped(experts, z_TL, sel_Tk, **beta, launch=launch, interpret=interpret)
-    return reference.combine(grouping.ungroup(y, groups, T, k), w_Tk)
+    return reference.combine(bodies.ungroup(y, groups, T, k, launch), w_Tk)

@@ -458,4 +458,4 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
         interpret=interpret,
         a_in_smem=a_in_smem,
     )
-    return reference.combine(grouping.ungroup(y, groups, T, k), w_Tk)
+    return reference.combine(bodies.ungroup(y, groups, T, k, launch), w_Tk)
