@@ -224,22 +224,27 @@ def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy(T):
             ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
         )
         launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2, direct=True)
-        groups, part, h, y = sm90.grouped(
-            ex,
-            z,
-            jnp.asarray(sel),
-            **BETA,
-            launch=launch,
-            interpret=interpret_params(),
-            a_in_smem=True,
-            out_dtype=jnp.float32,
-        )
+        groups, part, h, y = _grouped_fp32(ex, z, sel, launch)
     assert not races_found()
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
     check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
     assert part.shape == (2, 2, grouping.ALIGN * T * k, I)
     np.testing.assert_array_equal(groups.row_P, grouping.ALIGN * np.arange(T * k))
     _check_sums(np_ex, z, sel, groups, part, h, y, k)
+
+
+def _grouped_fp32(ex, z, sel, launch):
+    """sm90.grouped in interpret mode (A through SMEM), the down kernel's sums out in fp32."""
+    return sm90.grouped(
+        ex,
+        z,
+        jnp.asarray(sel),
+        **BETA,
+        launch=launch,
+        interpret=interpret_params(),
+        a_in_smem=True,
+        out_dtype=jnp.float32,
+    )
 
 
 def _check_sums(np_ex, z, sel, groups, part, h_RI, y, k):
@@ -258,16 +263,7 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
     launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2)
     with abstract_gpu("sm90"):
-        groups, part, h, y = sm90.grouped(
-            ex,
-            z,
-            jnp.asarray(sel),
-            **BETA,
-            launch=launch,
-            interpret=interpret_params(),
-            a_in_smem=True,
-            out_dtype=jnp.float32,
-        )
+        groups, part, h, y = _grouped_fp32(ex, z, sel, launch)
     assert not races_found()
     assert part.shape == (2, 2, grouping.num_rows(T, k, E), I)
     _check_sums(np_ex, z, sel, groups, part, h, y, k)

@@ -51,12 +51,10 @@ def is_direct(T: int, launch: Launch) -> bool:
 
 def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
     """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so; direct
-    (is_direct): each pair its own slot, at row ALIGN p (grouping.group_by_expert's one-token table)."""
+    (is_direct): each pair its own slot, at row ALIGN p (grouping.pair_slots)."""
     T, k = sel_Tk.shape
     if is_direct(T, launch):
-        e = sel_Tk.reshape(-1).astype(jnp.int32)
-        row = grouping.ALIGN * jnp.arange(T * k, dtype=jnp.int32)
-        return grouping.Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
+        return grouping.pair_slots(sel_Tk)
     groups = grouping.group_by_expert(sel_Tk, num_experts)
     if not launch.split_groups:
         return groups

@@ -57,13 +57,20 @@ def _count(mask, values=None):
     return jnp.sum(mask if values is None else jnp.where(mask, values, 0), axis=1, dtype=I32)
 
 
+def pair_slots(sel_Tk) -> Groups:
+    """Every pair its own slot (expert, row ALIGN p, size 1): one token's table (its choices are different
+    experts), and the kernels' direct form at a few tokens (moe/bodies.is_direct)."""
+    e = sel_Tk.reshape(-1).astype(I32)
+    row = ALIGN * jnp.arange(e.shape[0], dtype=I32)
+    return Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
+
+
 def group_by_expert(sel_Tk, num_experts: int) -> Groups:
     T, k = sel_Tk.shape
     S = num_slots(T, k, num_experts)
     e = sel_Tk.reshape(-1).astype(I32)
     if T == 1 and k <= num_experts:
-        row = ALIGN * jnp.arange(k, dtype=I32)
-        return Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
+        return pair_slots(sel_Tk)
     p = jnp.arange(T * k, dtype=I32)
     same = e[:, None] == e[None, :]  # [p, q]
     before, size = _count(same & (p[None, :] < p[:, None])), _count(same)
