@@ -5,10 +5,10 @@ only has to keep HBM busy and accumulate in fp32. Each CTA streams one 64-row bl
 slice of D through a multi-stage TMA pipeline, x's tile of the same K block beside the weight's in each stage
 (from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
 sharing x (q/k/v/g and f_a; the MoE's router, latent_down and shared gate/up) run in one launch: the grid covers
-all their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once (one
-small XLA fusion), or a consumer reads them itself (the KDA decode kernel); with one split the kernel rounds and
-writes the output itself. An output asked for in fp32 (the MoE router's logits) is the sum unrounded. The result
-equals reference.gemv up to the order of the fp32 sums.
+all their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once
+(chained adds that XLA fuses into the output's consumer), or a consumer reads them itself (the KDA decode
+kernel); with one split the kernel rounds and writes the output itself. An output asked for in fp32 (the MoE
+router's logits) is the sum unrounded. The result equals reference.gemv up to the order of the fp32 sums.
 
 Where the tokens go (x_stream; tuning.json says which batches take which):
 - "N": the weight rows on WGMMA's M and the tokens on N (docs/pallas_mgpu.md §3: the decode GEMV orientation), a
@@ -197,10 +197,17 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", out_dtyp
         if w_dtype != F32:  # [1, 64 ("M") or B ("N", or staged), N] in x's dtype
             outs.append(p[0, :B])
         elif x_stream == "M":  # token-major
-            outs.append(p.sum(0)[:B, :N].astype(dtype))
+            outs.append(sum_splits(p)[:B, :N].astype(dtype))
         else:
-            outs.append(p.sum(0)[:N, :B].T.astype(dtype))
+            outs.append(sum_splits(p)[:N, :B].T.astype(dtype))
     return tuple(outs)
+
+
+def sum_splits(p_S___):
+    """The S partials summed by chained adds, not a reduce over axis 0: elementwise adds are a loop fusion that
+    XLA fuses into the output's consumer (the router's sigmoid, the shared experts' GLU), where a reduce is a
+    kernel of its own (four ~1.1 us launches a MoE layer at batch 1, bench/results/rank_slice_boundary.md)."""
+    return functools.reduce(jnp.add, (p_S___[s] for s in range(p_S___.shape[0])))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
