@@ -291,13 +291,12 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
     b, q = int(rng.integers(1, 4)), int(rng.integers(2, 5))
     x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 1, b, q * 128, n_blocks, prefix)
     tile = lambda a: None if a is None else jnp.asarray(a).reshape(*a.shape[:-1], q, 128)  # noqa: E731
-    mix_q = rn.astype(np.float32) * rp.astype(np.float32)
     with abstract_gpu("sm90"):
         new, normed = mix_norm.mix_norm(
             tile(x[0]),
             tile(p),
             [] if blocks is None else [tile(b) for b in blocks],
-            tile(mix_q),
+            (tile(rn), tile(rp)),
             tile(w),
             1e-5,
             axis_name="tp",

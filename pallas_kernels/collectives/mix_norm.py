@@ -11,7 +11,9 @@ stores, the stored blocks, prefix and weights are staged in SMEM by TMA while th
            = round( sum_i alpha_i v_i ),  alpha = softmax_i( rsqrt(mean(v_i^2) + eps) * (v_i . q) )
     normed = round( round(h * rsqrt(mean(h^2) + eps)) * w )      (HF RMSNorm order)
 
-with q = res_norm.weight * res_proj.weight in FP32 (only their product enters). The kernel returns (P', normed):
+with q = res_norm.weight * res_proj.weight in FP32 (only their product enters), formed in the kernel from the two
+weights (a product XLA would run as a kernel of its own before every boundary, ~1.3 us a launch at batch 1:
+bench/results/rank_slice_boundary.md's loop_multiply_fusion_41). The kernel returns (P', normed):
 P' is the running prefix the decoder carries on, normed feeds the next sublayer. Without a prefix and blocks it
 is the all-reduce + RMSNorm of the latent MoE's routed_expert_norm.
 
@@ -41,11 +43,11 @@ def _mean_sq(v):
     return jnp.sum(v * v) * (1.0 / v.size)
 
 
-def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
+def _attnres(new, blocks_smem, load_q, N, eps, dtype):
     """round(sum_i alpha_i v_i) over the N stored blocks (SMEM) and new, in fp32; new itself without blocks."""
     if not N:
         return new.astype(F32)
-    q = q_smem[...]
+    q = load_q()
     sources = [lambda i=i: blocks_smem[i].astype(F32) for i in range(N)] + [lambda: new.astype(F32)]
     scores = []
     for src in sources:
@@ -64,7 +66,7 @@ def _attnres(new, blocks_smem, q_smem, N, eps, dtype):
     return h.astype(dtype).astype(F32)
 
 
-def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
+def _attnres_online(new, blocks_smem, load_q, N, eps, dtype):
     """_attnres in one pass (online softmax): a loop over the stored blocks carries the running max score m,
     the softmax denominator z and the unnormalised mix h, each block read from SMEM once. The same sum up to
     fp32 rounding; a rolled loop keeps the code small and only h, v and q live (the unrolled two-pass form's
@@ -74,7 +76,7 @@ def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
         return v_new
 
     def score(v):
-        return lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * q_smem[...])
+        return lax.rsqrt(_mean_sq(v) + eps) * jnp.sum(v * load_q())
 
     def step(i, carry):
         m, z, h = carry
@@ -88,16 +90,18 @@ def _attnres_online(new, blocks_smem, q_smem, N, eps, dtype):
     return (h / z).astype(dtype).astype(F32)
 
 
-def smem_bytes(Q, C, N, has_prefix, itemsize):
-    """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), q (fp32), w (x's dtype)."""
-    return (N + has_prefix + 1) * Q * C * itemsize + Q * C * 4
+def smem_bytes(Q, C, N, has_prefix, itemsize, q_itemsize=2):
+    """What one CTA stages in SMEM: the N stored blocks and the prefix (x's dtype), w (x's dtype), and with
+    blocks q's two factors (their dtype)."""
+    q_bytes = Q * C * 2 * q_itemsize if N else 0
+    return (N + has_prefix + 1) * Q * C * itemsize + q_bytes
 
 
 def mix_norm(
     x_BQC,
     prefix_BQC,
     blocks,
-    q_QC,
+    q_factors,
     w_QC,
     eps,
     *,
@@ -109,10 +113,12 @@ def mix_norm(
 ):
     """(P', normed) per token, both [B, Q, C] in x's dtype. prefix_BQC may be None; blocks: the N stored blocks,
     a sequence of [B, Q, C] arrays (each its own operand, so the caller's list needs no stacked copy), may be
-    empty; w_QC in x's dtype, q_QC in fp32.
+    empty; q_factors: (res_norm [Q, C], res_proj [Q, C]) in one dtype, whose fp32 product is q (unused, and may
+    be None, without blocks); w_QC in x's dtype.
 
-    The token's stored blocks, prefix, q and w are TMA-loaded into SMEM at the start, so their latency hides
-    behind the exchange's round trip and AttnRes reads them from SMEM.
+    The token's stored blocks, prefix, q's factors and w are TMA-loaded into SMEM at the start, so their latency
+    hides behind the exchange's round trip and AttnRes reads them from SMEM (q formed in registers where a score
+    needs it: bf16 x bf16 is exact in fp32, the same bits as XLA's product).
     online: AttnRes as one pass with an online softmax (_attnres_online) instead of two unrolled passes; by
     default from more than one block (two-pass is faster at one block, level at four, far slower at eight:
     bench/results/mix_norm_profile.json).
@@ -129,17 +135,20 @@ def mix_norm(
         x_gmem = refs.pop(0)
         prefix_gmem = refs.pop(0) if has_prefix else None
         blocks_gmem = [refs.pop(0) for _ in range(N)]
-        q_gmem, w_gmem, new_gmem, normed_gmem = refs[:4]
-        refs = refs[4:]
+        qf_gmem = [refs.pop(0) for _ in range(2 if N else 0)]
+        w_gmem, new_gmem, normed_gmem = refs[:3]
+        refs = refs[3:]
         recv_gmem = refs.pop(0) if exchange else None
         sem = refs.pop(0) if exchange else None
-        q_smem, w_smem, bar = refs[:3]
-        prefix_smem = refs[3] if has_prefix else None
-        blocks_smem = refs[-1] if N else None
+        w_smem, bar = refs[:2]
+        refs = refs[2:]
+        prefix_smem = refs.pop(0) if has_prefix else None
+        qf_smem = refs.pop(0) if N else None
+        blocks_smem = refs.pop(0) if N else None
         b = lax.axis_index("tokens")
 
         # Everything the epilogue reads, in flight while the partials are exchanged (one barrier counts all).
-        loads = [(q_gmem, q_smem), (w_gmem, w_smem)]
+        loads = [(w_gmem, w_smem)] + [(f, qf_smem.at[i]) for i, f in enumerate(qf_gmem)]
         loads += [(prefix_gmem.at[b], prefix_smem)] if has_prefix else []
         loads += [(blk.at[b], blocks_smem.at[i]) for i, blk in enumerate(blocks_gmem)]
         for src, dst in loads:
@@ -157,7 +166,8 @@ def mix_norm(
             new = (prefix_smem[...].astype(F32) + a.astype(F32)).astype(dtype) if has_prefix else a
             new_gmem[b] = new
         with jax.named_scope("attnres"):
-            h = (_attnres_online if online else _attnres)(new, blocks_smem, q_smem, N, eps, dtype)
+            load_q = lambda: qf_smem[0].astype(F32) * qf_smem[1].astype(F32)  # noqa: E731
+            h = (_attnres_online if online else _attnres)(new, blocks_smem, load_q, N, eps, dtype)
         with jax.named_scope("norm"):
             normed = (h * lax.rsqrt(_mean_sq(h) + eps)).astype(dtype).astype(F32) * w_smem[...].astype(F32)
             normed_gmem[b] = normed.astype(dtype)
@@ -166,10 +176,12 @@ def mix_norm(
     scratch = [plgpu.SemaphoreType.REGULAR] if exchange else []
     if exchange:
         out_type.append(jax.ShapeDtypeStruct((n, B, Q, C), dtype))
-    scratch += [plgpu.SMEM((Q, C), F32), plgpu.SMEM((Q, C), dtype), plgpu.Barrier(num_arrivals=2 + has_prefix + N)]
+    q_factors = tuple(q_factors) if N else ()
+    scratch += [plgpu.SMEM((Q, C), dtype), plgpu.Barrier(num_arrivals=1 + 2 * bool(N) + has_prefix + N)]
     scratch += [plgpu.SMEM((Q, C), dtype)] if has_prefix else []
-    scratch += [plgpu.SMEM((N, Q, C), dtype)] if N else []
-    operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + list(blocks)
+    if N:  # q's two factors, the stored blocks
+        scratch += [plgpu.SMEM((2, Q, C), q_factors[0].dtype), plgpu.SMEM((N, Q, C), dtype)]
+    operands = [x_BQC] + ([prefix_BQC] if has_prefix else []) + list(blocks) + list(q_factors)
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_type),
@@ -179,5 +191,5 @@ def mix_norm(
         kernel_name=BOUNDARY_KERNEL if N else NORM_KERNEL,
         compiler_params=plgpu.CompilerParams(profile_space=256 if profile_dir else 0, profile_dir=profile_dir),
         interpret=interpret,
-    )(*operands, q_QC.astype(F32), w_QC.astype(dtype))
+    )(*operands, w_QC.astype(dtype))
     return outs[0], outs[1]
