@@ -6,7 +6,7 @@ slice of D through a multi-stage TMA pipeline, x's tile of the same K block besi
 (from L2: every CTA of a K range reads it); S (split_k) spreads the row blocks over the 132 SMs. Several weights
 sharing x (q/k/v/g and f_a; the MoE's router, latent_down and shared gate/up) run in one launch: the grid covers
 all their row blocks. The CTA writes its fp32 partial and the wrapper sums the S partials and rounds once
-(chained adds that XLA fuses into the output's consumer), or a consumer reads them itself (the KDA decode
+(at batch 1 chained adds that XLA fuses into the output's consumer), or a consumer reads them itself (the KDA decode
 kernel); with one split the kernel rounds and writes the output itself. An output asked for in fp32 (the MoE
 router's logits) is the sum unrounded. The result equals reference.gemv up to the order of the fp32 sums.
 
@@ -197,16 +197,21 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", out_dtyp
         if w_dtype != F32:  # [1, 64 ("M") or B ("N", or staged), N] in x's dtype
             outs.append(p[0, :B])
         elif x_stream == "M":  # token-major
-            outs.append(sum_splits(p)[:B, :N].astype(dtype))
+            outs.append(p.sum(0)[:B, :N].astype(dtype))
+        elif B == 1:  # column 0: no transpose, so the sum can join its consumer's fusion
+            outs.append(sum_splits(p)[None, :N, 0].astype(dtype))
         else:
-            outs.append(sum_splits(p)[:N, :B].T.astype(dtype))
+            outs.append(p.sum(0)[:N, :B].T.astype(dtype))
     return tuple(outs)
 
 
 def sum_splits(p_S___):
     """The S partials summed by chained adds, not a reduce over axis 0: elementwise adds are a loop fusion that
     XLA fuses into the output's consumer (the router's sigmoid, the shared experts' GLU), where a reduce is a
-    kernel of its own (four ~1.1 us launches a MoE layer at batch 1, bench/results/rank_slice_boundary.md)."""
+    kernel of its own. Batch 1 only: there it removed ~2 kernels a MoE layer (the 12-layer rank slice on an
+    H100, 2026-12-05: FFN 256 -> 168 us); at batch 64 the [N, B] -> [B, N] transpose fused into the shared
+    experts' GLU made it one slow 16 us kernel (FFN 275 -> 465 us), so wider batches keep the reduce, whose
+    fusion transposes through SMEM."""
     return functools.reduce(jnp.add, (p_S___[s] for s in range(p_S___.shape[0])))
 
 
