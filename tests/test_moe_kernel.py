@@ -214,7 +214,8 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
 def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy(T):
     """The direct form (launch `direct`: every pair its own slot, the tile every token, column p // k kept, no
     grouping and no pair_rows): an expert every token chose (read T times), experts nobody chose, T short of the
-    tile, in bf16 against the reference and float64 NumPy, and each pair's fp32 sums (part / h / y at row 8p)."""
+    tile, in bf16 against the reference and float64 NumPy, and each pair's fp32 sums (part / h / y at row p, h's
+    padding rows zeros: a tile past the last pair, in whole 8-row tiles)."""
     r = rng()
     E, I, L, k = 12, 192, 1024, 4
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
@@ -228,8 +229,9 @@ def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy(T):
     assert not races_found()
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
     check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
-    assert part.shape == (2, 2, grouping.ALIGN * T * k, I)
-    np.testing.assert_array_equal(groups.row_P, grouping.ALIGN * np.arange(T * k))
+    assert part.shape == (2, 2, T * k, I) and y.shape == (T * k, L) and h.shape == (-(-(T * k + 7) // 8) * 8, I)
+    np.testing.assert_array_equal(groups.row_P, np.arange(T * k))
+    assert not np.any(np.asarray(h[T * k :], np.float32))  # the padding the last pairs' h tiles read
     _check_sums(np_ex, z, sel, groups, part, h, y, k)
 
 

@@ -94,7 +94,7 @@ def test_kernel_interpret_bf16_matches_the_reference_and_numpy(T, E, I, L):
 def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy():
     """The direct form (launch `direct`: every pair its own slot, the tile every token, column p // k kept):
     T = 5 with an expert every token chose, in bf16 against the reference and float64 NumPy, and each pair's fp32
-    sums at row 8p."""
+    sums at row p (h's padding rows zeros)."""
     r = rng()
     T, E, I, L, k = 5, 12, 128, 1024, 4
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
@@ -110,7 +110,8 @@ def test_kernel_interpret_direct_pairs_match_the_reference_and_numpy():
     assert not races_found()
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
     check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
-    assert part.shape == (2, grouping.ALIGN * T * k, 2 * I)
+    assert part.shape == (2, T * k, 2 * I) and y.shape == (T * k, L) and h.shape == (-(-(T * k + 15) // 8) * 8, I)
+    assert not np.any(np.asarray(h[T * k :], np.float32))  # the padding the last pairs' h tiles read
     check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
 
 

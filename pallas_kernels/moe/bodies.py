@@ -43,7 +43,9 @@ def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
 def is_direct(T: int, launch: Launch) -> bool:
     """The pairs as slots, ungrouped (launch `direct`, up to a tile of tokens): slot p = pair p (token p // k's
     choice p % k), the gate/up tile's tokens every token of the step (z itself, padded to one tile: no
-    pair_rows copy), column p // k of it kept, the rows of pair p at ALIGN p. No XLA grouping kernels and no
+    pair_rows copy), column p // k of it kept, pair p's rows at row p (compact: the down kernel's h tile at row
+    p reads the next pairs' rows too, whose columns it never stores; h carries tokens_per_tile - 1 zero rows
+    past the last pair, padded inside the GLU's fusion, so no pad kernel runs). No XLA grouping kernels and no
     pair_rows launch (3.2 us at T = 1, ~8 us at T = 2-8: bench/results/moe_layer.json); an expert two tokens
     chose is read twice (at T = 8 ~7% more bytes, the second read mostly from L2)."""
     return launch.direct and T <= launch.tokens_per_tile
@@ -51,10 +53,10 @@ def is_direct(T: int, launch: Launch) -> bool:
 
 def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
     """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so; direct
-    (is_direct): each pair its own slot, at row ALIGN p (grouping.pair_slots)."""
+    (is_direct): each pair its own slot, at row p (grouping.pair_slots, align 1)."""
     T, k = sel_Tk.shape
     if is_direct(T, launch):
-        return grouping.pair_slots(sel_Tk)
+        return grouping.pair_slots(sel_Tk, align=1)
     groups = grouping.group_by_expert(sel_Tk, num_experts)
     if not launch.split_groups:
         return groups
@@ -69,15 +71,15 @@ def direct_k(sel_Tk, launch: Launch) -> int:
 
 
 def num_rows(T: int, k: int, num_experts: int, launch: Launch) -> int:
-    """Rows of the kernels' pair order: ALIGN a pair in the direct form, the grouping's otherwise."""
-    return grouping.ALIGN * T * k if is_direct(T, launch) else grouping.num_rows(T, k, num_experts)
+    """Rows of the kernels' pair order: a row a pair in the direct form, the grouping's otherwise."""
+    return T * k if is_direct(T, launch) else grouping.num_rows(T, k, num_experts)
 
 
 def slot(table_ref, s, direct_k: int):
     """Slot s's (expert, first row in pair order, size) from the kernels' table: the grouping's [3, S] slot
-    table, or (direct_k) the choices sel [1, T k] themselves: pair s at row ALIGN s, a group of one."""
+    table, or (direct_k) the choices sel [1, T k] themselves: pair s at row s, a group of one."""
     if direct_k:
-        return table_ref[0, s], grouping.ALIGN * s, 1
+        return table_ref[0, s], s, 1
     return table_ref[0, s], table_ref[1, s], table_ref[2, s]
 
 
@@ -97,26 +99,29 @@ def token_rows(z_TL, groups: grouping.Groups, k: int, num_experts: int, launch: 
     return grouping.pair_rows(z_TL, groups, k, num_experts, interpret=interpret)
 
 
-def direct_rows(a, direct: bool):
-    """The gate/up partials [..., R, I] -> the rows the GLU reads: every ALIGN-th in the direct form (its pairs'
-    rows; the others were never written), all otherwise."""
-    return a[..., :: grouping.ALIGN, :] if direct else a
+def pad_rows(rows: int, direct_k: int, launch: Launch) -> int:
+    """The zero rows h carries past the direct form's last pair: its h tile at row P - 1 reads a tile's rows,
+    and the TMA takes whole 8-row tiles (Mosaic refuses an array of 23 rows)."""
+    if not direct_k:
+        return 0
+    return -(-(rows + launch.tokens_per_tile - 1) // grouping.ALIGN) * grouping.ALIGN - rows
 
 
-def pad_direct_rows(h_PI, direct: bool):
-    """h of the direct form's pairs [P, I] -> [ALIGN P, I], pair p at row ALIGN p (the down kernel's token tile
-    starts on an ALIGN boundary; the rows between are zeros, their columns never stored)."""
-    if not direct:
-        return h_PI
-    P, I = h_PI.shape
-    return jnp.pad(h_PI[:, None, :], ((0, 0), (0, grouping.ALIGN - 1), (0, 0))).reshape(P * grouping.ALIGN, I)
+def pad_direct_partials(part, pad_rows: int):
+    """The gate/up partials [..., P, I] with pad_rows zero rows after the last pair (the direct form's h tile at
+    row P - 1 reads that far; SiTU-GLU(0, 0) = 0). Padded before the split sum, so that XLA reads the pad inside
+    the GLU's fusion: a pad of its output was a kernel of its own (1.2 us at T = 1,
+    bench/results/rank_slice_h100_after.json)."""
+    if not pad_rows:
+        return part
+    return jnp.pad(part, [(0, 0)] * (part.ndim - 2) + [(0, pad_rows), (0, 0)])
 
 
 def ungroup(y_RL, groups: grouping.Groups, T: int, k: int, launch: Launch):
-    """The down kernel's rows [R, L] -> [T, k, L] in (token, choice) order: the direct form's every ALIGN-th row
-    (a strided slice XLA reads inside the combine's fusion), the grouping's row_P gather otherwise."""
+    """The down kernel's rows [R, L] -> [T, k, L] in (token, choice) order: the direct form's rows as they are,
+    the grouping's row_P gather otherwise."""
     if is_direct(T, launch):
-        return y_RL[:: grouping.ALIGN].reshape(T, k, *y_RL.shape[1:])
+        return y_RL.reshape(T, k, *y_RL.shape[1:])
     return grouping.ungroup(y_RL, groups, T, k)
 
 

@@ -57,11 +57,11 @@ def _count(mask, values=None):
     return jnp.sum(mask if values is None else jnp.where(mask, values, 0), axis=1, dtype=I32)
 
 
-def pair_slots(sel_Tk) -> Groups:
-    """Every pair its own slot (expert, row ALIGN p, size 1): one token's table (its choices are different
-    experts), and the kernels' direct form at a few tokens (moe/bodies.is_direct)."""
+def pair_slots(sel_Tk, align: int = ALIGN) -> Groups:
+    """Every pair its own slot (expert, row align p, size 1): one token's table (its choices are different
+    experts), and with align 1 the kernels' direct form at a few tokens (moe/bodies.is_direct)."""
     e = sel_Tk.reshape(-1).astype(I32)
-    row = ALIGN * jnp.arange(e.shape[0], dtype=I32)
+    row = align * jnp.arange(e.shape[0], dtype=I32)
     return Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
 
 

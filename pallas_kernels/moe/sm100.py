@@ -415,10 +415,11 @@ def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, inte
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, table, h_RI, *, launch: Launch, direct_k=0, out_dtype=BF16, interpret=None):
-    """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
+def down(experts, table, h_RI, *, launch: Launch, rows: int, direct_k=0, out_dtype=BF16, interpret=None):
+    """The down kernel -> y [rows, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests); h
+    may carry rows past them (the direct form's padding)."""
     E, I, L = expert_shapes(experts)
-    S, R = table.shape[1], h_RI.shape[0]
+    S, R = table.shape[1], rows
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
         functools.partial(
@@ -446,11 +447,11 @@ def gate_up_sums(part):
     return gu[:, :, 0].reshape(R, -1), gu[:, :, 1].reshape(R, -1)
 
 
-def glu(part, *, situ_beta, situ_linear_beta, direct=False):
-    """The gate/up partials -> h [R, I] bf16 (the down kernel's N side, natural order; direct:
-    bodies.direct_rows / pad_direct_rows)."""
-    g, u = gate_up_sums(bodies.direct_rows(part, direct))
-    return bodies.pad_direct_rows(bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta), direct)
+def glu(part, *, situ_beta, situ_linear_beta, pad_rows=0):
+    """The gate/up partials -> h [R + pad_rows, I] bf16 (the down kernel's N side, natural order; pad_rows: the
+    direct form's zero rows, bodies.pad_direct_partials)."""
+    g, u = gate_up_sums(bodies.pad_direct_partials(part, pad_rows))
+    return bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")
@@ -465,9 +466,10 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     x = bodies.token_rows(z_TL, groups, k, E, launch, interpret=interpret)
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
     kw = dict(launch=launch, direct_k=dk, interpret=interpret)
-    part = gate_up(experts, table, x, rows=bodies.num_rows(T, k, E, launch), **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, direct=dk > 0)
-    y = down(experts, table, h, out_dtype=out_dtype, **kw)
+    rows = bodies.num_rows(T, k, E, launch)
+    part = gate_up(experts, table, x, rows=rows, **kw)
+    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=bodies.pad_rows(rows, dk, launch))
+    y = down(experts, table, h, rows=rows, out_dtype=out_dtype, **kw)
     return groups, part, h, y
 
 

@@ -382,10 +382,13 @@ def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, inte
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
-def down(experts, table, h_RI, *, launch: Launch, direct_k=0, out_dtype=BF16, interpret=None, a_in_smem=False):
-    """The down kernel -> y [R, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests)."""
+def down(
+    experts, table, h_RI, *, launch: Launch, rows: int, direct_k=0, out_dtype=BF16, interpret=None, a_in_smem=False
+):
+    """The down kernel -> y [rows, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests); h
+    may carry rows past them (the direct form's padding)."""
     E, I, L = expert_shapes(experts)
-    S, R = table.shape[1], h_RI.shape[0]
+    S, R = table.shape[1], rows
     N = launch.tokens_per_tile
     kernel = plgpu.kernel(
         functools.partial(
@@ -411,14 +414,14 @@ def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *
     return bodies.token_rows(permute_k(z_TL), groups, k, E, launch, interpret=interpret)
 
 
-def glu(part, *, situ_beta, situ_linear_beta, direct=False):
-    """The gate/up partials [splits, 2, R, I] -> h [R, I] bf16 in K_ORDER (the down kernel's N side; direct:
-    bodies.direct_rows / pad_direct_rows). The columns are put in K_ORDER before the split sum (elementwise maths
-    commutes with the permutation): XLA:GPU reads a transposed input inside the sum's fusion, where a transpose
-    of its output ran as a second kernel (1.2-11 us at T = 1-512, bench/results/moe_layer.json)."""
-    g, u = jnp.sum(permute_k(bodies.direct_rows(part, direct)), axis=0)
-    h = bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
-    return bodies.pad_direct_rows(h, direct)
+def glu(part, *, situ_beta, situ_linear_beta, pad_rows=0):
+    """The gate/up partials [splits, 2, R, I] -> h [R + pad_rows, I] bf16 in K_ORDER (the down kernel's N side;
+    pad_rows: the direct form's zero rows, bodies.pad_direct_partials). The columns are put in K_ORDER before
+    the split sum (elementwise maths commutes with the permutation): XLA:GPU reads a transposed input inside the
+    sum's fusion, where a transpose of its output ran as a second kernel (1.2-11 us at T = 1-512,
+    bench/results/moe_layer.json)."""
+    g, u = jnp.sum(permute_k(bodies.pad_direct_partials(part, pad_rows)), axis=0)
+    return bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
 
 _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
@@ -435,9 +438,10 @@ def grouped(
     T, k = sel_Tk.shape
     x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
-    part = gate_up(experts, table, x, rows=bodies.num_rows(T, k, E, launch), direct_k=dk, **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, direct=dk > 0)
-    y = down(experts, table, h, out_dtype=out_dtype, direct_k=dk, **kw)
+    rows = bodies.num_rows(T, k, E, launch)
+    part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw)
+    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=bodies.pad_rows(rows, dk, launch))
+    y = down(experts, table, h, rows=rows, out_dtype=out_dtype, direct_k=dk, **kw)
     return groups, part, h, y
 
 
