@@ -271,6 +271,37 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     _check_sums(np_ex, z, sel, groups, part, h, y, k)
 
 
+def _check_fused_glu(grouped, np_ex, z, sel, launch, k):
+    """launch with fused_glu (SiTU-GLU in the gate/up kernel, h written by it in K_ORDER) against the same
+    launch without it: the unfused run's fp32 sums W1 z / W3 z, the fused run's h from them and its down sums,
+    each against float64 (_check_sums)."""
+    groups, part, _, _ = grouped(launch)
+    fused_groups, no_part, h, y = grouped(dataclasses.replace(launch, fused_glu=True))
+    assert no_part is None and h.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(fused_groups.row_P), np.asarray(groups.row_P))
+    _check_sums(np_ex, z, sel, groups, part, h, y, k)
+
+
+@cpu_only
+@pytest.mark.parametrize("T, direct", [(12, False), (5, True)])
+def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
+    """fused_glu in interpret mode (A through SMEM, race-checked): grouped (a group of 12 in tiles of 8) and
+    direct; the bf16 path through the api's entry against the reference and float64 NumPy too."""
+    r = rng()
+    E, I, L, k = 10, 192, 1024, 4
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
+    launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, direct=direct)
+    tuning = {"sm90": {"launch": [{**TUNING["sm90"]["launch"][0], "direct": direct, "fused_glu": True}]}}
+    with abstract_gpu("sm90"):
+        _check_fused_glu(lambda lc: _grouped_fp32(ex, z, sel, lc), np_ex, z, sel, launch, k)
+        got = sm90.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
+        )
+    assert not races_found()
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
+
+
 # ------------------------------------------------------------------------------------ lowering at real shapes
 @cpu_only
 @pytest.mark.parametrize(
@@ -278,14 +309,18 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 )
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
-    tuning.json's launch for T, mma_overlap and direct flipped where T is even: both Mosaic GPU kernels lower,
-    the inline decode with them (A from registers)."""
+    tuning.json's launch for T, mma_overlap and direct flipped where T is even and fused_glu flipped where one
+    CTA sums a row's K: both Mosaic GPU kernels lower, the inline decode and the K-ordered h store with them (A
+    from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
     for entry in tuning["sm90"]["launch"] if T % 2 == 0 else ():
         entry["mma_overlap"] = not entry.get("mma_overlap", False)
         entry["direct"] = not entry.get("direct", False)  # T = 8: the direct form
+    for entry in tuning["sm90"]["launch"]:
+        if entry.get("up_splits", 1) == 1:
+            entry["fused_glu"] = not entry.get("fused_glu", False)
 
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
@@ -297,7 +332,9 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
 
 
 # ---------------------------------------------------------------------------------------- refusals, the api
-@pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits"])
+@pytest.mark.parametrize(
+    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu"]
+)
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
     ex = abstract_experts(E, I, L)
@@ -314,6 +351,9 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         launch = sm90.Launch(12, 2, 2)
     elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
         launch = sm90.Launch(8, 2, 2, up_splits=2)
+    elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
+        ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
+        launch = sm90.Launch(8, 2, 2, up_splits=2, fused_glu=True)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
             abstract_experts(E, I, 3584),
@@ -424,6 +464,28 @@ def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
     groups, part, h, y = sm90.grouped(ex, z, sel, **BETA, launch=launch, out_dtype=jnp.float32)
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
     _check_sums(np_ex, z, np.asarray(sel), groups, part, h, y, k)
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
+@pytest.mark.parametrize("I, T, direct", [(192, 5, True), (384, 12, False), (192, 64, False)])
+def test_fused_glu_on_gpu_matches_numpy(I, T, direct):
+    """fused_glu on the GPU at real shapes (A from registers, the inline K-ordered store of h, Mosaic's tanh
+    and exp): the fused h and down sums against the unfused run's fp32 sums and float64 (_check_fused_glu)."""
+    key = jax.random.key(int(rng().integers(1 << 30)))
+    E, L, k = 896, 3584, 16
+    ex = _device_experts(key, E, I, L)
+    z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
+    launch = dataclasses.replace(
+        sm90.pick_launch(policy_lib.default_tuning().get("moe"), T), up_splits=1, direct=direct, fused_glu=False
+    )
+    np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
+
+    def grouped(lc):
+        return sm90.grouped(ex, z, sel, **BETA, launch=lc, out_dtype=jnp.float32)
+
+    _check_fused_glu(grouped, np_ex, z, np.asarray(sel), launch, k)
 
 
 @cpu_only

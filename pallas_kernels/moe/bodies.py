@@ -25,6 +25,7 @@ class Launch:
     split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
+    fused_glu: bool = False  # sm90, up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -188,3 +189,9 @@ def glu(g, u, *, situ_beta, situ_linear_beta):
     excess-precision rewrite keeps), SiTU-GLU in fp32, rounded once (common.situ_glu)."""
     g, u = (common.round_to(a, jnp.bfloat16) for a in (g, u))
     return common.situ_glu(g, u, situ_beta, situ_linear_beta)
+
+
+def glu_in_kernel(g, u, beta1, beta2):
+    """glu inside a kernel (launch fused_glu): the same roundings, by converts (Mosaic GPU keeps a convert pair;
+    reduce_precision has no lowering there), SiTU-GLU in fp32 -> h bf16."""
+    return common.situ_glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), beta1, beta2)

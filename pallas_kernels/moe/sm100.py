@@ -280,6 +280,8 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE
+    if launch.fused_glu:
+        raise NotImplementedError("fused_glu: the sm100 body runs the GLU between its kernels")
     if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: tcgen05's N at M = 128, a multiple of {lo} in [{lo}, 64]")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L), strict=True):

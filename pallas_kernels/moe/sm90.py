@@ -9,7 +9,7 @@ once and skip the experts nobody chose, with XLA around them for the grouping, t
    [splits, 2 (W1, W3), R, I]. Splitting K gives the small steps (T <= 8: 16-118 experts) enough CTAs.
 3. XLA: the splits summed, h = SiTU-GLU(bf16(W1 z), bf16(W3 z)) rounded to bf16 (the spec's roundings), its
    columns put in the K order -> [R, I]. One small fusion (R x I x 4 bytes per split, against each expert's
-   1.1 MB at TP16).
+   1.1 MB at TP16). With one split (launch fused_glu) the gate/up kernel does this itself and writes h.
 4. down kernel, grid (slot, group of 64-row blocks of L): the group's W2 row blocks streamed, each over K = I
    whole, their scales read by ld.global (a W2 scale row is I/32 = 6-12 bytes: no TMA view has 16-byte
    strides); out y [R, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
@@ -237,6 +237,8 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
+    if launch.fused_glu and launch.up_splits != 1:
+        raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
@@ -245,10 +247,46 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
 # ------------------------------------------------------------------------------------------------ the kernels
 
 
-def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens):
+def _rows_in_k_order_gpu(acc_F32, out_smem):
+    """out_smem [64, N] fp32 (plain rows) <- acc, a WGMMA-layout [64, N] fp32 fragment, its rows put in K_ORDER:
+    out_smem[p] = acc[K_ORDER[p]]. A thread holds rows 16 w + 8 h + lane // 4 (warp w, register half h), row
+    r = 16c + 8q + 4i + k goes to p = 32q + 8k + 2c + i (_k_order), and each register's two columns
+    8j + 2 (lane % 4) + {0, 1} are one 8-byte st.shared. Inline Mosaic GPU: a fragment's rows cannot be permuted
+    in Pallas."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jax.experimental.mosaic.gpu import utils
+
+    n = out_smem.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, acc, ref):
+        del ctx
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        c = lambda v: utils.c(v, i32)  # noqa: E731
+        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        lane, warp = arith.andi(tid, c(31)), arith.andi(arith.shrui(tid, c(5)), c(3))
+        i, k = arith.andi(arith.shrui(lane, c(4)), c(1)), arith.andi(arith.shrui(lane, c(2)), c(3))
+        low = arith.ori(arith.ori(arith.shli(k, c(3)), arith.shli(warp, c(1))), i)  # p's bits of k, c, i
+        col = arith.muli(arith.andi(lane, c(3)), c(2))
+        base = llvm.ptrtoint(i32, utils.memref_ptr(ref))
+        for idx, reg in np.ndenumerate(acc.registers):
+            p = arith.ori(low, c(idx[4] << 5))  # q = the register half
+            elem = arith.addi(arith.muli(p, c(n)), arith.addi(col, c(8 * idx[1])))
+            addr = arith.addi(base, arith.muli(elem, c(4)))
+            utils.inline_ptx("st.shared.b64 [$0], $1;", addr, utils.bitcast(reg, i64))
+
+    store(acc_F32, out_smem)
+
+
+def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens, k_order=None):
     """The [64, N] fp32 tile's column t (token t of the tile) -> out_row(t) [64] where take(t): through SMEM,
-    each column read back in the row layout (a value per row) and stored as one output row."""
-    out_smem[...] = acc_F32
+    each column read back in the row layout (a value per row) and stored as one output row. k_order: the rows
+    put in K_ORDER on the way ("gpu": inline, "interpret": as an array)."""
+    if k_order == "gpu":
+        _rows_in_k_order_gpu(acc_F32, out_smem)
+    else:
+        out_smem[...] = permute_k(acc_F32.T).T if k_order else acc_F32  # no array constants in a kernel
     plgpu.commit_smem()  # a warpgroup barrier: each column is read by other threads than wrote it
 
     for t in range(n_tokens):
@@ -259,13 +297,17 @@ def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens):
             dst[...] = load_row(out_smem.at[:, t]).astype(dst.dtype)
 
 
-def _up_body(table_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, n_tokens, steps, direct_k, overlap):
+def _up_body(
+    table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, out_smem, *a_smem, n_tokens, steps, direct_k, overlap, glu, k_order
+):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
-    split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k)."""
+    split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k); or,
+    glu = (beta1, beta2) (one split), h [R + pad, I] bf16: SiTU-GLU of their bf16 roundings, its 64 columns of
+    block b in K_ORDER (k_order: how the tile's rows are permuted, _store_columns)."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = bodies.slot(table_ref, s, direct_k)
-    n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
+    n_k = w1c.shape[-1] // UP_BLOCK // (1 if glu else out_ref.shape[0])  # K steps per split
     k0 = kk * n_k
     a_smem = a_smem[0] if a_smem else None
 
@@ -307,8 +349,12 @@ def _up_body(table_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, out_smem, *a_smem, 
                 take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
             store = functools.partial(_store_columns, take=take, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            store(g, out_smem, lambda t: part_ref.at[kk, 0, row(t), cols])
-            store(u, out_smem, lambda t: part_ref.at[kk, 1, row(t), cols])
+            if glu:
+                h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
+                store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
+            else:
+                store(g, out_smem, lambda t: out_ref.at[kk, 0, row(t), cols])
+                store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols])
 
 
 def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, direct_k):
@@ -363,16 +409,29 @@ def _a_scratch():
     return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
 
-def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, a_in_smem=False):
-    """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row.
-    table / x: the kernels' slot table (bodies.slot_table) and token rows (bodies.token_rows); direct_k:
-    bodies.direct_k."""
+def gate_up(
+    experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, a_in_smem=False, glu=None, pad=0
+):
+    """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row;
+    with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 in K_ORDER itself (the pad rows are
+    not written: the down kernel reads them into token columns it never stores). table / x: the kernels' slot
+    table (bodies.slot_table) and token rows (bodies.token_rows); direct_k: bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
+    out = jax.ShapeDtypeStruct((R + pad, I), BF16) if glu else jax.ShapeDtypeStruct((splits, 2, R, I), F32)
+    body = functools.partial(
+        _up_body,
+        n_tokens=N,
+        steps=launch.up_steps,
+        direct_k=direct_k,
+        overlap=launch.mma_overlap,
+        glu=glu,
+        k_order="gpu" if interpret is None else "interpret",
+    )
     kernel = plgpu.kernel(
-        functools.partial(_up_body, n_tokens=N, steps=launch.up_steps, direct_k=direct_k, overlap=launch.mma_overlap),
-        out_type=jax.ShapeDtypeStruct((splits, 2, R, I), F32),
+        body,
+        out_type=out,
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, I // ROWS, splits),
         grid_names=("s", "b", "kk"),
@@ -431,7 +490,8 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", 
 def grouped(
     experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, a_in_smem=False, out_dtype=BF16
 ):
-    """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
+    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h, y [R, L] in pair order):
+    what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
@@ -439,8 +499,15 @@ def grouped(
     x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
     rows = bodies.num_rows(T, k, E, launch)
-    part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=bodies.pad_rows(rows, dk, launch))
+    pad = bodies.pad_rows(rows, dk, launch)
+    if launch.fused_glu:
+        part, h = (
+            None,
+            gate_up(experts, table, x, rows=rows, direct_k=dk, glu=(situ_beta, situ_linear_beta), pad=pad, **kw),
+        )
+    else:
+        part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw)
+        h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)
     y = down(experts, table, h, rows=rows, out_dtype=out_dtype, direct_k=dk, **kw)
     return groups, part, h, y
 
