@@ -5,6 +5,7 @@ token tile, the gate/up K split, the down kernel's K steps and multi-block CTAs)
 TP1 rank's real shapes, the refusals, tuning.json's launches and the api's choice of body. (No Blackwell GPU here:
 nothing runs on one yet.)"""
 
+import dataclasses
 import json
 
 import jax
@@ -134,6 +135,36 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
 
 
+@cpu_only
+@pytest.mark.parametrize("T, direct", [(17, False), (5, True)])
+def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
+    """fused_glu (SiTU-GLU in the gate/up kernel's epilogue, h written by it) against the same launch without it:
+    the unfused run's fp32 sums W1 z / W3 z, the fused run's h from them and its down sums against float64, and
+    the bf16 path through the api's entry against the reference and NumPy; grouped (a group of 17 in tiles of 16)
+    and direct."""
+    r = rng()
+    E, I, L, k = 7, 128, 1024, 4
+    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
+    launch = sm100.Launch(tokens_per_tile=16, up_steps=2, down_steps=2, direct=direct)
+    tuning = {"sm100": {"launch": [{**TUNING["sm100"]["launch"][0], "direct": direct, "fused_glu": True}]}}
+    with abstract_gpu("sm100"):
+        runs = [
+            sm100.grouped(
+                ex, z, jnp.asarray(sel), **BETA, launch=lc, interpret=interpret_params(), out_dtype=jnp.float32
+            )
+            for lc in (launch, dataclasses.replace(launch, fused_glu=True))
+        ]
+        got = sm100.routed_experts(
+            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
+        )
+    assert not races_found()
+    (groups, part, _, _), (_, no_part, h, y) = runs
+    assert no_part is None and h.dtype == jnp.bfloat16
+    check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
+    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
+    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
+
+
 # ------------------------------------------------------------------------------------ lowering at real shapes
 @cpu_only
 @pytest.mark.parametrize("I", [192, 384, 3072])
@@ -141,10 +172,14 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 def test_kernels_lower_for_cuda_at_real_shapes(T, I, monkeypatch):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with tuning.json's
     sm100 launch for T: both Mosaic GPU kernels lower for a B200, the inline decode and the tcgen05 MMAs with them
-    (the native-convert decode at T = 64, the integer one elsewhere)."""
+    (the native-convert decode at T = 64, the integer one elsewhere; fused_glu flipped where one CTA sums a row's
+    K)."""
     monkeypatch.setattr(sm100, "ptxas_isa_version", lambda: sm100.NATIVE_CVT_PTX if T == 64 else 0)
     sds = jax.ShapeDtypeStruct
-    tuning = policy_lib.default_tuning().get("moe")
+    tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
+    for entry in tuning["sm100"]["launch"]:
+        if entry.get("up_splits", 1) == 1:
+            entry["fused_glu"] = not entry.get("fused_glu", False)
 
     def f(ex, z, sel, w):
         return sm100.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
@@ -161,7 +196,9 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- refusals, launches, the api
-@pytest.mark.parametrize("bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "rows", "smem", "splits"])
+@pytest.mark.parametrize(
+    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "rows", "smem", "splits", "fused_glu"]
+)
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
     ex = abstract_experts(E, I, L)
@@ -180,6 +217,9 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         launch = sm100.Launch(16, 2, 2, down_row_blocks=3)
     elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
         launch = sm100.Launch(16, 2, 2, up_splits=2)
+    elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
+        ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
+        launch = sm100.Launch(16, 2, 2, up_splits=2, fused_glu=True)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z = abstract_experts(E, I, 3584), jax.ShapeDtypeStruct((T, 3584), jnp.bfloat16)
         launch = sm100.Launch(64, 8, 2)

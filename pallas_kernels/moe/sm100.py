@@ -8,6 +8,8 @@ Blackwell here): interpret-tested on CPU and lowered for CUDA under an abstract 
    64b .. 64b + 63 (tile rows 0-63) over W3's same rows (tile rows 64-127), so one tcgen05 MMA of M = 128 gives
    both GEMMs; out the fp32 partials [splits, R, 2 I], the 128 values of block b (64 gate, then 64 up) together.
 3. XLA: the splits summed, h = SiTU-GLU(bf16(W1 z), bf16(W3 z)) rounded to bf16 -> [R, I] (natural order).
+   With one split (launch fused_glu) the gate/up kernel's epilogue does this itself (a token's gate and up
+   values are its column's two halves) and writes h.
 4. down kernel, grid (slot, group of 128-row blocks of L): W2's row blocks streamed in K steps of at most
    256 code bytes (TP1's K = 3072 does not fit SMEM whole at 128 rows), scales by ld.global (6-96 bytes a row:
    no TMA view), out y [R, L] bf16 in pair order.
@@ -228,6 +230,23 @@ def _store_columns(mma: Mma, out_smem, out_row, *, take, n_tokens, round_to=None
             dst[...] = plgpu.load(out_smem.at[:, t], layout=COL_LAYOUT, optimized=False).astype(dst.dtype)
 
 
+def _store_glu_columns(mma: Mma, out_smem, out_row, *, take, n_tokens, betas):
+    """The gate/up accumulator [128, N] (rows 0-63 W1 x, 64-127 W3 x) -> token t's h = SiTU-GLU of its column's
+    halves (bodies.glu_in_kernel) -> out_row(t) [64] bf16 where take(t): as _store_columns, the halves read
+    back a value per row."""
+    acc = plgpu.async_load_tmem(mma.acc)
+    plgpu.wait_load_tmem()
+    out_smem[...] = acc
+    plgpu.commit_smem()
+
+    for t in range(n_tokens):
+
+        @pl.when(take(t))
+        def _(t=t):
+            g, u = (load_row(out_smem.at[pl.ds(h * HALF, HALF), t]) for h in (0, 1))
+            out_row(t)[...] = bodies.glu_in_kernel(g, u, *betas)
+
+
 # ------------------------------------------------------------------------------------------------ the launch
 def pick_launch(tuning: dict, T: int) -> Launch:
     return bodies.pick_launch(tuning, ARCH, T)
@@ -280,8 +299,8 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE
-    if launch.fused_glu:
-        raise NotImplementedError("fused_glu: the sm100 body runs the GLU between its kernels")
+    if launch.fused_glu and launch.up_splits != 1:
+        raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
     if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: tcgen05's N at M = 128, a multiple of {lo} in [{lo}, 64]")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L), strict=True):
@@ -300,15 +319,32 @@ def _scratch(N: int):
 
 
 def _up_body(
-    table_ref, w1c, w3c, w1s, w3s, x_ref, part_ref, acc, a_smem, done, out_smem, *, n_tokens, steps, decode, direct_k
+    table_ref,
+    w1c,
+    w3c,
+    w1s,
+    w3s,
+    x_ref,
+    out_ref,
+    acc,
+    a_smem,
+    done,
+    out_smem,
+    *,
+    n_tokens,
+    steps,
+    decode,
+    direct_k,
+    glu,
 ):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order; direct_k: z itself, the tile every token) -> part [splits, R, 2 I] fp32: columns
     128 b .. 128 b + 63 the split's W1 sums of rows 64 b .. 64 b + 63 for the slot's pairs (direct_k: pair s,
-    column s // k), the next 64 their W3 sums."""
+    column s // k), the next 64 their W3 sums; or, glu = (beta1, beta2) (one split), h [R + pad, I] bf16:
+    columns 64 b .. 64 b + 63 SiTU-GLU of those sums' bf16 roundings."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = bodies.slot(table_ref, s, direct_k)
-    n_k = w1c.shape[-1] // UP_BLOCK // part_ref.shape[0]  # K steps per split
+    n_k = w1c.shape[-1] // UP_BLOCK // (1 if glu else out_ref.shape[0])  # K steps per split
     k0 = kk * n_k
     mma = Mma(acc, a_smem, done)
 
@@ -338,9 +374,12 @@ def _up_body(
                 take, row = (lambda t: t == s // direct_k), (lambda t: row0)
             else:
                 take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
-            _store_columns(
-                mma, out_smem, lambda t: part_ref.at[kk, row(t), pl.ds(b * ROWS, ROWS)], take=take, n_tokens=n_tokens
-            )
+            if glu:
+                out_row = lambda t: out_ref.at[row(t), pl.ds(b * HALF, HALF)]  # noqa: E731
+                _store_glu_columns(mma, out_smem, out_row, take=take, n_tokens=n_tokens, betas=glu)
+            else:
+                out_row = lambda t: out_ref.at[kk, row(t), pl.ds(b * ROWS, ROWS)]  # noqa: E731
+                _store_columns(mma, out_smem, out_row, take=take, n_tokens=n_tokens)
 
 
 def _down_body(
@@ -396,18 +435,20 @@ def _down_body(
             )
 
 
-def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None):
-    """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x).
-    table / x: the kernels' slot table (bodies.slot_table) and token rows (bodies.token_rows); direct_k:
-    bodies.direct_k."""
+def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, glu=None, pad=0):
+    """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x);
+    with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 itself (the pad rows are not written:
+    the down kernel reads them into token columns it never stores). table / x: the kernels' slot table
+    (bodies.slot_table) and token rows (bodies.token_rows); direct_k: bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
+    out = jax.ShapeDtypeStruct((R + pad, I), BF16) if glu else jax.ShapeDtypeStruct((splits, R, 2 * I), F32)
     kernel = plgpu.kernel(
         functools.partial(
-            _up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret), direct_k=direct_k
+            _up_body, n_tokens=N, steps=up_stages(launch, L), decode=_decoder(interpret), direct_k=direct_k, glu=glu
         ),
-        out_type=jax.ShapeDtypeStruct((splits, R, 2 * I), F32),
+        out_type=out,
         scratch_types=_scratch(N),
         grid=(S, I // HALF, splits),
         grid_names=("s", "b", "kk"),
@@ -461,7 +502,8 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, out_dtype=BF16):
-    """Grouping and both kernels -> (groups, the gate/up partials, h, y [R, L] in pair order): what tests check."""
+    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h, y [R, L] in pair order):
+    what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     T, k = sel_Tk.shape
@@ -469,8 +511,12 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
     kw = dict(launch=launch, direct_k=dk, interpret=interpret)
     rows = bodies.num_rows(T, k, E, launch)
-    part = gate_up(experts, table, x, rows=rows, **kw)
-    h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=bodies.pad_rows(rows, dk, launch))
+    pad = bodies.pad_rows(rows, dk, launch)
+    if launch.fused_glu:
+        part, h = None, gate_up(experts, table, x, rows=rows, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
+    else:
+        part = gate_up(experts, table, x, rows=rows, **kw)
+        h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)
     y = down(experts, table, h, rows=rows, out_dtype=out_dtype, **kw)
     return groups, part, h, y
 
