@@ -39,8 +39,8 @@
 #   moe_variants nvidia-h200      the routed experts' GPU tests, then the kernel as tuned beside its launch variants
 #                                 (mma_overlap, direct, both) and XLA packed, TP16, T 1-512 (~4 min)
 #                                 -> moe_launch_variants.*
-#   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned beside fused_glu (SiTU-GLU
-#                                 in the gate/up kernel), TP16 / TP8, T 16-512 (~6 min)
+#   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
+#                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
@@ -150,9 +150,10 @@ case "${1:-}" in
       --kernel-variant both:mma_overlap=1,direct=1 --name moe_launch_variants
     ;;
   moe_fused_glu)  # fused_glu needs up_splits 1: T >= 9 (the T <= 8 launch splits K over 7 CTAs)
-    step pytest_moe 240 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py -m gpu -rf
+    step pytest_moe 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+      python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py -m gpu -rf
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
-      --kernel-variant glu:fused_glu=1 --name moe_fused_glu
+      --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
