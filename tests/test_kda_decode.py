@@ -113,8 +113,9 @@ def test_commit_of_verify_equals_sequential_decode(dtype):
     step = jax.jit(reference.kda_decode)
     states, convs = [x["state"]], [x["conv"]]
     # y is rounded twice to the compute dtype (o, then the gated norm): in bf16 an fp32 difference of fusion
-    # order can flip both roundings, 2 ulps (seen once in CI-like runs); f32 stays at 1e-6.
-    y_tol = dict(atol=1e-6, rtol=2.0**-6) if dtype == "bf16" else dict(atol=1e-6, rtol=1e-6)
+    # order can flip both roundings, 2 ulps (seen once in CI-like runs). In f32 the two forms sum in different
+    # orders over T steps of the state: 2.8e-6 relative seen once (seed 111589295); the project's 1e-5 bar.
+    y_tol = dict(atol=1e-6, rtol=2.0**-6) if dtype == "bf16" else dict(atol=1e-6, rtol=1e-5)
     for t in range(T):
         y, s, c = step(
             x["qkv"][:, t],
