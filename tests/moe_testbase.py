@@ -1,6 +1,8 @@
 """Shared pieces of the routed-experts tests: random MXFP4 experts with the extreme codes and scales, routings
 with shared and unchosen experts, and float64 NumPy oracles written from docs/model.md §3 / §6 / §7.2."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -120,6 +122,17 @@ def check_against_reference_and_numpy(got, reference_out, np_ex, z, sel, w):
     assert np.all(np.abs(got - want) <= 2**-6 * scale), np.max(np.abs(got - want) / scale)
     err_kernel, err_ref = (np.mean(np.abs(a - exact) / scale) for a in (got, want))
     assert err_kernel <= 1.25 * err_ref + 2**-12, (err_kernel, err_ref)
+
+
+def check_fused_glu(grouped, launch, check):
+    """launch with fused_glu (SiTU-GLU in the gate/up kernel, h written by it) against the same launch without it:
+    check(groups, the unfused run's partials, the fused run's h, its y), e.g. each body's check_sums over the
+    unfused fp32 sums W1 z / W3 z with the fused h and down sums. grouped(launch) -> (groups, part, h, y)."""
+    groups, part, _, _ = grouped(launch)
+    fused_groups, no_part, h, y = grouped(dataclasses.replace(launch, fused_glu=True))
+    assert no_part is None and h.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(fused_groups.row_P), np.asarray(groups.row_P))
+    check(groups, part, h, y)
 
 
 def check_sums(np_ex, z, sel, groups, g_RI, u_RI, h_RI, y_RL, k):

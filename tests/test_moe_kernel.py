@@ -18,6 +18,7 @@ from moe_testbase import (
     BETA2,
     abstract_experts,
     check_against_reference_and_numpy,
+    check_fused_glu,
     check_sums,
     inputs,
     interpret_params,
@@ -271,29 +272,21 @@ def test_kernel_interpret_fp32_sums_match_numpy():
     _check_sums(np_ex, z, sel, groups, part, h, y, k)
 
 
-def _check_fused_glu(grouped, np_ex, z, sel, launch, k):
-    """launch with fused_glu (SiTU-GLU in the gate/up kernel, h written by it in K_ORDER) against the same
-    launch without it: the unfused run's fp32 sums W1 z / W3 z, the fused run's h from them and its down sums,
-    each against float64 (_check_sums)."""
-    groups, part, _, _ = grouped(launch)
-    fused_groups, no_part, h, y = grouped(dataclasses.replace(launch, fused_glu=True))
-    assert no_part is None and h.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(fused_groups.row_P), np.asarray(groups.row_P))
-    _check_sums(np_ex, z, sel, groups, part, h, y, k)
-
-
 @cpu_only
 @pytest.mark.parametrize("T, direct", [(12, False), (5, True)])
 def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
-    """fused_glu in interpret mode (A through SMEM, race-checked): grouped (a group of 12 in tiles of 8) and
-    direct; the bf16 path through the api's entry against the reference and float64 NumPy too."""
+    """fused_glu in interpret mode (A through SMEM, race-checked): the unfused run's fp32 sums, the fused h (in
+    K_ORDER) and down sums against float64 (check_fused_glu), grouped (a group of 12 in tiles of 8) and direct;
+    the bf16 path through the api's entry against the reference and float64 NumPy too."""
     r = rng()
     E, I, L, k = 10, 192, 1024, 4
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
     launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, direct=direct)
     tuning = {"sm90": {"launch": [{**TUNING["sm90"]["launch"][0], "direct": direct, "fused_glu": True}]}}
     with abstract_gpu("sm90"):
-        _check_fused_glu(lambda lc: _grouped_fp32(ex, z, sel, lc), np_ex, z, sel, launch, k)
+        check_fused_glu(
+            lambda lc: _grouped_fp32(ex, z, sel, lc), launch, lambda *out: _check_sums(np_ex, z, sel, *out, k)
+        )
         got = sm90.routed_experts(
             ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
         )
@@ -472,7 +465,7 @@ def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
 @pytest.mark.parametrize("I, T, direct", [(192, 5, True), (384, 12, False), (192, 64, False)])
 def test_fused_glu_on_gpu_matches_numpy(I, T, direct):
     """fused_glu on the GPU at real shapes (A from registers, the inline K-ordered store of h, Mosaic's tanh
-    and exp): the fused h and down sums against the unfused run's fp32 sums and float64 (_check_fused_glu)."""
+    and exp): the fused h and down sums against the unfused run's fp32 sums and float64 (check_fused_glu)."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
@@ -485,7 +478,7 @@ def test_fused_glu_on_gpu_matches_numpy(I, T, direct):
     def grouped(lc):
         return sm90.grouped(ex, z, sel, **BETA, launch=lc, out_dtype=jnp.float32)
 
-    _check_fused_glu(grouped, np_ex, z, np.asarray(sel), launch, k)
+    check_fused_glu(grouped, launch, lambda *out: _check_sums(np_ex, z, np.asarray(sel), *out, k))
 
 
 @cpu_only

@@ -5,7 +5,6 @@ token tile, the gate/up K split, the down kernel's K steps and multi-block CTAs)
 TP1 rank's real shapes, the refusals, tuning.json's launches and the api's choice of body. (No Blackwell GPU here:
 nothing runs on one yet.)"""
 
-import dataclasses
 import json
 
 import jax
@@ -19,6 +18,7 @@ from moe_testbase import (
     BETA2,
     abstract_experts,
     check_against_reference_and_numpy,
+    check_fused_glu,
     check_sums,
     inputs,
     interpret_params,
@@ -147,20 +147,21 @@ def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
     launch = sm100.Launch(tokens_per_tile=16, up_steps=2, down_steps=2, direct=direct)
     tuning = {"sm100": {"launch": [{**TUNING["sm100"]["launch"][0], "direct": direct, "fused_glu": True}]}}
+
+    def grouped(lc):
+        return sm100.grouped(
+            ex, z, jnp.asarray(sel), **BETA, launch=lc, interpret=interpret_params(), out_dtype=jnp.float32
+        )
+
+    def check(groups, part, h, y):
+        check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
+
     with abstract_gpu("sm100"):
-        runs = [
-            sm100.grouped(
-                ex, z, jnp.asarray(sel), **BETA, launch=lc, interpret=interpret_params(), out_dtype=jnp.float32
-            )
-            for lc in (launch, dataclasses.replace(launch, fused_glu=True))
-        ]
+        check_fused_glu(grouped, launch, check)
         got = sm100.routed_experts(
             ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning=tuning, interpret=interpret_params()
         )
     assert not races_found()
-    (groups, part, _, _), (_, no_part, h, y) = runs
-    assert no_part is None and h.dtype == jnp.bfloat16
-    check_sums(np_ex, z, sel, groups, *sm100.gate_up_sums(part), h, y, k)
     want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
     check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
 

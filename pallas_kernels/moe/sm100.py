@@ -299,8 +299,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE
-    if launch.fused_glu and launch.up_splits != 1:
-        raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
     if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: tcgen05's N at M = 128, a multiple of {lo} in [{lo}, 64]")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L), strict=True):
@@ -513,7 +511,8 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     rows = bodies.num_rows(T, k, E, launch)
     pad = bodies.pad_rows(rows, dk, launch)
     if launch.fused_glu:
-        part, h = None, gate_up(experts, table, x, rows=rows, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
+        part = None
+        h = gate_up(experts, table, x, rows=rows, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
     else:
         part = gate_up(experts, table, x, rows=rows, **kw)
         h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)

@@ -237,8 +237,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
-    if launch.fused_glu and launch.up_splits != 1:
-        raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
@@ -501,10 +499,8 @@ def grouped(
     rows = bodies.num_rows(T, k, E, launch)
     pad = bodies.pad_rows(rows, dk, launch)
     if launch.fused_glu:
-        part, h = (
-            None,
-            gate_up(experts, table, x, rows=rows, direct_k=dk, glu=(situ_beta, situ_linear_beta), pad=pad, **kw),
-        )
+        part = None
+        h = gate_up(experts, table, x, rows=rows, direct_k=dk, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
     else:
         part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw)
         h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)
