@@ -42,6 +42,9 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
+#   moe_single   nvidia-h200      single_launch's GPU tests (+ the KDA cluster tests: cluster_sync is shared now), then the
+#                                 T <= 8 routed experts as one launch beside the two kernels, TP16 / TP8, T 1-8, warm,
+#                                 and TP16 L2-cold (~6 min) -> moe_single.*, moe_single_cold.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
@@ -154,6 +157,16 @@ case "${1:-}" in
       python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py -m gpu -rf
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
       --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
+    ;;
+  moe_single)  # the T <= 8 launch as one kernel (a cluster of 7 CTAs a pair) beside the two kernels, L2 warm and cold
+    step pytest_single 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+      python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py tests/test_kda_decode.py -m gpu \
+      -k "single or real_shapes or cluster or split or gather" -rf
+    step moe_single 150 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 1,2,4,8 \
+      --kernel-variant single:single_launch=1,up_steps=3 --kernel-variant single2:single_launch=1,up_steps=2 \
+      --name moe_single
+    step moe_single_cold 150 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --tokens 1,2,8 --cold \
+      --kernel-variant single:single_launch=1,up_steps=3 --name moe_single_cold
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
