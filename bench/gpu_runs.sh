@@ -164,6 +164,7 @@ case "${1:-}" in
       -k "single or real_shapes or cluster or split or gather" -rf
     step moe_single 150 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 1,2,4,8 \
       --kernel-variant single:single_launch=1,up_steps=3 --kernel-variant single2:single_launch=1,up_steps=2 \
+      --kernel-variant single1:single_launch=1,up_steps=1 \
       --name moe_single
     step moe_single_cold 150 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --tokens 1,2,8 --cold \
       --kernel-variant single:single_launch=1,up_steps=3 --name moe_single_cold
