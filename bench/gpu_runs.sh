@@ -42,10 +42,6 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
-#   moe_single   nvidia-h200      single_launch's GPU tests (+ the KDA cluster tests: cluster_sync is shared now), then the
-#                                 T <= 8 routed experts as one launch beside the two kernels, TP16 / TP8, T 1-8, warm,
-#                                 and TP16 L2-cold; the 12-layer batch-1 rank slice without and with it (~9 min)
-#                                 -> moe_single.*, moe_single_cold.*, rank_slice_b1_before.*, rank_slice_b1_single.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
@@ -158,36 +154,6 @@ case "${1:-}" in
       python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py -m gpu -rf
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
       --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
-    ;;
-  moe_single)  # the T <= 8 launch as one kernel (a cluster of 7 CTAs a pair) beside the two kernels; then, if its
-    # tests pass, the batch-1 rank slice before and after, with the faster single variant at TP16 T = 1 put into
-    # this machine's copy of tuning.json (the repo's is changed by hand, from these numbers)
-    step pytest_single 140 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-      python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_kernel.py tests/test_kda_decode.py -m gpu \
-      -k "single or dsmem or gmem" -rf
-    step moe_single 110 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 1,2,8 \
-      --kernel-variant single:single_launch=1,up_steps=3 --kernel-variant single1:single_launch=1,up_steps=1 \
-      --name moe_single
-    step moe_single_cold 50 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --tokens 1 --cold \
-      --kernel-variant single:single_launch=1,up_steps=3 --name moe_single_cold
-    if grep -q "passed" "$work/pytest_single.log" && ! grep -q "failed" "$work/pytest_single.log"; then
-      export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-      step rank_slice_b1_before 95 python3 bench/rank_slice.py --layers 12 --batches 1 \
-        --backends latency_specialized --budget-s 80 --out "$work" --tag _b1_before
-      python3 - "$work/moe_single.json" <<'PY'
-import json, pathlib, sys
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["tp"] == 16 and r["T"] == 1]
-us = {v: rows[0].get(f"kernel_{v}_us") for v in ("single", "single1")}
-best = min(us, key=lambda v: us[v] if isinstance(us[v], float) else 1e9)
-path = pathlib.Path("pallas_kernels/moe/tuning.json")
-tuning = json.loads(path.read_text())
-tuning["sm90"]["launch"][0].update(single_launch=True, up_steps=3 if best == "single" else 1)
-path.write_text(json.dumps(tuning, indent=1))
-print("rank slice after: tuning sm90 T <= 8 ->", tuning["sm90"]["launch"][0])
-PY
-      step rank_slice_b1_after 95 python3 bench/rank_slice.py --layers 12 --batches 1 \
-        --backends latency_specialized --budget-s 80 --out "$work" --tag _b1_single
-    fi
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"

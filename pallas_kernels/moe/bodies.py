@@ -1,6 +1,6 @@
 """What the sm90 and sm100 bodies of the routed experts share: the launch (read from each body's tuning.json
-section), the checks that do not depend on the MMA, the swizzled tile layouts, the per-row scale loads, the
-GLU between the two kernels and the single launch's store of h into its SMEM tile."""
+section), the checks that do not depend on the MMA, the swizzled tile layouts, the per-row scale loads and the
+GLU between the two kernels."""
 
 import dataclasses
 
@@ -207,30 +207,3 @@ def glu_in_kernel(g, u, beta1, beta2):
     """glu inside a kernel (launch fused_glu): the same roundings, by converts (Mosaic GPU keeps a convert pair;
     reduce_precision has no lowering there), SiTU-GLU in fp32 -> h bf16."""
     return common.situ_glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), beta1, beta2)
-
-
-def store_h_row_gpu(h_F32, h_smem, block: int):
-    """h_smem [N, I] bf16 (TMA-tiled (8, 64), 128-byte swizzle) row 0, columns 64 block .. 64 block + 63 <- h, a
-    [64] ROW_LAYOUT fp32 vector of bf16 values: a 2-byte st.shared per row a thread holds (rows 16 w + lane // 4
-    + 8 r of register r). Row 0 of a swizzle atom is not swizzled, and a 64-column block of it is one (8, 64)
-    tile of 1024 bytes. Inline Mosaic GPU: Pallas stores no row-layout vector into a swizzled tile. (launch
-    single_launch: h stays in SMEM as the down MMA's N side.)"""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm
-    from jax.experimental.mosaic.gpu import utils
-
-    @plgpu.inline_mgpu(arg_types=(ROW_LAYOUT, plgpu.RefType(tiled(128))))
-    def store(ctx, h, ref):
-        del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        c = lambda v: utils.c(v, i32)  # noqa: E731
-        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        lane = arith.andi(tid, c(31))
-        row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
-        base = arith.addi(llvm.ptrtoint(i32, utils.memref_ptr(ref)), c(block * 8 * 128))
-        for r, reg in enumerate(h.registers.flat):
-            addr = arith.addi(base, arith.muli(arith.addi(row0, c(8 * r)), c(2)))
-            bits = arith.trunci(i16, arith.shrui(utils.bitcast(reg, i32), c(16)))  # the bf16 value's bits
-            utils.inline_ptx("st.shared.b16 [$0], $1;", addr, bits, has_side_effects=True)
-
-    store(h_F32, h_smem)

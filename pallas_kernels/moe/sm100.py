@@ -14,8 +14,6 @@ Blackwell here): interpret-tested on CPU and lowered for CUDA under an abstract 
    256 code bytes (TP1's K = 3072 does not fit SMEM whole at 128 rows), scales by ld.global (6-96 bytes a row:
    no TMA view), out y [R, L] bf16 in pair order.
 5. XLA finalize: reference.combine over the pairs back in (token, choice) order.
-Launch single_launch (the direct form at a few tokens): 2-4 in ONE launch, a cluster of the K split's CTAs a
-pair exchanging their partial sums (sm90.py says why; _single_body here).
 
 Each MMA is M = 128 weight rows x N = the group's tokens in a tile (16-64, a multiple of 16: tcgen05's N at
 M = 128; rows past the group are other groups' or the TMA's zero fill, never stored) x K = 64: A is the
@@ -45,7 +43,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
 from pallas_kernels.moe import bodies, mxfp4, reference
 from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
@@ -196,8 +193,8 @@ class Mma:
 def _mma_step(mma: Mma, halves, x_smem, *, first, decode):
     """acc (+)= A @ x^T over one step's K: halves = [(codes ref, row0, scale_rows)] for A's rows 0-63 and 64-127
     (scale_rows: the step's per-group E8M0 rows, [64] each in ROW_LAYOUT), x [N, 64 chunks] bf16. `first`
-    (a bool, or a bool array): the step starts the tile (the accumulator is overwritten). Returns once every MMA
-    of the step has finished reading its A tile and x."""
+    (bool array): the step starts the tile (the accumulator is overwritten). Returns once every MMA of the step
+    has finished reading its A tile and x."""
     n_chunks = x_smem.shape[1] // CHUNK
     for j in range(n_chunks):
         slot = j % 2
@@ -208,10 +205,7 @@ def _mma_step(mma: Mma, halves, x_smem, *, first, decode):
             mma.a_smem[slot, pl.ds(h * HALF, HALF), :] = a
         plgpu.commit_smem()  # the tensor core (async proxy) reads what every thread wrote
         x = x_smem.at[:, pl.ds(j * CHUNK, CHUNK)].transpose((1, 0))
-        if j:
-            accumulate = True
-        else:  # a Python bool stays one (Pallas lowers `not` of a traced bool only)
-            accumulate = not first if isinstance(first, bool) else jnp.logical_not(first)
+        accumulate = jnp.logical_not(first) if j == 0 else True
         plgpu.tcgen05_mma(mma.acc, mma.a_smem.at[slot], x, mma.done.at[slot], accumulate=accumulate)
     for j in range(max(0, n_chunks - 2), n_chunks):
         plgpu.barrier_wait(mma.done.at[j % 2])
@@ -302,11 +296,9 @@ def smem_bytes(launch: Launch, I: int, L: int) -> tuple[int, int]:
 def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
     bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
+    if launch.single_launch:
+        raise NotImplementedError("single_launch: built for sm90 only so far (sm90.single); the two kernels run here")
     _, I, L = expert_shapes(experts)
-    if launch.single_launch and (I // 2 > DOWN_K_BYTES or single_smem_bytes(launch, I, L) > SMEM_BYTES):
-        raise NotImplementedError(
-            f"single_launch: {launch} at I = {I} takes a W2 block's K whole within {SMEM_BYTES} B"
-        )
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE
     if N % lo or not lo <= N <= MAX_TOKENS_PER_TILE:
@@ -443,115 +435,6 @@ def _down_body(
             )
 
 
-def _single_body(
-    table_ref, w1c, w3c, w1s, w3s, w2c, w2s, x_ref, part_ref, y_ref,
-    acc, a_smem, done, out_smem, x_smem, w2_smem, h_smem, bars, xchg_bar,
-    *, n_tokens, steps, decode, direct_k, glu, on_gpu,
-):  # fmt: skip
-    """launch single_launch (sm90.single's form): grid (pair s) x a cluster of C CTAs (kk), one K step of W1 / W3
-    each. The token tile's K step and the CTA's 128-row W2 blocks are put in flight first; (1) gate/up: each
-    64-row block b of W1 over W3 (one M = 128 MMA) at K step kk -> part [C, P, 2 I] fp32 (the cluster's
-    exchange, sm100's partial layout); (2) one cluster barrier; (3) the C partials summed in order, SiTU-GLU ->
-    h, row 0 of the SMEM h tile (natural order); (4) down: the CTA's L / C rows of W2 h -> y [P, L] at row s."""
-    s, kk = lax.axis_index("s"), lax.axis_index("kk")
-    e, row, _ = bodies.slot(table_ref, s, direct_k)
-    C, I = part_ref.shape[0], w1c.shape[1]
-    row_blocks = w2_smem.shape[0]
-    mma = Mma(acc, a_smem, done)
-    round_to = None if y_ref.dtype == F32 else y_ref.dtype
-    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kk * 2 * UP_BLOCK, 2 * UP_BLOCK)], x_smem, bars.at[0])
-    for i in range(row_blocks):
-        plgpu.copy_gmem_to_smem(w2c.at[e, pl.ds((kk * row_blocks + i) * ROWS, ROWS)], w2_smem.at[i], bars.at[1 + i])
-    plgpu.barrier_wait(bars.at[0])
-    mine = lambda t: t == s // direct_k  # noqa: E731  (the pair's token: its column of the token tile)
-
-    def up_step(idx, c1, c3, s1, s3):
-        rows = [[load_row(sc.at[:, g]) for g in range(UP_BLOCK // 16)] for sc in (s1, s3)]
-        _mma_step(mma, [(c1, 0, rows[0]), (c3, 0, rows[1])], x_smem, first=True, decode=decode)
-        out_row = lambda t: part_ref.at[kk, row, pl.ds(idx[0] * ROWS, ROWS)]  # noqa: E731
-        _store_columns(mma, out_smem, out_row, take=mine, n_tokens=n_tokens)
-
-    w_spec = plgpu.BlockSpec((HALF, UP_BLOCK), lambda b: (b, kk), transforms=tiled(128, 1))
-    s_spec = plgpu.BlockSpec((HALF, UP_BLOCK // 16), lambda b: (b, kk))
-    plgpu.emit_pipeline(
-        up_step,
-        grid=(I // HALF,),
-        max_concurrent_steps=min(steps, I // HALF),
-        in_specs=[w_spec, w_spec, s_spec, s_spec],
-    )(w1c.at[e], w3c.at[e], w1s.at[e], w3s.at[e])
-
-    common.cluster_sync(xchg_bar, on_gpu)  # every CTA's partials in GMEM, visible to the cluster
-    for b in range(I // HALF):
-        g, u = (
-            sum(load_row(part_ref.at[c, row, pl.ds(b * ROWS + h * HALF, HALF)]) for c in range(C)) for h in (0, 1)
-        )  # in split order
-        h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
-        if on_gpu:
-            bodies.store_h_row_gpu(h, h_smem, b)
-        else:
-            h_smem[:, pl.ds(b * HALF, HALF)] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, HALF))
-    plgpu.commit_smem()  # the tensor core (async proxy) reads what the threads wrote
-
-    @pl.loop(0, row_blocks)
-    def _(i):
-        plgpu.barrier_wait(bars.at[1 + i])
-        first = (kk * row_blocks + i) * ROWS
-        halves = [
-            (w2_smem.at[i], HALF * j, [load_row(w2s.at[e, pl.ds(first + HALF * j, HALF), g]) for g in range(I // 32)])
-            for j in range(2)
-        ]
-        _mma_step(mma, halves, h_smem, first=True, decode=decode)
-        out_row = lambda t: y_ref.at[row, pl.ds(first, ROWS)]  # noqa: E731
-        _store_columns(mma, out_smem, out_row, take=lambda t: t == 0, n_tokens=n_tokens, round_to=round_to)
-
-
-def single_smem_bytes(launch: Launch, I: int, L: int) -> int:
-    """The single launch's SMEM: the token tile's K step, the CTA's W2 row blocks (K = I whole), the h tile, the
-    W1 / W3 stages (no x in them), the A tiles and the epilogue tile."""
-    N, C = launch.tokens_per_tile, launch.up_splits
-    w2 = (L // ROWS // C) * ROWS * I // 2
-    up = min(launch.up_steps, I // HALF) * (2 * HALF * UP_BLOCK + 2 * HALF * UP_BLOCK // 16)
-    return N * 2 * UP_BLOCK * 2 + w2 + N * I * 2 + up + _fixed_bytes(N)
-
-
-def single(
-    experts, table, x_NL, *, launch: Launch, rows: int, direct_k: int, glu, out_dtype=BF16, interpret=None
-):  # fmt: skip
-    """launch single_launch (_single_body) -> (the gate/up partials [C, rows, 2 I] fp32: the cluster's exchange,
-    y [rows, L] in pair order; out_dtype: bf16, the spec's rounding, fp32 for tests)."""
-    E, I, L = expert_shapes(experts)
-    N, C = launch.tokens_per_tile, launch.up_splits
-    row_blocks = L // ROWS // C
-    scratch = _scratch(N) + [
-        plgpu.SMEM((N, 2 * UP_BLOCK), BF16, transforms=tiled(128)),
-        plgpu.SMEM((row_blocks, ROWS, I // 2), jnp.uint8, transforms=tiled(bodies.codes_swizzle(I // 2), 1)),
-        plgpu.SMEM((N, I), BF16, transforms=tiled(128)),
-        plgpu.Barrier(num_barriers=1 + row_blocks),
-        plgpu.ClusterBarrier(collective_axes=("kk",), num_arrivals=1),
-    ]
-    kernel = plgpu.kernel(
-        functools.partial(
-            _single_body,
-            n_tokens=N,
-            steps=launch.up_steps,
-            decode=_decoder(interpret),
-            direct_k=direct_k,
-            glu=glu,
-            on_gpu=interpret is None,
-        ),
-        out_type=(jax.ShapeDtypeStruct((C, rows, 2 * I), F32), jax.ShapeDtypeStruct((rows, L), out_dtype)),
-        scratch_types=scratch,
-        grid=(table.shape[1],),
-        grid_names=("s",),
-        cluster=(C,),
-        cluster_names=("kk",),
-        compiler_params=_LANE,
-        interpret=interpret,
-    )
-    w = [experts[n] for n in ("w1_codes", "w3_codes", "w1_scales", "w3_scales", "w2_codes", "w2_scales")]
-    return kernel(table, *w, x_NL)
-
-
 def gate_up(experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, glu=None, pad=0):
     """The gate/up kernel -> the fp32 partial sums [splits, rows, 2 I] (per 64-row block: its W1 x, then W3 x);
     with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 itself (the pad rows are not written:
@@ -619,8 +502,8 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "out_dtype")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, out_dtype=BF16):
-    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h (None: single_launch), y
-    [R, L] in pair order): what tests check."""
+    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h, y [R, L] in pair order):
+    what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     T, k = sel_Tk.shape
@@ -629,9 +512,6 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     kw = dict(launch=launch, direct_k=dk, interpret=interpret)
     rows = bodies.num_rows(T, k, E, launch)
     pad = bodies.pad_rows(rows, dk, launch)
-    if launch.single_launch:  # h stays in SMEM; the partials are the cluster's exchange
-        part, y = single(experts, table, x, rows=rows, glu=(situ_beta, situ_linear_beta), out_dtype=out_dtype, **kw)
-        return groups, part, None, y
     if launch.fused_glu:
         part = None
         h = gate_up(experts, table, x, rows=rows, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)

@@ -15,12 +15,6 @@ once and skip the experts nobody chose, with XLA around them for the grouping, t
    strides); out y [R, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
 5. XLA finalize: the y rows back in (token, choice) order, the fp32 weighted sum over k rounded once
    (reference.combine, the same expression as the reference).
-Launch single_launch (the direct form, T <= tokens_per_tile): 2-4 as ONE launch (single, _single_body): per pair
-a cluster of the K split's CTAs (one K step of W1 / W3 each) writes its partial sums to GMEM, one cluster barrier,
-each CTA sums them, applies the GLU into its SMEM h tile and streams its share of W2, prefetched at its start.
-At batch 1 the three launches cost more than their bytes: each CTA of the split gate/up kernel does one K step
-and exits, the GLU is a kernel of its own, the down kernel starts only when both are done (the H100 rank slice:
-gate/up 10.1 + GLU 2.1 + down 6.7 us for 17.6 MB, 5.3 us at the H100's bandwidth).
 
 Each 64-row tile has the weight rows on WGMMA's M and the group's tokens on N (8-64 per tile, padded to 8 by
 the TMA's zero fill; "swap-AB", as the decode GEMV). A group larger than a tile runs its tiles one after the
@@ -421,6 +415,32 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
             )(w2c.at[e], h_ref)
 
 
+def _store_h_row_gpu(h_F32, h_smem, block: int):
+    """h_smem [N, I] bf16 (TMA-tiled (8, 64), 128-byte swizzle) row 0, columns 64 block .. 64 block + 63 <- h, a
+    [64] ROW_LAYOUT fp32 vector of bf16 values: a 2-byte st.shared per row a thread holds (rows 16 w + lane // 4
+    + 8 r of register r). Row 0 of a swizzle atom is not swizzled, and a 64-column block of it is one (8, 64)
+    tile of 1024 bytes. Inline Mosaic GPU: Pallas stores no row-layout vector into a swizzled tile."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jax.experimental.mosaic.gpu import utils
+
+    @plgpu.inline_mgpu(arg_types=(ROW_LAYOUT, plgpu.RefType(tiled(128))))
+    def store(ctx, h, ref):
+        del ctx
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        c = lambda v: utils.c(v, i32)  # noqa: E731
+        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        lane = arith.andi(tid, c(31))
+        row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
+        base = arith.addi(llvm.ptrtoint(i32, utils.memref_ptr(ref)), c(block * 8 * 128))
+        for r, reg in enumerate(h.registers.flat):
+            addr = arith.addi(base, arith.muli(arith.addi(row0, c(8 * r)), c(2)))
+            bits = arith.trunci(i16, arith.shrui(utils.bitcast(reg, i32), c(16)))  # the bf16 value's bits
+            utils.inline_ptx("st.shared.b16 [$0], $1;", addr, bits, has_side_effects=True)
+
+    store(h_F32, h_smem)
+
+
 def _single_body(
     table_ref, w1c, w3c, w1s, w3s, w2c, w2s, x_ref, part_ref, y_ref,
     x_smem, w2_smem, h_smem, g_smem, u_smem, bars, xchg_bar, *a_smem,
@@ -479,7 +499,7 @@ def _single_body(
         g, u = (sum(load_row(part_ref.at[c, j, row, cols]) for c in range(C)) for j in (0, 1))  # in split order
         h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
         if on_gpu:
-            bodies.store_h_row_gpu(h, h_smem, b)
+            _store_h_row_gpu(h, h_smem, b)
         else:
             h_smem[:, cols] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, ROWS))
     plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
