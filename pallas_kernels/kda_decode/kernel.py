@@ -26,10 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.pallas.mosaic_gpu.helpers import inline_ptx as _inline_ptx  # jax's own; not exported in 0.11.2
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from pallas_kernels.common import cluster_sync
 
 F32 = jnp.float32
 CONV_TAPS = 4
@@ -286,6 +285,23 @@ def _body(
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
+
+
+def cluster_sync(bar, fences):
+    """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
+
+    The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
+    only; so all threads sync first (bar.sync inside commit_smem), then fence at cluster scope, and fence
+    again after the wait before reading. Every CTA waits, not only the reader: a CTA must not exit while a
+    peer's arrive may still target its SMEM barrier. Interpret mode (fences=False) has no caches to order and
+    cannot run inline PTX."""
+    plgpu.commit_smem()
+    if fences:
+        _inline_ptx("fence.acq_rel.cluster;")
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    if fences:
+        _inline_ptx("fence.acq_rel.cluster;")
 
 
 def _and(a, b):  # Python bools stay Python bools, so pl.when needs no branch for them

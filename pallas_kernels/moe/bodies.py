@@ -26,7 +26,6 @@ class Launch:
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
     fused_glu: bool = False  # up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
-    single_launch: bool = False  # sm90, direct: gate/up, GLU and down in ONE launch, a cluster per pair (sm90.single)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -154,14 +153,6 @@ def check_shapes(experts, z_TL, sel_Tk, launch: Launch, *, down_rows: int):
         raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
     if launch.fused_glu and launch.up_splits != 1:
         raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
-    if launch.single_launch:
-        steps = (L // 2) // UP_BLOCK
-        if not (is_direct(T, launch) and launch.up_splits == steps <= 8 and (L // down_rows) % steps == 0):
-            raise NotImplementedError(
-                f"single_launch takes the direct form (T <= tokens_per_tile) with one K step a CTA of a cluster of "
-                f"at most 8 (up_splits = {steps}) that also splits the {L // down_rows} W2 row blocks; got T = {T}, "
-                f"{launch}"
-            )
     if ((L // 2) // UP_BLOCK) % launch.up_splits:
         raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
     if I % W1_ROWS:

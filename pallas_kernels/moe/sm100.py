@@ -296,8 +296,6 @@ def smem_bytes(launch: Launch, I: int, L: int) -> tuple[int, int]:
 def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
     bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
-    if launch.single_launch:
-        raise NotImplementedError("single_launch: built for sm90 only so far (sm90.single); the two kernels run here")
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE

@@ -42,7 +42,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
 from pallas_kernels.moe import bodies, grouping, mxfp4, reference
 from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
@@ -220,15 +219,6 @@ def smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> tuple
     return up + out + a, down_stages(launch, I, out + a) * _down_stage_bytes(launch, I) + out + a
 
 
-def single_smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> int:
-    """The single launch's SMEM: the token tile's K step, the CTA's W2 row blocks, the h tile, W1 / W3 stages,
-    two [64, N] fp32 staging tiles (and a_in_smem's A tile)."""
-    N, C = launch.tokens_per_tile, launch.up_splits
-    w2 = (L // ROWS // C) * ROWS * I // 2
-    up = min(launch.up_steps, I // ROWS) * (2 * ROWS * UP_BLOCK + 2 * ROWS * UP_BLOCK // 16)
-    return N * 2 * UP_BLOCK * 2 + w2 + N * I * 2 + up + 2 * ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)
-
-
 def _down_stage_bytes(launch: Launch, I: int) -> int:
     return ROWS * I // 2 + launch.tokens_per_tile * I * 2  # a W2 row block's codes (K = I whole), the h tile
 
@@ -247,8 +237,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
-    if launch.single_launch and (b := single_smem_bytes(launch, I, L, a_in_smem)) > SMEM_BYTES:
-        raise NotImplementedError(f"single_launch: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
@@ -415,111 +403,6 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
             )(w2c.at[e], h_ref)
 
 
-def _store_h_row_gpu(h_F32, h_smem, block: int):
-    """h_smem [N, I] bf16 (TMA-tiled (8, 64), 128-byte swizzle) row 0, columns 64 block .. 64 block + 63 <- h, a
-    [64] ROW_LAYOUT fp32 vector of bf16 values: a 2-byte st.shared per row a thread holds (rows 16 w + lane // 4
-    + 8 r of register r). Row 0 of a swizzle atom is not swizzled, and a 64-column block of it is one (8, 64)
-    tile of 1024 bytes. Inline Mosaic GPU: Pallas stores no row-layout vector into a swizzled tile."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm
-    from jax.experimental.mosaic.gpu import utils
-
-    @plgpu.inline_mgpu(arg_types=(ROW_LAYOUT, plgpu.RefType(tiled(128))))
-    def store(ctx, h, ref):
-        del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        c = lambda v: utils.c(v, i32)  # noqa: E731
-        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        lane = arith.andi(tid, c(31))
-        row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
-        base = arith.addi(llvm.ptrtoint(i32, utils.memref_ptr(ref)), c(block * 8 * 128))
-        for r, reg in enumerate(h.registers.flat):
-            addr = arith.addi(base, arith.muli(arith.addi(row0, c(8 * r)), c(2)))
-            bits = arith.trunci(i16, arith.shrui(utils.bitcast(reg, i32), c(16)))  # the bf16 value's bits
-            utils.inline_ptx("st.shared.b16 [$0], $1;", addr, bits, has_side_effects=True)
-
-    store(h_F32, h_smem)
-
-
-def _single_body(
-    table_ref, w1c, w3c, w1s, w3s, w2c, w2s, x_ref, part_ref, y_ref,
-    x_smem, w2_smem, h_smem, g_smem, u_smem, bars, xchg_bar, *a_smem,
-    n_tokens, steps, direct_k, overlap, glu, on_gpu,
-):  # fmt: skip
-    """launch single_launch: grid (pair s) x a cluster of C CTAs (kk), C = the K steps of W1 / W3 (one each).
-    Everything but W1 / W3 is put in flight first (the token tile's K step, the CTA's W2 row blocks); then
-    (1) gate/up: every 64-row block of W1 and W3 over K step kk, pair s's partial sums (its token's column, rows in
-    K_ORDER) -> part [C, 2, P, I] fp32 (GMEM: the cluster's exchange); (2) one cluster barrier; (3) each CTA
-    sums the C partials in order, SiTU-GLU with the spec's roundings -> h, row 0 of its SMEM h tile (the down
-    MMA's N side: column 0 is the pair's, the other columns never stored); (4) down: its L / C rows of W2 h,
-    rounded to bf16 -> y [P, L] at row s. The one launch replaces gate/up, the XLA GLU and down (three kernels,
-    the launch gaps between them, each kernel's ramp)."""
-    s, kk = lax.axis_index("s"), lax.axis_index("kk")
-    e, row, _ = bodies.slot(table_ref, s, direct_k)
-    C, I = part_ref.shape[0], w1c.shape[1]
-    row_blocks = w2_smem.shape[0]
-    a_smem = a_smem[0] if a_smem else None
-    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kk * 2 * UP_BLOCK, 2 * UP_BLOCK)], x_smem, bars.at[0])
-    for i in range(row_blocks):
-        rows = pl.ds((kk * row_blocks + i) * ROWS, ROWS)
-        plgpu.copy_gmem_to_smem(w2c.at[e, rows], w2_smem.at[i], bars.at[1 + i])
-    plgpu.barrier_wait(bars.at[0])
-    k_order = "gpu" if on_gpu else "interpret"
-    mine = lambda t: t == s // direct_k  # noqa: E731  (the pair's token: its column of the token tile)
-
-    def up_step(idx, c1, c3, s1, s3):
-        def scope(acc1, acc3):
-            tiles = [
-                (acc, c, lambda g, sc=sc: load_row(sc.at[:, g])) for acc, c, sc in ((acc1, c1, s1), (acc3, c3, s3))
-            ]
-            _mma_tiles(tiles, x_smem, a_smem, overlap=overlap)
-            plgpu.wgmma_wait(0)
-            return acc1[...], acc3[...]
-
-        g, u = pl.run_scoped(scope, plgpu.ACC((ROWS, n_tokens), F32), plgpu.ACC((ROWS, n_tokens), F32))
-        cols = pl.ds(idx[0] * ROWS, ROWS)
-        plgpu.commit_smem()  # the last step's reads of g_smem / u_smem are done
-        for j, (acc, smem) in enumerate(((g, g_smem), (u, u_smem))):
-            _store_columns(
-                acc, smem, lambda t, j=j: part_ref.at[kk, j, row, cols], take=mine, n_tokens=n_tokens, k_order=k_order
-            )
-
-    w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda b: (b, kk), transforms=tiled(128, 1))
-    s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda b: (b, kk))
-    plgpu.emit_pipeline(
-        up_step,
-        grid=(I // ROWS,),
-        max_concurrent_steps=min(steps, I // ROWS),
-        in_specs=[w_spec, w_spec, s_spec, s_spec],
-    )(w1c.at[e], w3c.at[e], w1s.at[e], w3s.at[e])
-
-    common.cluster_sync(xchg_bar, on_gpu)  # every CTA's partials in GMEM, visible to the cluster
-    for b in range(I // ROWS):
-        cols = pl.ds(b * ROWS, ROWS)
-        g, u = (sum(load_row(part_ref.at[c, j, row, cols]) for c in range(C)) for j in (0, 1))  # in split order
-        h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
-        if on_gpu:
-            _store_h_row_gpu(h, h_smem, b)
-        else:
-            h_smem[:, cols] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, ROWS))
-    plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
-
-    @pl.loop(0, row_blocks)
-    def _(i):
-        plgpu.barrier_wait(bars.at[1 + i])
-        rows = pl.ds((kk * row_blocks + i) * ROWS, ROWS)
-        srows = [load_row(w2s.at[e, rows, g]) for g in range(I // 32)]
-
-        def mma(acc):
-            _mma_tile(acc, w2_smem.at[i], srows.__getitem__, h_smem, a_smem, overlap=overlap)
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32)).astype(y_ref.dtype).astype(F32)
-        plgpu.commit_smem()  # the last block's reads of g_smem are done
-        _store_columns(y, g_smem, lambda t: y_ref.at[row, rows], take=lambda t: t == 0, n_tokens=n_tokens)
-
-
 def _a_scratch():
     return [plgpu.SMEM((ROWS, CHUNK), BF16, transforms=tiled(128))]
 
@@ -583,58 +466,6 @@ def down(
     return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
 
 
-def single(
-    experts,
-    table,
-    x_NL,
-    *,
-    launch: Launch,
-    rows: int,
-    direct_k: int,
-    glu,
-    out_dtype=BF16,
-    interpret=None,
-    a_in_smem=False,
-):
-    """launch single_launch (_single_body): gate/up, GLU and down in one launch -> (the gate/up partial sums
-    [C, 2, rows, I] fp32 with their columns in K_ORDER: the cluster's exchange, y [rows, L] in pair order; out_dtype:
-    bf16, the spec's rounding, fp32 for tests).
-    table / x: the direct form's (bodies.slot_table, bodies.token_rows)."""
-    E, I, L = expert_shapes(experts)
-    N, C = launch.tokens_per_tile, launch.up_splits
-    row_blocks = L // ROWS // C
-    scratch = [
-        plgpu.SMEM((N, 2 * UP_BLOCK), BF16, transforms=tiled(128)),
-        plgpu.SMEM((row_blocks, ROWS, I // 2), jnp.uint8, transforms=tiled(bodies.codes_swizzle(I // 2), 1)),
-        plgpu.SMEM((N, I), BF16, transforms=tiled(128)),
-        plgpu.SMEM((ROWS, N), F32),
-        plgpu.SMEM((ROWS, N), F32),
-        plgpu.Barrier(num_barriers=1 + row_blocks),
-        plgpu.ClusterBarrier(collective_axes=("kk",), num_arrivals=1),
-    ] + (_a_scratch() if a_in_smem else [])
-    kernel = plgpu.kernel(
-        functools.partial(
-            _single_body,
-            n_tokens=N,
-            steps=launch.up_steps,
-            direct_k=direct_k,
-            overlap=launch.mma_overlap,
-            glu=glu,
-            on_gpu=interpret is None,
-        ),
-        out_type=(jax.ShapeDtypeStruct((C, 2, rows, I), F32), jax.ShapeDtypeStruct((rows, L), out_dtype)),
-        scratch_types=scratch,
-        grid=(table.shape[1],),
-        grid_names=("s",),
-        cluster=(C,),
-        cluster_names=("kk",),
-        compiler_params=_LANE,
-        interpret=interpret,
-    )
-    w = [experts[n] for n in ("w1_codes", "w3_codes", "w1_scales", "w3_scales", "w2_codes", "w2_scales")]
-    return kernel(table, *w, x_NL)
-
-
 def pair_inputs(z_TL, groups: grouping.Groups, k: int, E: int, launch: Launch, *, interpret=None):
     """z's rows for the gate/up kernel's N side (bodies.token_rows), its columns in K_ORDER."""
     return bodies.token_rows(permute_k(z_TL), groups, k, E, launch, interpret=interpret)
@@ -657,8 +488,8 @@ _STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", 
 def grouped(
     experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, a_in_smem=False, out_dtype=BF16
 ):
-    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu; in K_ORDER: single_launch), h
-    (None: single_launch), y [R, L] in pair order): what tests check."""
+    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h, y [R, L] in pair order):
+    what tests check."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
@@ -667,10 +498,6 @@ def grouped(
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
     rows = bodies.num_rows(T, k, E, launch)
     pad = bodies.pad_rows(rows, dk, launch)
-    if launch.single_launch:  # h stays in SMEM; the partials (in K_ORDER) are the cluster's exchange
-        beta = (situ_beta, situ_linear_beta)
-        part, y = single(experts, table, x, rows=rows, direct_k=dk, glu=beta, out_dtype=out_dtype, **kw)
-        return groups, part, None, y
     if launch.fused_glu:
         part = None
         h = gate_up(experts, table, x, rows=rows, direct_k=dk, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
