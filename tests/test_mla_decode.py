@@ -1,7 +1,9 @@
-"""MLA decode attention (pallas_kernels.mla_decode): the reference and the sm90 kernel (interpret mode on CPU at
-small shapes, CUDA lowering at the real ones, real shapes on the GPU) against a float64 NumPy oracle written
-from docs/model.md §5.3, against the naive (non-absorbed) form of §5.2, and against each other."""
+"""MLA decode attention (pallas_kernels.mla_decode): the reference, the sm90 kernel (interpret mode on CPU at
+small shapes, CUDA lowering at the real ones, real shapes on the GPU) and the sm100 kernel (interpret mode and
+CUDA lowering under an abstract B200; no Blackwell GPU here) against a float64 NumPy oracle written from
+docs/model.md §5.3, against the naive (non-absorbed) form of §5.2, and against each other."""
 
+import dataclasses
 import functools
 import logging
 
@@ -12,7 +14,7 @@ import pytest
 from kernel_testbase import abstract_gpu, cpu_only, gpu_only
 
 from pallas_kernels import common
-from pallas_kernels.mla_decode import api, kernel, reference, sm90
+from pallas_kernels.mla_decode import api, kernel, kernel_sm100, reference, sm90, sm100
 from pallas_kernels.policy import SPECIALIZED, XLA, DispatchLog, recording
 
 SCALE = 192**-0.5  # (qk_nope + qk_rope)^-1/2, §5.2
@@ -94,13 +96,13 @@ def interpret(detect_races=True):
     return plgpu.InterpretGPUParams(detect_races=detect_races)
 
 
-def run_kernel(q_lat, q_pe, entry, key_len, tuning=None, **kw):
-    """The sm90 body in interpret mode (CPU), race detection on."""
+def run_kernel(q_lat, q_pe, entry, key_len, tuning=None, body=sm90, **kw):
+    """A body (sm90 or sm100) in interpret mode (CPU) under its abstract GPU, race detection on."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    with abstract_gpu("sm90"):
-        got = sm90.mla_decode_attention(
-            q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning or sm90.TUNING, interpret=interpret(), **kw
+    with abstract_gpu(body.ARCH):
+        got = body.mla_decode_attention(
+            q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning or body.TUNING, interpret=interpret(), **kw
         )
     assert not get_races().races_found
     return got
@@ -185,18 +187,19 @@ def test_kernel_interpret_bf16_no_less_accurate_than_reference(rng, cache, T):
 
 
 @cpu_only
-def test_kernel_interpret_equals_the_naive_form(rng):
+@pytest.mark.parametrize("body, cache, R", [(sm90, "fp8", 64), (sm100, "fp8", 128), (sm100, "bf16", 128)])
+def test_kernel_interpret_equals_the_naive_form(rng, body, cache, R):
     """The absorbed kernel path (q_lat = W_UKᵀ q_nope, o = W_UV o_lat) equals §5.2's naive form (keys and values
-    expanded per head from the latent) in float32."""
-    B, T, H, R, S, NOPE = 3, 3, 2, 64, 130, 32
-    entry = make_entry(rng, B, S, R, "fp8")
+    expanded per head from the latent) in float32 (sm100: R a multiple of 128)."""
+    B, T, H, S, NOPE = 3, 3, 2, 130, 32
+    entry = make_entry(rng, B, S, R, cache)
     w_uk = rng.standard_normal((H, NOPE, R)) / np.sqrt(R)
     w_uv = rng.standard_normal((H, NOPE, R)) / np.sqrt(R)
     q_nope = rng.standard_normal((B, T, H, NOPE))
     q_pe = 0.5 * rng.standard_normal((B, T, H, E))
     key_len = ragged_lengths(S, B, T)
     q_lat = jnp.asarray(np.einsum("bthn,hnr->bthr", q_nope, w_uk), jnp.float32)
-    o_lat = run_kernel(q_lat, jnp.asarray(q_pe, jnp.float32), entry, key_len)
+    o_lat = run_kernel(q_lat, jnp.asarray(q_pe, jnp.float32), entry, key_len, body=body)
     got = np.einsum("bthr,hvr->bthv", np.asarray(o_lat, np.float64), w_uv)
     rows = rows_f64(entry, R)  # naive: per-head keys [k_nope | k_pe] and values from the latent
     k_nope = np.einsum("bsr,hnr->bshn", rows[..., :R], w_uk)
@@ -209,17 +212,20 @@ def test_kernel_interpret_equals_the_naive_form(rng):
 
 
 @cpu_only
-def test_kernel_interpret_slices_and_lse(rng):
+@pytest.mark.parametrize(
+    "body, cache, R, S", [(sm90, "bf16", 64, 200), (sm100, "bf16", 128, 300), (sm100, "fp8", 128, 300)]
+)
+def test_kernel_interpret_slices_and_lse(rng, body, cache, R, S):
     """return_lse over position slices (kv_offset): the kernel's (o, lse) per slice equal the oracle's, and the
     combined slices equal the whole (one slice sees nothing for the shortest sequence: lse = -inf, o = 0)."""
-    B, T, H, R, S = 3, 2, 2, 64, 200
-    entry = make_entry(rng, B, S, R, "bf16")
+    B, T, H = 3, 2, 2
+    entry = make_entry(rng, B, S, R, cache)
     q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
     key_len = jnp.asarray([[1, 2], [17, 18], [S - 1, S]], jnp.int32)
     parts = []
-    for lo, hi in [(0, 100), (100, S)]:
+    for lo, hi in [(0, S // 2), (S // 2, S)]:
         part = {k: v[:, lo:hi] for k, v in entry.items()}
-        o, lse = run_kernel(q_lat, q_pe, part, key_len, kv_offset=lo, return_lse=True)
+        o, lse = run_kernel(q_lat, q_pe, part, key_len, kv_offset=lo, return_lse=True, body=body)
         o_ref, lse_ref = oracle(q_lat, q_pe, part, key_len, kv_offset=lo)
         np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(lse_ref))
         fin = np.isfinite(lse_ref)
@@ -227,6 +233,55 @@ def test_kernel_interpret_slices_and_lse(rng):
         assert rel_err(o, o_ref) < 1e-5
         parts.append((o, lse))
     assert rel_err(api.combine(parts), oracle(q_lat, q_pe, entry, key_len)[0]) < 1e-5
+
+
+# ---- the Blackwell (sm100) kernel in interpret mode (an abstract B200) ----------------------------------------
+# (B, T, H, R, S, tuning changes): blocks of 128 positions, ragged lengths 1 / 17 / the whole cache in every batch;
+# several splits and two stages, one or eight query tokens, one stage and one split over a cache of one block, two
+# O^T row tiles (R = 256)
+SM100_CASES = [
+    (3, 1, 3, 128, 300, {}),
+    (3, 8, 2, 128, 260, {"min_split_blocks": 1}),
+    (3, 4, 4, 256, 128, {"stages": {"fp8": 1, "bf16": 1}, "max_splits": 1}),
+]
+
+
+def whole_cache_lengths(S, B, T):
+    """ragged_lengths with the third sequence's last token seeing all S rows (the last block is a whole one)."""
+    return ragged_lengths(S, B, T).at[2].add(1)
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("B, T, H, R, S, changes", SM100_CASES)
+def test_sm100_kernel_interpret_float32_equals_reference(rng, cache, B, T, H, R, S, changes):
+    """float32 compute on tcgen05 (3 pieces per operand, TMEM accumulators simulated, race-checked): the kernel
+    equals the reference to 1e-5 relative, and the float64 oracle too."""
+    entry = make_entry(rng, B, S, R, cache)
+    q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
+    key_len = whole_cache_lengths(S, B, T)
+    got = run_kernel(q_lat, q_pe, entry, key_len, dict(sm100.TUNING, **changes), body=sm100)
+    ref = reference.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)
+    assert got.dtype == jnp.float32 and got.shape == (B, T, H, R)
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, oracle(q_lat, q_pe, entry, key_len)[0]) < 1e-5
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_sm100_kernel_interpret_bf16_no_less_accurate_than_reference(rng, cache, T):
+    """bf16 compute: against the float64 oracle the sm100 kernel's error is no larger than the reference's
+    (relative Frobenius error over the batch, 10% margin for chance)."""
+    B, H, R, S = 3, 2, 128, 260
+    entry = make_entry(rng, B, S, R, cache)
+    q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.bfloat16)
+    key_len = whole_cache_lengths(S, B, T)
+    got = run_kernel(q_lat, q_pe, entry, key_len, body=sm100)
+    ref = reference.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)
+    assert got.dtype == jnp.bfloat16
+    want = oracle(q_lat, q_pe, entry, key_len)[0]
+    assert rel_err(got, want) <= 1.1 * rel_err(ref, want)
 
 
 # ---- float32 as XLA GPU compiles the wrapper --------------------------------------------------------------
@@ -281,9 +336,13 @@ def test_q_pieces_sum_to_q_as_xla_gpu_compiles_them(rng, cache):
     assert err.max() <= 2.0**-32
 
 
+KERNELS = {sm90: kernel, sm100: kernel_sm100}  # a body -> its kernel module
+
+
 @cpu_only
+@pytest.mark.parametrize("body", [sm90, sm100], ids=["sm90", "sm100"])
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
-def test_kernel_interpret_float32_with_the_wrapper_as_xla_gpu_compiles_it(rng, cache):
+def test_kernel_interpret_float32_with_the_wrapper_as_xla_gpu_compiles_it(rng, cache, body):
     """The H200's float32 failure at reduced width: the q pieces made as XLA GPU compiles them, the kernel
     (interpret mode, tuning.json's launch: several context splits) over long ragged lengths 1 / 17 / S - 1,
     the splits combined: 1e-5 relative to the float64 oracle and to the reference."""
@@ -291,14 +350,14 @@ def test_kernel_interpret_float32_with_the_wrapper_as_xla_gpu_compiles_it(rng, c
     entry = make_entry(rng, B, S, R, cache)
     q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
     key_len = ragged_lengths(S, B, T)
-    launch = sm90.launch_for(q_lat, q_pe, entry)
+    launch = body.launch_for(q_lat, q_pe, entry)
     assert launch.splits > 1
     mdt = kernel.mma_dtype(entry["rows"].dtype)
     args = (q_lat, q_pe, launch.heads_per_group, launch.cols, mdt, 3, SCALE)
     q_BGPNC, colscale_BGN = compiled_like_gpu(kernel._q_pieces, *args, static=(2, 3, 4, 5, 6))
     rows, scales = entry["rows"], entry.get("scales")
-    with abstract_gpu("sm90"):  # the kernel compiled as usual: on the GPU Mosaic, not XLA, compiles its body
-        o, lse = kernel.partials_from_pieces(
+    with abstract_gpu(body.ARCH):  # the kernel compiled as usual: on the GPU Mosaic, not XLA, compiles its body
+        o, lse = KERNELS[body].partials_from_pieces(
             q_BGPNC, colscale_BGN, rows, scales, key_len, R=R, launch=launch, interpret=interpret()
         )
     got = kernel.combine_splits(o, lse, T, H, launch.heads_per_group)[0]
@@ -308,7 +367,7 @@ def test_kernel_interpret_float32_with_the_wrapper_as_xla_gpu_compiles_it(rng, c
 
 
 # ---- CUDA lowering at the real shapes ------------------------------------------------------------------------
-def _lower(B, T, H, S, cache, dtype=jnp.bfloat16, tuning=None, return_lse=False):
+def _lower(B, T, H, S, cache, dtype=jnp.bfloat16, tuning=None, return_lse=False, body=sm90):
     sd = jax.ShapeDtypeStruct
     R = 512
     q_lat, q_pe = sd((B, T, H, R), dtype), sd((B, T, H, E), dtype)
@@ -317,11 +376,11 @@ def _lower(B, T, H, S, cache, dtype=jnp.bfloat16, tuning=None, return_lse=False)
     key_len = sd((B, T), jnp.int32)
 
     def f(q_lat, q_pe, entry, key_len):
-        return sm90.mla_decode_attention(
-            q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning or sm90.TUNING, return_lse=return_lse
+        return body.mla_decode_attention(
+            q_lat, q_pe, entry, key_len, scale=SCALE, tuning=tuning or body.TUNING, return_lse=return_lse
         )
 
-    with abstract_gpu("sm90"):
+    with abstract_gpu(body.ARCH):
         lowered = jax.jit(f).trace(q_lat, q_pe, entry, key_len).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     return lowered
@@ -364,6 +423,25 @@ def test_kernel_lowers_for_cuda_in_float32_and_with_lse(cache):
     assert o.shape == (8, 2, 6, 512) and lse.shape == (8, 2, 6) and o.dtype == lse.dtype == jnp.float32
 
 
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("B, T, H", [(1, 1, 6), (64, 1, 6), (1, 8, 6), (64, 8, 6), (1, 1, 12), (64, 8, 12)])
+def test_sm100_kernel_lowers_for_cuda_at_real_shapes(cache, B, T, H):
+    """The sm100 kernel (tcgen05, TMEM) lowers for a B200 at one TP16 (6 heads) / TP8 (12) rank's widths: R = 512,
+    E = 64, S = 8192, batch 1 / 64, 1 or 8 queries, tuning.json's sm100 launch."""
+    lowered = _lower(B, T, H, 8192, cache, body=sm100)
+    assert lowered.out_info.shape == (B, T, H, 512) and lowered.out_info.dtype == jnp.bfloat16
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_sm100_kernel_lowers_for_cuda_in_float32_and_with_lse(cache):
+    """float32 compute (3 pieces per operand: smaller head groups, SMEM) and the (o, lse) output lower for a B200."""
+    lowered = _lower(8, 2, 6, 8192, cache, dtype=jnp.float32, return_lse=True, body=sm100)
+    o, lse = lowered.out_info
+    assert o.shape == (8, 2, 6, 512) and lse.shape == (8, 2, 6) and o.dtype == lse.dtype == jnp.float32
+
+
 # ---- launch choice, refusals, the api --------------------------------------------------------------------
 @pytest.mark.parametrize("B, T, H, S", [(1, 1, 6, 8192), (64, 1, 6, 8192), (8, 8, 12, 8192), (1, 8, 96, 32768)])
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
@@ -392,6 +470,83 @@ def test_kernel_refuses_what_it_cannot_run(bad):
     launch = kernel.pick_launch(sm90.TUNING, B, T, H, q_lat.shape[-1], E, rows.shape[1], rdt, q_lat.dtype)
     with pytest.raises(NotImplementedError):
         kernel.check_supported(q_lat, q_pe, rows, scales, launch)
+
+
+@pytest.mark.parametrize("B, T, H, S", [(1, 1, 6, 8192), (64, 8, 6, 8192), (8, 8, 12, 8192), (1, 8, 96, 32768)])
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sm100_launch_fits_what_it_claims(B, T, H, S, cache, dtype):
+    """kernel_sm100.pick_launch: head groups divide H within max_cols, columns are whole tcgen05 N steps, TMEM and
+    SMEM hold the accumulators and the stages, splits stay within the capacity's blocks of 128."""
+    t, rdt = sm100.TUNING, jnp.float8_e4m3fn if cache == "fp8" else jnp.bfloat16
+    launch = kernel_sm100.pick_launch(t, B, T, H, 512, E, S, rdt, dtype)
+    Hg, N = launch.heads_per_group, launch.cols
+    assert H % Hg == 0 and T * Hg <= max(t["max_cols"], T) and N % 16 == 0 and T * Hg <= N < T * Hg + 16
+    assert 1 <= launch.splits <= min(t["max_splits"], -(-S // 128)) and launch.stages >= 1
+    assert kernel_sm100.tmem_cols(512, N, rdt) <= kernel_sm100.TMEM_COLS
+    assert kernel_sm100.smem_bytes(512, E, N, launch.stages, rdt, dtype) <= kernel_sm100.SMEM_BYTES
+
+
+@pytest.mark.parametrize("bad", ["rows_f32", "short_cache", "rank_64", "no_scales", "wide_columns"])
+def test_sm100_kernel_refuses_what_it_cannot_run(bad):
+    """R a multiple of 128 (an O^T row tile), a cache of at least one block of 128, the TMEM of the columns."""
+    B, T, H, S = 2, 1, 2, 300
+    R = 64 if bad == "rank_64" else 128
+    sd = jax.ShapeDtypeStruct
+    q_lat, q_pe = sd((B, T, H, R), jnp.bfloat16), sd((B, T, H, E), jnp.bfloat16)
+    rdt = jnp.float32 if bad == "rows_f32" else jnp.float8_e4m3fn
+    rows = sd((B, 100 if bad == "short_cache" else S, R + E), rdt)
+    scales = None if bad in ("no_scales", "rows_f32") else sd((B, rows.shape[1], 2), jnp.float32)
+    launch = kernel_sm100.pick_launch(sm100.TUNING, B, T, H, R, E, rows.shape[1], rdt, q_lat.dtype)
+    if bad == "wide_columns":  # (2 + 1) x 192 TMEM columns for fp8 at R = 128
+        launch = dataclasses.replace(launch, cols=192)
+    with pytest.raises(NotImplementedError):
+        kernel_sm100.check_supported(q_lat, q_pe, rows, scales, launch)
+
+
+@pytest.mark.parametrize(
+    "kind, body", [("NVIDIA H100 80GB HBM3", sm90), ("NVIDIA B200", sm100), ("NVIDIA GB300", sm100)]
+)
+def test_api_picks_the_body_by_compute_capability(kind, body):
+    """Compute capability 9 -> the sm90 body, 10 (B200's 10.0, GB300's 10.3) -> the sm100 body."""
+    device = jax.sharding.AbstractDevice(device_kind=kind, platform="gpu", num_cores=8)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        assert api._kernel_op(SPECIALIZED).__module__ == body.__name__
+
+
+def test_api_on_blackwell_refuses_by_its_own_tuning_section():
+    """On an abstract B200 the sm100 section decides: serve false, or no sm100 section, refuses (the XLA fallback
+    then runs), saying which."""
+    from pallas_kernels.policy import Tuning
+
+    sm90_only = {"sm90": sm90.load_tuning()}
+    off = SPECIALIZED.replace(
+        tuning=Tuning.from_files(mla_decode=dict(sm90_only, sm100=dict(sm100.TUNING, serve=False)))
+    )
+    missing = SPECIALIZED.replace(tuning=Tuning.from_files(mla_decode=sm90_only))
+    with abstract_gpu("sm100"):
+        with pytest.raises(NotImplementedError, match="sm100 'serve': false"):
+            api._kernel_op(off)
+        with pytest.raises(NotImplementedError, match="no 'sm100' section"):
+            api._kernel_op(missing)
+
+
+@cpu_only
+def test_api_on_an_abstract_b200_runs_the_sm100_kernel(rng, monkeypatch):
+    """Through the api's dispatch on an abstract B200: the sm100 body runs (interpret mode here), the dispatch log
+    says pallas, and float32 equals the reference to 1e-5."""
+    B, T, H, R, S = 3, 2, 2, 128, 200
+    entry = make_entry(rng, B, S, R, "fp8")
+    q_lat, q_pe = make_queries(rng, B, T, H, R, jnp.float32)
+    key_len = whole_cache_lengths(S, B, T)
+    monkeypatch.setattr(
+        sm100, "ops", lambda policy: functools.partial(sm100.mla_decode_attention, interpret=interpret())
+    )
+    log = DispatchLog()
+    with recording(log), abstract_gpu("sm100"):
+        got = api.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE, policy=SPECIALIZED)
+    assert log.ops[api.OP] == {"impl": "pallas", "reason": None}
+    assert rel_err(got, reference.mla_decode_attention(q_lat, q_pe, entry, key_len, scale=SCALE)) < 1e-5
 
 
 def test_api_falls_back_to_the_reference_off_hopper(rng, caplog):

@@ -1,4 +1,5 @@
-"""MLA decode attention over the latent cache (docs/model.md §5.3): api, XLA reference, Hopper (sm90) kernel."""
+"""MLA decode attention over the latent cache (docs/model.md §5.3): api, XLA reference, Hopper (sm90) and Blackwell
+(sm100) kernels."""
 
 from pallas_kernels.mla_decode.api import combine, mla_decode_attention
 

@@ -1,10 +1,13 @@
-"""Dispatch for the MLA decode attention: the Hopper kernel where the decode policy asks for kernels and it takes
-the call (sm90; bf16 or fp32 compute; fp8 e4m3 or bf16 rows; a cache of 64 positions or more), the XLA reference
-otherwise (pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends").
+"""Dispatch for the MLA decode attention: a Mosaic GPU kernel where the decode policy asks for kernels and it takes
+the call (Hopper, sm90.py: a cache of 64 positions or more; Blackwell, compute capability 10.x incl. GB300's 10.3,
+sm100.py: 128 or more; bf16 or fp32 compute; fp8 e4m3 or bf16 rows), the XLA reference otherwise
+(pallas_kernels.policy.dispatch: the reason logged once on logger "k3jax.backends").
 
 The op is the weight-absorbed attention core of an MLA layer (reference.py has the maths): the caller absorbs
 W_UK into the queries before and W_UV into the output after.
 """
+
+import importlib
 
 import jax.numpy as jnp
 
@@ -14,19 +17,23 @@ from pallas_kernels.mla_decode import reference
 from pallas_kernels.policy import XLA, DecodePolicy
 
 OP = "mla_decode_attention"
+BODIES = {9: "sm90", 10: "sm100"}  # compute capability major -> the body's module (and tuning.json section)
 
 
 def _kernel_op(policy: DecodePolicy):
     arch = common.gpu_arch()
     if arch is None:
-        raise NotImplementedError("no GPU device (Mosaic GPU needs sm90)")
-    if arch[0] != 9:
-        raise NotImplementedError(f"no MLA decode body for compute capability {arch} (the kernel is sm90)")
-    if not policy.table("mla_decode")["sm90"].get("serve", True):
-        raise NotImplementedError("the MLA decode kernel is switched off (tuning.json sm90 'serve': false)")
-    from pallas_kernels.mla_decode import sm90
-
-    return sm90.ops(policy)
+        raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
+    name = BODIES.get(arch[0])
+    if name is None:
+        raise NotImplementedError(f"no MLA decode body for compute capability {arch} (the kernels are sm90, sm100)")
+    section = policy.table("mla_decode").get(name)
+    if section is None:
+        raise NotImplementedError(f"the policy's mla_decode tuning has no {name!r} section")
+    if not section.get("serve", True):
+        raise NotImplementedError(f"the MLA decode kernel is switched off (tuning.json {name} 'serve': false)")
+    body = importlib.import_module(f"pallas_kernels.mla_decode.{name}")
+    return body.ops(policy)
 
 
 def _check(q_lat_BTHR, q_pe_BTHE, entry, key_len_BT):

@@ -109,10 +109,9 @@ def smem_bytes(R, E, cols, stages, row_dtype, compute_dtype) -> int:
     return sum(-(-n // 1024) * 1024 for n in buffers) + 2048 + 1024
 
 
-def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch):
-    B, T, H, R = q_lat_BTHR.shape
-    E = q_pe_BTHE.shape[-1]
-    S = rows_BSC.shape[1]
+def check_inputs(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2):
+    """The dtypes every body takes: bf16 or float32 compute, fp8 e4m3 rows with fp32 scales [B, S, 2] or bf16 rows."""
+    B, S = rows_BSC.shape[:2]
     if q_lat_BTHR.dtype not in (BF16, F32) or q_pe_BTHE.dtype != q_lat_BTHR.dtype:
         raise NotImplementedError(f"compute dtype {q_lat_BTHR.dtype}/{q_pe_BTHE.dtype}: bf16 or float32")
     if rows_BSC.dtype == FP8:
@@ -120,6 +119,11 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
             raise NotImplementedError("fp8 rows need their fp32 scales [B, S, 2]")
     elif rows_BSC.dtype != BF16:
         raise NotImplementedError(f"rows in {rows_BSC.dtype}: the kernel reads fp8 e4m3 or bf16 rows")
+
+
+def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch):
+    check_inputs(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2)
+    R, E, S = q_lat_BTHR.shape[-1], q_pe_BTHE.shape[-1], rows_BSC.shape[1]
     if R % 64 or E % 64:
         raise NotImplementedError(f"R = {R}, E = {E}: multiples of 64 (one 128-byte bf16 swizzle row)")
     if S < BLOCK:
