@@ -1,6 +1,7 @@
 """The decode GEMV (pallas_kernels.gemv): kernel in interpret mode and its reference against float64 NumPy,
 CUDA lowering at one TP16 rank's real shapes, the api's fallback and refusals; real shapes on the GPU. Weights
-of rows that are not whole 64-row blocks (the MoE in-projections at TP16 / TP8) included."""
+of rows that are not whole 64-row blocks (the MoE in-projections at TP16 / TP8) included. The Blackwell body
+(kernel_sm100) on an abstract B200: interpret mode and CUDA lowering only (its section at the end)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,12 +9,13 @@ import numpy as np
 import pytest
 
 from k3jax.config import K3Config
-from pallas_kernels.gemv import api, kernel, reference
+from pallas_kernels.gemv import api, kernel, kernel_sm100, reference
 from pallas_kernels.policy import SPECIALIZED, XLA, DecodePolicy, Tuning
 from tests.kernel_testbase import abstract_gpu, cpu_only, gpu_only, rng
 
 STREAMED = dict(block_k=128, split_k=2, steps=6, x_stream="M")  # tokens on M: a 64-row x tile
 STREAMED_N = dict(STREAMED, x_stream="N")  # tokens on N: the batch padded to 8s, no 64-row tile past B
+BODIES = {"sm90": kernel, "sm100": kernel_sm100}  # the body each abstract GPU runs (api.body)
 
 
 def _inputs(r, B, D, rows):
@@ -55,13 +57,13 @@ def test_kernel_interpret_matches_numpy(B, split_k, steps, x_stream):
     _check(_interpret(x, ws, split_k, steps, x_stream), x, ws)
 
 
-def _interpret(x, ws, split_k, steps, x_stream, out_dtypes=None):
-    """The kernel in interpret mode on an abstract H100, race-checked."""
+def _interpret(x, ws, split_k, steps, x_stream, out_dtypes=None, arch="sm90"):
+    """The kernel in interpret mode on an abstract H100 (arch "sm100": the Blackwell body on a B200), race-checked."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    with abstract_gpu("sm90"):
-        got = kernel.gemv(
+    with abstract_gpu(arch):
+        got = BODIES[arch].gemv(
             x,
             ws,
             block_k=128,
@@ -348,12 +350,12 @@ def test_moe_in_launch_lowers_for_cuda_with_fp32_logits(tp, B, split_k, x_stream
     assert [(o.shape, o.dtype) for o in lowered.out_info] == want
 
 
-def _policy_with(table, **launch):
-    """The decode policy with one gemv table holding `launch` for every batch (none: the table emptied, so the
-    api refuses every batch and the reference runs)."""
+def _policy_with(table, arch="sm90", **launch):
+    """The decode policy with one gemv table of the body `arch` holding `launch` for every batch (none: the table
+    emptied, so the api refuses every batch and the reference runs)."""
     files = XLA.table("gemv")  # the parsed file, shared: copied, never changed
     entries = [dict(max_batch=kernel.MAX_TOKENS, **launch)] if launch else []
-    gemv = {**files, "sm90": {**files["sm90"], table: entries}}
+    gemv = {**files, arch: {**files[arch], table: entries}}
     return DecodePolicy("latency_specialized", tuning=Tuning.from_files(gemv=gemv))
 
 
@@ -483,14 +485,15 @@ def _check_sum(got, xs, ws, dtype=jnp.bfloat16):
     assert np.all(err <= bound), float((err / bound).max())
 
 
-def _interpret_sum(xs, ws, **launch):
-    """The pairs' kernel in interpret mode on an abstract H100, race-checked."""
+def _interpret_sum(xs, ws, arch="sm90", **launch):
+    """The pairs' kernel in interpret mode on an abstract H100 (arch "sm100": the Blackwell body on a B200),
+    race-checked."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    with abstract_gpu("sm90"):
-        kernel.check_sum_supported(xs, ws, **launch)
-        got = kernel.gemv_sum(xs, ws, interpret=plgpu.InterpretGPUParams(detect_races=True), **launch)
+    with abstract_gpu(arch):
+        BODIES[arch].check_sum_supported(xs, ws, **launch)
+        got = BODIES[arch].gemv_sum(xs, ws, interpret=plgpu.InterpretGPUParams(detect_races=True), **launch)
     assert not get_races().races_found
     return got
 
@@ -670,3 +673,237 @@ def test_moe_out_on_gpu_matches_numpy(B, tp, launch):
     _, products = _sum_model(xs, ws, jnp.bfloat16)
     bound = 2**-8 * (sum(np.abs(p) for p in products) + np.abs(xla)) + 1e-6 * np.max(np.abs(xla))
     assert np.all(np.abs(np.asarray(got, np.float64) - xla) <= bound)
+
+
+# ---- the Blackwell body (kernel_sm100: tcgen05, accumulators in TMEM), on CPU under an abstract B200 ----------
+# No Blackwell GPU here: interpret mode and CUDA lowering only. Its partials pad to 128-row blocks and 16 tokens.
+SM100_TABLES = ("launch", "o_proj_launch", "moe_in_launch", "mla_in_launch", "moe_out_launch")
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "rows, out_dtypes",
+    [((128, 56), (jnp.bfloat16, jnp.float32)), ((56, 224, 136, 72), MOE_DTYPES), ((256,), (jnp.bfloat16,))],
+)
+@pytest.mark.parametrize("B, split_k, steps", [(1, 1, 2), (5, 2, 3), (16, 1, 2), (13, 4, 2), (37, 2, 2), (64, 1, 3)])
+def test_sm100_kernel_interpret_matches_numpy(rows, out_dtypes, B, split_k, steps):
+    """Several weights in one launch, short last 128-row blocks among them (56: a short first and only block; 224,
+    136, 72), fp32 outputs beside bf16 ones, one split (the kernel writes a bf16 output itself, exactly [B, N]) or
+    several (fp32 partials), batches of 1 to 64 not whole 16s: tcgen05 and TMEM simulated, race-free."""
+    x, ws = _inputs(rng(), B, 1024, rows)
+    _check_mixed(_interpret(x, ws, split_k, steps, "N", out_dtypes, arch="sm100"), x, ws, out_dtypes)
+
+
+@cpu_only
+@pytest.mark.parametrize("B", [3, 20])
+def test_sm100_partials_of_short_row_blocks_are_padded_with_zeros(B):
+    """partials() of weights of 56 and 200 rows: [S, N_pad, T] with N_pad whole 128-row blocks (128, 256) and T the
+    batch in 16s; the rows past N are exact zeros (the weight TMA's fill), the first N summed are the product."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    x, ws = _inputs(rng(), B, 512, (56, 200))
+    with abstract_gpu("sm100"):
+        parts = kernel_sm100.partials(x, ws, block_k=128, split_k=2, steps=2, interpret=plgpu.InterpretGPUParams())
+    for p, w in zip(parts, ws, strict=True):
+        N, N_pad = w.shape[0], -(-w.shape[0] // kernel_sm100.ROWS) * kernel_sm100.ROWS
+        p = np.asarray(p, np.float64)
+        assert p.shape == (2, N_pad, kernel_sm100.tokens(B)) and kernel_sm100.tokens(B) % 16 == 0
+        assert np.all(p[:, N:] == 0) and np.any(p[:, :N] != 0)
+        _check_mixed((p.sum(0)[:N, :B].T.astype(np.float32),), x, (w,), (jnp.float32,))
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "B, N, Ks, block_k, steps",
+    [
+        (1, 128, (224, 384), 192, 2),  # TP16's K: 2 lockstep steps of 128 (64-byte swizzle) + 192 columns
+        (5, 256, (224, 384), 128, 3),  # 3 steps of 96 + 128
+        (16, 128, (448, 128), 256, 2),  # TP8's latent_up K: 2 steps of 256 + 64
+        (20, 128, (96, 160, 64), 128, 2),  # three pairs: the adds chained in order
+        (64, 128, (80, 144), 64, 3),  # 32-byte swizzles (16-column rows), 32 + 48 columns a step
+    ],
+)
+def test_sm100_sum_kernel_interpret_matches_numpy(B, N, Ks, block_k, steps):
+    """The pairs' sum on the Blackwell body against the float64 model: each pair's accumulator in its own TMEM
+    columns, K_j not multiples of the block, batches not whole 16s, race-free."""
+    xs, ws = _pairs(rng(), B, N, Ks)
+    _check_sum(_interpret_sum(xs, ws, arch="sm100", block_k=block_k, steps=steps), xs, ws)
+
+
+@cpu_only
+def test_sm100_sum_kernel_rounds_each_product_then_their_sum():
+    """Whole-number inputs (fp32 sums exact in any order): the Blackwell kernel equals the model's two roundings
+    bit for bit, which one rounding of the fp32 sum would not."""
+    xs, ws = _pairs(rng(), 6, 128, (224, 384), integers=True)
+    want, products = _sum_model(xs, ws, jnp.bfloat16)
+    got = _interpret_sum(xs, ws, arch="sm100", block_k=192, steps=2)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+    assert np.mean(_rounded(products[0] + products[1], jnp.bfloat16) != want) > 0.05
+
+
+def _lower_sm100(f, *args):
+    with abstract_gpu("sm100"):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@cpu_only
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize(
+    "table, rows, out_dtypes",
+    [
+        ("launch", (3072, 128), None),  # one TP16 rank's KDA q/k/v/g and f_a
+        ("moe_in_launch", (56, 224, 384, 384), MOE_DTYPES),  # its MoE router (fp32 logits), latent_down, shared gate/up
+        ("mla_in_launch", MLA_IN_ROWS[16], None),  # its MLA q_a, kv_a and g
+    ],
+)
+@pytest.mark.parametrize("split_k", [None, 1])
+def test_sm100_kernel_lowers_for_cuda_at_tp16_shapes(B, table, rows, out_dtypes, split_k):
+    """One TP16 rank's projections over D = 7168 with tuning.json's sm100 launch (or it with one split and the
+    stages that fit: the kernel writes the outputs by TMA stores, a short weight's too) lower for a B200, exactly
+    [B, N_i] each."""
+    launch = api.pick_launch(B, 7168, table=table, arch="sm100")
+    if split_k:  # one split: the output tiles take SMEM, so as many of the table's stages as still fit
+        fits = [s for s in range(2, launch["steps"] + 1) if kernel_sm100.smem_bytes(B, 7168, 128, 1, s) <= 227 * 1024]
+        launch.update(split_k=split_k, steps=fits[-1])
+    x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)  # shapes only: lowering reads no values
+    ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in rows)
+    kernel_sm100.check_supported(x, ws, **launch)
+    lowered = _lower_sm100(lambda x, ws: kernel_sm100.gemv(x, ws, out_dtypes=out_dtypes, **launch), x, ws)
+    assert "mosaic_gpu" in lowered.as_text()
+    dtypes = out_dtypes or (jnp.bfloat16,) * len(rows)
+    assert [(o.shape, o.dtype) for o in lowered.out_info] == [
+        ((B, n), jnp.dtype(d)) for n, d in zip(rows, dtypes, strict=True)
+    ]
+
+
+@cpu_only
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_sm100_o_proj_and_moe_out_lower_for_cuda_at_tp16_shapes(B):
+    """o_proj (D = 768, 7168 rows, one split) and the MoE finish (latent_up + shared_down, K 224 + 384, N = 7168)
+    with tuning.json's sm100 launches lower for a B200, exactly [B, 7168] bf16."""
+    launch = api.pick_launch(B, 768, table="o_proj_launch", arch="sm100")
+    x, ws = jax.ShapeDtypeStruct((B, 768), jnp.bfloat16), (jax.ShapeDtypeStruct((7168, 768), jnp.bfloat16),)
+    kernel_sm100.check_supported(x, ws, **launch)
+    lowered = _lower_sm100(lambda x, ws: kernel_sm100.gemv(x, ws, **launch), x, ws)
+    assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (B, 7168)
+    Ks = _moe_out_ks(16)
+    launch = api.pick_launch(B, max(Ks), table="moe_out_launch", arch="sm100")
+    xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    kernel_sm100.check_sum_supported(xs, ws, **launch)
+    lowered = _lower_sm100(lambda xs, ws: kernel_sm100.gemv_sum(xs, ws, **launch), xs, ws)
+    assert "mosaic_gpu" in lowered.as_text()
+    assert (lowered.out_info.shape, lowered.out_info.dtype) == ((B, 7168), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_sm100_launches_cover_what_they_claim(tp):
+    """tuning.json's sm100 tables (first defaults, not measured) fit every batch they cover at one TP16 / TP8
+    rank's shapes, tokens on N throughout; past them the api refuses, so XLA runs."""
+    cases = {  # D and the rows: q/k/v/g + f_a, o_proj (its short D), the MoE's and MLA's in-projections
+        "launch": (7168, (3072 * 16 // tp, 128)),
+        "o_proj_launch": (768 * 16 // tp, (7168,)),
+        "moe_in_launch": (7168, _moe_in_rows(tp)),
+        "mla_in_launch": (7168, MLA_IN_ROWS[tp]),
+    }
+    for table in SM100_TABLES:
+        entries = XLA.table("gemv")["sm100"][table]
+        assert all(e["x_stream"] == "N" for e in entries)
+        assert entries[-1]["max_batch"] == kernel_sm100.MAX_TOKENS
+        for B in range(1, kernel_sm100.MAX_TOKENS + 1):
+            if table == "moe_out_launch":
+                Ks = _moe_out_ks(tp)
+                launch = api.pick_launch(B, max(Ks), table=table, arch="sm100")
+                kernel_sm100.check_sum_supported(
+                    tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks),
+                    tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks),
+                    **launch,
+                )
+                continue
+            D, rows = cases[table]
+            launch = api.pick_launch(B, D, table=table, arch="sm100")
+            kernel_sm100.check_supported(
+                jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
+                tuple(jax.ShapeDtypeStruct((n, D), jnp.bfloat16) for n in rows),
+                **launch,
+            )
+        with pytest.raises(NotImplementedError, match=f"batch {kernel_sm100.MAX_TOKENS + 1}"):
+            api.pick_launch(kernel_sm100.MAX_TOKENS + 1, 7168, table=table, arch="sm100")
+
+
+@pytest.mark.parametrize("bad", ["x_stream", "steps", "batch", "rows", "smem"])
+def test_sm100_kernel_refuses_what_it_cannot_run(bad):
+    """The tokens on M (not in the sm100 body), a single stage, the checks shared with kernel.py, SMEM."""
+    B, D = {"batch": 65, "smem": 64}.get(bad, 2), 7168 if bad == "smem" else 1024
+    x = jax.ShapeDtypeStruct((B, D), jnp.bfloat16)
+    ws = (jax.ShapeDtypeStruct((100 if bad == "rows" else 128, D), jnp.bfloat16),)
+    launch = dict(block_k=128, split_k=2, steps=1 if bad == "steps" else 2, x_stream="M" if bad == "x_stream" else "N")
+    if bad == "smem":  # 6 stages of (128 + 64) x 128 bf16: 288 KB
+        launch.update(steps=6)
+    with pytest.raises(
+        NotImplementedError,
+        match={
+            "x_stream": "tokens on N only",
+            "steps": "steps 1",
+            "batch": "batch 65",
+            "rows": "multiple of 8",
+            "smem": "SMEM",
+        }[bad],
+    ):
+        kernel_sm100.check_supported(x, ws, **launch)
+
+
+@pytest.mark.parametrize("bad", ["x_stream", "n", "tmem", "smem"])
+def test_sm100_sum_kernel_refuses_what_it_cannot_run(bad):
+    """The tokens on M, N not whole 128-row blocks (7104 is whole 64s: sm90 takes it), more accumulators than
+    TMEM's 512 columns (9 pairs of 64 tokens), SMEM."""
+    B = 64 if bad in ("tmem", "smem") else 2
+    Ks = (128,) * 9 if bad == "tmem" else (224, 384)  # tmem: two steps of 64 columns a pair
+    N = 7104 if bad == "n" else 7168
+    xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((N, K), jnp.bfloat16) for K in Ks)
+    # smem: block_k 192's two stages at 64 tokens, 2 x (128 + 64) x (128 + 192) x 2 bytes, and the output tiles
+    launch = dict(block_k=64 if bad == "tmem" else 192, steps=2, x_stream="M" if bad == "x_stream" else "N")
+    with pytest.raises(
+        NotImplementedError,
+        match={"x_stream": "tokens on N only", "n": "whole 128-row", "tmem": "TMEM", "smem": "SMEM"}[bad],
+    ):
+        kernel_sm100.check_sum_supported(xs, ws, **launch)
+
+
+def test_api_picks_the_body_by_compute_capability():
+    """9.x: kernel.py (sm90's tables), 10.x (B200's 10.0, GB300's 10.3): kernel_sm100 (sm100's); anything else a
+    one-line refusal, so XLA runs. Under an abstract B200 the api's body is the Blackwell one."""
+    assert api.body((9, 0)) == ("sm90", kernel)
+    assert api.body((10, 0)) == api.body((10, 3)) == ("sm100", kernel_sm100)
+    for arch in ((8, 0), (12, 0)):
+        with pytest.raises(NotImplementedError, match="sm90 .* or sm100"):
+            api.body(arch)
+    with abstract_gpu("sm100"):
+        assert api.body() == ("sm100", kernel_sm100)
+    with abstract_gpu("sm90"):
+        assert api.body() == ("sm90", kernel)
+    assert api.pick_launch(64, 7168) == dict(block_k=128, split_k=2, steps=6, x_stream="M")  # sm90 by default
+    assert api.pick_launch(64, 7168, arch="sm100")["x_stream"] == "N"
+
+
+@cpu_only
+@pytest.mark.parametrize("B", [1, 24])
+def test_sm100_api_takes_the_kernel_on_a_b200(B):
+    """The MoE's in-projections (fp32 logits) and finish through the api with the default tables, lowered for
+    CUDA on an abstract B200: the Blackwell kernel runs (no XLA dot in the program); with a launch asking for the
+    tokens on M (not in the sm100 body) or an emptied table, the reference runs."""
+    x = jax.ShapeDtypeStruct((B, 7168), jnp.bfloat16)
+    ws = tuple(jax.ShapeDtypeStruct((n, 7168), jnp.bfloat16) for n in _moe_in_rows(16))
+    on_m = _policy_with("moe_in_launch", arch="sm100", block_k=128, split_k=2, steps=4, x_stream="M")
+    for policy, kernel_runs in ((SPECIALIZED, True), (on_m, False), (_policy_with("moe_in_launch", "sm100"), False)):
+        f = lambda x, ws, p=policy: api.gemv(x, ws, out_dtypes=MOE_DTYPES, policy=p, table="moe_in_launch")  # noqa: E731
+        text = _lower_sm100(f, x, ws).as_text()
+        assert ("mosaic_gpu" in text, "dot_general" in text) == (kernel_runs, not kernel_runs)
+    Ks = _moe_out_ks(16)
+    xs = tuple(jax.ShapeDtypeStruct((B, K), jnp.bfloat16) for K in Ks)
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    for policy, kernel_runs in ((SPECIALIZED, True), (_policy_with("moe_out_launch", "sm100"), False)):
+        f = lambda xs, ws, p=policy: api.gemv_sum(xs, ws, policy=p)  # noqa: E731
+        text = _lower_sm100(f, xs, ws).as_text()
+        assert ("mosaic_gpu" in text, "dot_general" in text) == (kernel_runs, not kernel_runs)

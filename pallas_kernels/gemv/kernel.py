@@ -85,6 +85,19 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
     B, D = x_BD.shape
     if x_stream not in X_STREAMS:
         raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
+    check_operands(x_BD, ws_ND, block_k, split_k)
+    need = smem_bytes(B, D, block_k, split_k, steps, x_stream, any(ragged(w.shape[0]) for w in ws_ND))
+    if need > SMEM_BYTES:
+        raise NotImplementedError(
+            f"batch {B}: {steps} stages of weight and x tiles need {need} bytes "
+            f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
+        )
+
+
+def check_operands(x_BD, ws_ND, block_k, split_k):
+    """What every body of the GEMV takes (kernel_sm100's too): bf16, a decode batch, [N, D] weights of N a multiple
+    of 8, D in split_k x block_k slices of two blocks or more."""
+    B, D = x_BD.shape
     if x_BD.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in ws_ND):
         raise NotImplementedError(f"bf16 only: x {x_BD.dtype}, w {[str(w.dtype) for w in ws_ND]}")
     if B > MAX_TOKENS:
@@ -98,12 +111,6 @@ def check_supported(x_BD, ws_ND, block_k, split_k, steps=2, x_stream="N"):
         raise NotImplementedError(
             f"D = {D} is not split_k {split_k} x block_k {block_k} x 2 or more (the "
             "pipeline releases a stage one step late, so it needs two)"
-        )
-    need = smem_bytes(B, D, block_k, split_k, steps, x_stream, any(ragged(w.shape[0]) for w in ws_ND))
-    if need > SMEM_BYTES:
-        raise NotImplementedError(
-            f"batch {B}: {steps} stages of weight and x tiles need {need} bytes "
-            f"of SMEM (> {SMEM_BYTES}); lower steps or block_k"
         )
 
 
@@ -191,6 +198,13 @@ def gemv(x_BD, ws_ND, *, block_k=128, split_k=2, steps=6, x_stream="N", out_dtyp
         interpret=interpret,
         out_dtypes=written,
     )
+    return finish(parts, ws_ND, written, out_dtypes, B, x_stream)
+
+
+def finish(parts, ws_ND, written, out_dtypes, B, x_stream="N"):
+    """The kernel's writes -> the [B, N_i] outputs: a bf16 output the kernel wrote itself as it is, fp32 partials
+    summed over the splits (their padding sliced off), rounded to out_dtypes. Shared with kernel_sm100 (the same
+    layouts, other paddings)."""
     outs = []
     for p, w, w_dtype, dtype in zip(parts, ws_ND, written, out_dtypes, strict=True):
         N = w.shape[0]  # the partials' rows past N are padding (the sum's slice costs nothing: one fusion)
@@ -338,6 +352,19 @@ def sum_smem_bytes(B, Ks, block_k, steps, x_stream="N"):
 def check_sum_supported(xs_BK, ws_NK, block_k, split_k=1, steps=2, x_stream="N"):
     if x_stream not in X_STREAMS:
         raise NotImplementedError(f"x_stream={x_stream!r}: one of {X_STREAMS}")
+    check_sum_operands(xs_BK, ws_NK, block_k, split_k, ROWS)
+    B, n = xs_BK[0].shape[0], pair_blocks([x.shape[1] for x in xs_BK], block_k)[0]
+    need = sum_smem_bytes(B, [x.shape[1] for x in xs_BK], block_k, steps, x_stream)
+    if need > SMEM_BYTES:
+        raise NotImplementedError(
+            f"batch {B}: {min(steps, n)} stages of every pair's tiles need {need} bytes of SMEM (> {SMEM_BYTES}); "
+            "lower steps or block_k"
+        )
+
+
+def check_sum_operands(xs_BK, ws_NK, block_k, split_k, rows):
+    """What every body of the pairs' GEMV takes (kernel_sm100's too): bf16 pairs sharing B and N, a decode batch,
+    N in whole `rows`-row blocks (the body's), one split, two lockstep steps or more."""
     if not xs_BK or len(xs_BK) != len(ws_NK):
         raise NotImplementedError(f"{len(xs_BK)} x's for {len(ws_NK)} weights: one x per weight")
     if any(a.dtype != jnp.bfloat16 for a in (*xs_BK, *ws_NK)):
@@ -354,19 +381,13 @@ def check_sum_supported(xs_BK, ws_NK, block_k, split_k=1, steps=2, x_stream="N")
             f"pairs {shapes}: need x_j [{B}, K_j] and w_j [N, K_j] sharing B and N, K_j a multiple of 8 (the TMA's "
             "16-byte row strides)"
         )
-    if N % ROWS:
-        raise NotImplementedError(f"N = {N}: whole {ROWS}-row blocks only (the output is stored a block at a time)")
+    if N % rows:
+        raise NotImplementedError(f"N = {N}: whole {rows}-row blocks only (the output is stored a block at a time)")
     if split_k != 1:
         raise NotImplementedError(f"split_k {split_k}: one split (the kernel rounds each pair's whole sum itself)")
     n = pair_blocks([x.shape[1] for x in xs_BK], block_k)[0]
     if n < 2:
         raise NotImplementedError(f"K {[x.shape[1] for x in xs_BK]} in one step of {block_k}: the pipeline needs two")
-    need = sum_smem_bytes(B, [x.shape[1] for x in xs_BK], block_k, steps, x_stream)
-    if need > SMEM_BYTES:
-        raise NotImplementedError(
-            f"batch {B}: {min(steps, n)} stages of every pair's tiles need {need} bytes of SMEM (> {SMEM_BYTES}); "
-            "lower steps or block_k"
-        )
 
 
 def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
