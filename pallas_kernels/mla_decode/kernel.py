@@ -44,6 +44,7 @@ interpret always runs "add" (the "state" form is lowered on CPU and run on the G
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,53 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
         raise NotImplementedError(f"{launch.stages} stages need {need} bytes of SMEM (> {SMEM_BYTES})")
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitStream:
+    """A CTA's share of its sequence's valid blocks and how it fetches them (both bodies: kernel.py, kernel_sm100.py).
+    lens_T: the rows each token sees (scalars clipped to 0 .. S); lo / n: the split's first block and its count;
+    first_row(i): block i's first row (the last block overlaps its predecessor rather than leave the cache);
+    issue(i, slot): block i's c and k_pe TMAs into the slot; load_scales(i): its rows' (c, k_pe) scales."""
+
+    lens_T: list
+    lo: jax.Array
+    n: jax.Array
+    first_row: Callable
+    issue: Callable
+    load_scales: Callable
+
+
+def split_stream(gmem, smem, *, T, P, R, E, block, splits, scale_layout) -> SplitStream:
+    """The split's blocks of sequence b (grid axes "b", "g", "s"); its query pieces' TMAs issued on q_bar. gmem:
+    (lens, q, rows, scales or None) refs; smem: (q's c and k_pe pieces, the block slots' c and k_pe, q_bar, the
+    slots' barriers)."""
+    lens_ref, q_ref, rows_ref, sc_ref = gmem
+    qc_s, qe_s, c_s, e_s, q_bar, bar = smem
+    b, g, sp = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("s")
+    S = rows_ref.shape[1]
+    lens_T = [jnp.clip(lens_ref[b, t], 0, S) for t in range(T)]  # scalars (no XLA kernel before this one)
+    nblk = (functools.reduce(jnp.maximum, lens_T) + block - 1) // block  # this sequence's valid blocks
+    per = (nblk + splits - 1) // splits
+    lo = sp * per  # this split's first block
+    n = jnp.clip(nblk - lo, 0, per)
+    for j in range(P):  # a TMA per piece (a [P, N, C] box would need 6 strided dims; TMA takes 5)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(0, R)], qc_s.at[j], q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(R, E)], qe_s.at[j], q_bar)
+
+    def first_row(i):
+        return jnp.minimum((lo + i) * block, S - block)
+
+    def issue(i, slot):
+        at = rows_ref.at[b, pl.ds(first_row(i), block)]
+        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(0, R)], c_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(R, E)], e_s.at[slot], bar.at[slot])
+
+    def load_scales(i):  # one per accumulator row
+        at = sc_ref.at[b, pl.ds(first_row(i), block)]
+        return tuple(plgpu.load(at.at[:, k], layout=scale_layout, optimized=False) for k in (0, 1))
+
+    return SplitStream(lens_T, lo, n, first_row, issue, load_scales)
+
+
 def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode, qk_regs):
     """lens [B, T] int32: the rows token t sees (clipped to 0 .. S here); colscale [B, G, N] fp32: a column's
     scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
@@ -146,30 +194,20 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
         sc_ref, o_ref, lse_ref, qc_s, qe_s, c_s, e_s, cb_s, eb_s, p_s, q_bar, bar = refs
     else:
         o_ref, lse_ref, qc_s, qe_s, c_s, e_s, p_s, q_bar, bar = refs
+    blocks = split_stream(
+        (lens_ref, q_ref, rows_ref, sc_ref if fp8 else None),
+        (qc_s, qe_s, c_s, e_s, q_bar, bar),
+        T=T,
+        P=P,
+        R=R,
+        E=E,
+        block=BLOCK,
+        splits=splits,
+        scale_layout=plgpu.Layout.WGMMA.reduce(1),
+    )
     b, g, sp = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("s")
-    S = rows_ref.shape[1]
-    lens_T = [jnp.clip(lens_ref[b, t], 0, S) for t in range(T)]  # scalars (no XLA kernel before this one)
-    maxlen = functools.reduce(jnp.maximum, lens_T)
-    nblk = (maxlen + BLOCK - 1) // BLOCK  # this sequence's valid blocks
-    per = (nblk + splits - 1) // splits
-    lo = sp * per  # this split's first block
-    n = jnp.clip(nblk - lo, 0, per)
-
-    for j in range(P):  # a TMA per piece (a [P, N, C] box would need 6 strided dims; TMA takes 5)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(0, R)], qc_s.at[j], q_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(R, E)], qe_s.at[j], q_bar)
-
-    def first_row(i):  # the block's first row: the last one overlaps its predecessor rather than leave the cache
-        return jnp.minimum((lo + i) * BLOCK, S - BLOCK)
-
-    def issue(i, slot):
-        at = rows_ref.at[b, pl.ds(first_row(i), BLOCK)]
-        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(0, R)], c_s.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(R, E)], e_s.at[slot], bar.at[slot])
-
-    def load_scales(i):  # (c's, k_pe's) scale of the block's rows, one per WGMMA row
-        at = sc_ref.at[b, pl.ds(first_row(i), BLOCK)]
-        return tuple(plgpu.load(at.at[:, k], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) for k in (0, 1))
+    lens_T, lo, n = blocks.lens_T, blocks.lo, blocks.n
+    first_row, issue, load_scales = blocks.first_row, blocks.issue, blocks.load_scales
 
     for j in range(stages):
         pl.when(j < n)(functools.partial(issue, j, j))

@@ -149,31 +149,21 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
     else:
         o_ref, lse_ref, qc_s, qe_s, c_s, e_s, p_s, s_tm, o_tm, q_bar, bar, done = refs
         conv_s = None
+    blocks = kernel.split_stream(
+        (lens_ref, q_ref, rows_ref, sc_ref if fp8 else None),
+        (qc_s, qe_s, c_s, e_s, q_bar, bar),
+        T=T,
+        P=P,
+        R=R,
+        E=E,
+        block=BLOCK,
+        splits=splits,
+        scale_layout=ROW,
+    )
     b, g, sp = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("s")
-    S = rows_ref.shape[1]
     tiles = R // CHUNK
-    lens_T = [jnp.clip(lens_ref[b, t], 0, S) for t in range(T)]
-    maxlen = functools.reduce(jnp.maximum, lens_T)
-    nblk = (maxlen + BLOCK - 1) // BLOCK  # this sequence's valid blocks
-    per = (nblk + splits - 1) // splits
-    lo = sp * per  # this split's first block
-    n = jnp.clip(nblk - lo, 0, per)
-
-    for j in range(P):  # a TMA per piece (a [P, N, C] box would need 6 strided dims; TMA takes 5)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(0, R)], qc_s.at[j], q_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, g, j, :, pl.ds(R, E)], qe_s.at[j], q_bar)
-
-    def first_row(i):  # the block's first row: the last one overlaps its predecessor rather than leave the cache
-        return jnp.minimum((lo + i) * BLOCK, S - BLOCK)
-
-    def issue(i, slot):
-        at = rows_ref.at[b, pl.ds(first_row(i), BLOCK)]
-        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(0, R)], c_s.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(at.at[:, pl.ds(R, E)], e_s.at[slot], bar.at[slot])
-
-    def load_scales(i):  # (c's, k_pe's) scale of the block's rows, one per accumulator row
-        at = sc_ref.at[b, pl.ds(first_row(i), BLOCK)]
-        return tuple(plgpu.load(at.at[:, k], layout=ROW, optimized=False) for k in (0, 1))
+    lens_T, lo, n = blocks.lens_T, blocks.lo, blocks.n
+    first_row, issue, load_scales = blocks.first_row, blocks.issue, blocks.load_scales
 
     for j in range(stages):
         pl.when(j < n)(functools.partial(issue, j, j))
