@@ -14,6 +14,10 @@
 #                                 as the boundary kernel without its exchange (--mix-norm-single-device: the run's
 #                                 policy, tuning.json untouched), then as XLA's kernels (~3 min)
 #                                 -> rank_slice_boundary.*, rank_slice_boundary_off.*
+#   step_trace   nvidia-h200      the rank slice, 12 layers, B 1 and 64, latency_specialized, with --trace (the device
+#                                 timeline between kernels, bench/step_trace.py) under XLA's default flags, then
+#                                 without command buffers, then with every custom call in them from graphs of 1 (~6 min)
+#                                 -> rank_slice_trace.*, rank_slice_trace_nocb.*, rank_slice_trace_cb1.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -87,6 +91,14 @@ case "${1:-}" in
       --backends latency_specialized --mix-norm-single-device on --budget-s 180 --out "$work" --tag _boundary
     step rank_slice_boundary_off 200 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
       --backends latency_specialized --mix-norm-single-device off --budget-s 150 --out "$work" --tag _boundary_off
+    ;;
+  step_trace)  # why the wall per step is ~40% above the kernel sum: idle time by kind, and command buffers' part
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+    for v in "_trace:" "_trace_nocb:--xla_gpu_enable_command_buffer=" \
+      "_trace_cb1:--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
+      step "rank_slice${v%%:*}" 190 env XLA_FLAGS="${v#*:}" python3 bench/rank_slice.py --layers 12 --batches 1,64 \
+        --backends latency_specialized --trace --budget-s 160 --out "$work" --tag "${v%%:*}"
+    done
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95

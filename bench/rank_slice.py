@@ -434,6 +434,34 @@ def wall_per_step_us(step, params, tokens, cache, iters: int):
     return 1e6 * (time.perf_counter() - t0) / iters, tokens, cache
 
 
+def traced(step, params, tokens, cache, iters: int, log):
+    """bench/step_trace.py's timeline summary of `iters` back-to-back steps (state threaded through)."""
+    from bench import step_trace
+
+    state = [tokens, cache]
+
+    def run():
+        t, c = state
+        for _ in range(iters):
+            t, c = step(params, t, c)
+        jax.block_until_ready((t, c))
+        state[:] = [t, c]
+
+    try:
+        summary = step_trace.trace_steps(run, iters)
+    except Exception as e:  # a trace is extra: never lose the run for it
+        log(f"trace failed: {e!r}")
+        summary = {"error": repr(e)[:1000]}
+    if summary and "span_us_per_step" in summary:
+        log(
+            f"trace: span {summary['span_us_per_step']:.0f} us/step, busy {summary['busy_us_per_step']:.0f}, idle "
+            f"before { ({k: round(v) for k, v in summary['idle_us_per_step_before_kind'].items()}) }, by kind "
+            f"{ ({k: round(v) for k, v in summary['us_per_step_by_kind'].items()}) }, host calls "
+            f"{summary['host_calls_per_step']}"
+        )
+    return summary, *state
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Achievable HBM bandwidth here: CUPTI time of x + 1 over `nbytes` of bf16 (read + write)."""
     from jax.experimental.mosaic.gpu import profiler
@@ -948,6 +976,8 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
         entry["summary"] = summarize(rows, c)
         entry["kernels"] = [[r["name"], round(r["us"], 3), r["layer"], r["op"]] for r in rows]
         entry["wall_us_per_step"], tokens, cache = wall_per_step_us(exe, p, tokens, cache, args.iters)
+        if args.trace:
+            entry["trace"], tokens, cache = traced(exe, p, tokens, cache, args.iters, log)
         entry["frac_floor"] = entry["floor_us"] / entry["step_us"]
         if result["copy_bw"]:
             entry["frac_copy_bw_floor"] = 1e6 * fb["total"] / result["copy_bw"] / entry["step_us"]
@@ -1409,6 +1439,12 @@ def parse_args(argv=None):
         "overriding the collectives tuning's mix_norm_single_device for this run (default: the tuning's)",
     )
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also trace --iters steps with the profiler: the device timeline's idle time between kernels by kind, "
+        "memcpy / memset, the host's driver calls (bench/step_trace.py) -> each run's 'trace'",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-threads", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining measurements after this")

@@ -650,3 +650,30 @@ def test_gemv_bench_runs_a_moe_case_on_cpu(tmp_path, monkeypatch):
         for key in keys:
             assert row[f"{key}_us"] == 1.0 and row[f"{key}_kernels"] == [("kernel", 1.0)], (key, row)
             assert 0 < row[f"{key}_rel_err"] < 1e-2, (key, row)
+
+
+def test_step_trace_summary_adds_up(rng):
+    """The timeline summary of random events (overlaps included): span = busy + idle, the idle before each
+    kind sums to the idle time, each kind's durations and counts are the events', the largest gap is listed."""
+    from bench import step_trace
+
+    names = ["anonymous_mosaic_gpu_kernel", "loop_add_fusion", "MemcpyD2D", "Memset"]
+    starts = np.cumsum(rng.integers(0, 5000, 40))
+    durs, which = rng.integers(1, 4000, 40), rng.integers(0, 4, 40)
+    ev = sorted((int(s), int(s + d), names[int(i)]) for s, d, i in zip(starts, durs, which, strict=True))
+    steps = int(rng.integers(1, 4))
+    out = step_trace.summarize(ev, steps)
+    covered = np.zeros(ev[-1][1] + max(e for _, e, _ in ev) + 1, bool)
+    for s, e, _ in ev:
+        covered[s:e] = True
+    span = max(e for _, e, _ in ev) - ev[0][0]
+    assert out["span_us_per_step"] == pytest.approx(span * 1e-3 / steps)
+    assert out["busy_us_per_step"] == pytest.approx(covered.sum() * 1e-3 / steps)
+    assert out["busy_us_per_step"] + out["idle_us_per_step"] == pytest.approx(out["span_us_per_step"])
+    assert sum(out["idle_us_per_step_before_kind"].values()) == pytest.approx(out["idle_us_per_step"])
+    for k in set(map(step_trace.kind, names)):
+        mine = [(s, e) for s, e, n in ev if step_trace.kind(n) == k]
+        assert out["us_per_step_by_kind"].get(k, 0) == pytest.approx(sum(e - s for s, e in mine) * 1e-3 / steps)
+        assert out["events_per_step_by_kind"].get(k, 0) == pytest.approx(len(mine) / steps)
+    if out["largest_gaps"]:
+        assert out["largest_gaps"][0][0] == max(g for g, _, _ in out["largest_gaps"])
