@@ -5,7 +5,8 @@
 # result files into bench/results (bench/results/README.md says what each one is).
 #
 #   group        machine          what it runs -> result files
-#   gpu_tests    nvidia-h200      every one-GPU test (pytest -m "gpu and not gpu2", 8 xdist workers, ~4.5 min)
+#   gpu_tests    nvidia-h200      every one-GPU test (pytest -m "gpu and not gpu2", 8 xdist workers, ~4.5-9 min), or
+#                                 those of the files in TESTS (space-separated)
 #   gpu2_tests   nvidia-h200-x2   every 2-GPU test: collectives, fused projection, the TP2 model vs XLA (~4 min)
 #   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
 #   rank_slice   nvidia-h200      the TP16 rank slice, 12 layers, B 1 and 64, both backends (~4 min), and its decode
@@ -16,7 +17,8 @@
 #                                 -> rank_slice_boundary.*, rank_slice_boundary_off.*
 #   step_trace   nvidia-h200      the rank slice, 12 layers, B 1 and 64, latency_specialized, with --trace (the device
 #                                 timeline between kernels, bench/step_trace.py) under XLA's default flags, then
-#                                 without command buffers, then with every custom call in them from graphs of 1 (~6 min)
+#                                 without command buffers, then with every custom call in them from graphs of 1 (~6 min;
+#                                 VARIANTS: some of them, e.g. "_trace:")
 #                                 -> rank_slice_trace.*, rank_slice_trace_nocb.*, rank_slice_trace_cb1.*
 #   rank_slice_93 nvidia-h200     the whole 93-layer TP16 rank slice (issue 28 item 1), one backend and batch a call:
 #                                 BACKEND and BATCH from the environment (default latency_specialized, 1), with --trace
@@ -72,7 +74,7 @@ case "${1:-}" in
   gpu_tests)
     step pytest_gpu 560 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       python3 -m pytest -p no:cacheprovider \
-      -m "gpu and not gpu2" -n 8 --durations=30 -rf
+      -m "gpu and not gpu2" -n 8 --durations=30 -rf ${TESTS:-}
     ;;
   gpu2_tests)
     step pytest_gpu2 350 python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf
@@ -97,8 +99,10 @@ case "${1:-}" in
     ;;
   step_trace)  # why the wall per step is ~40% above the kernel sum: idle time by kind, and command buffers' part
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-    for v in "_trace:" "_trace_nocb:--xla_gpu_enable_command_buffer=" \
-      "_trace_cb1:--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
+    all="_trace: _trace_nocb:--xla_gpu_enable_command_buffer=
+      _trace_cb1:--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN|--xla_gpu_graph_min_graph_size=1"
+    for v in ${VARIANTS:-$all}; do  # a variant is tag:flags, the flags joined by |
+      v=${v//|/ }
       step "rank_slice${v%%:*}" 190 env XLA_FLAGS="${v#*:}" python3 bench/rank_slice.py --layers 12 --batches 1,64 \
         --backends latency_specialized --trace --budget-s 160 --out "$work" --tag "${v%%:*}"
     done
