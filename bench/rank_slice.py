@@ -1266,6 +1266,29 @@ def markdown(result: dict) -> str:
             + " | ".join(cells)
             + f" | {r['summary']['named_fraction']:.2f} |"
         )
+    traced = [r for r in runs if (r.get("trace") or {}).get("span_us_per_step")]
+    if traced:
+        lines += [
+            "",
+            "The device timeline of back-to-back steps (--trace, bench/step_trace.py): per step, the span from the "
+            "first event's start to the last one's end, the time some event runs, the idle time between events "
+            "(by the kind of the event that waits) and the host's CUDA calls:",
+            "",
+            "| layers | backend | batch | span us | busy us | idle us | idle before (us) | events | host calls |",
+            "|" + "---|" * 9,
+        ]
+        for r in traced:
+            t = r["trace"]
+
+            def cells(d, fmt="{:.0f}"):
+                return ", ".join(f"{k} {fmt.format(v)}" for k, v in sorted(d.items()))
+
+            lines.append(
+                f"| {r['layers']} | {r['backend']} | {r['batch']} | {t['span_us_per_step']:.0f} | "
+                f"{t['busy_us_per_step']:.0f} | {t['idle_us_per_step']:.0f} | "
+                f"{cells(t['idle_us_per_step_before_kind'])} | {cells(t['events_per_step_by_kind'], '{:.1f}')} | "
+                f"{cells(t.get('host_calls_per_step', {}), '{:.1f}')} |"
+            )
     for r in runs:
         if r["batch"] not in (1, 64) or r["layers"] != max(x["layers"] for x in runs):
             continue
