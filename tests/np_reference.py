@@ -6,6 +6,7 @@ Weights come as an HF-format dict `hf` keyed by checkpoint names relative to `la
 Nothing here imports k3jax: the point is to be an independent second implementation.
 """
 
+import contextlib
 import math
 
 import ml_dtypes
@@ -235,6 +236,21 @@ def dense_mlp(hf, L, tc, x_TD):
     return _situ_ffn(tc, x_TD, hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"], hf[p + "down_proj.weight"])
 
 
+_ROUTING_MARGINS = None  # a list while record_routing_margins() is active
+
+
+@contextlib.contextmanager
+def record_routing_margins():
+    """Yields a list that gets, for every router call inside, the smallest gap between a token's k-th and
+    (k+1)-th biased score: where it is within a float32 path's error, that path may pick the other expert."""
+    global _ROUTING_MARGINS
+    _ROUTING_MARGINS = []
+    try:
+        yield _ROUTING_MARGINS
+    finally:
+        _ROUTING_MARGINS = None
+
+
 def router(hf, L, tc, x_TD):
     """§6 router: sigma(W_gate x); top-k of (scores + correction bias); weights from UNBIASED scores,
     renormalised with +1e-20 (when k > 1 and moe_renormalize), then times routed_scaling_factor.
@@ -242,7 +258,12 @@ def router(hf, L, tc, x_TD):
     p = f"layers.{L}.block_sparse_moe.gate."
     s_TE = sigmoid(_lin(x_TD, hf[p + "weight"]))
     k = tc["num_experts_per_token"]
-    sel_TK = np.argsort(-(s_TE + _f64(hf[p + "e_score_correction_bias"])), axis=-1, kind="stable")[:, :k]
+    biased_TE = s_TE + _f64(hf[p + "e_score_correction_bias"])
+    order_TE = np.argsort(-biased_TE, axis=-1, kind="stable")
+    sel_TK = order_TE[:, :k]
+    if _ROUTING_MARGINS is not None and k < biased_TE.shape[-1]:
+        kth, next_ = (np.take_along_axis(biased_TE, order_TE[:, i : i + 1], -1) for i in (k - 1, k))
+        _ROUTING_MARGINS.append(float(np.min(kth - next_)))
     w_TK = np.take_along_axis(s_TE, sel_TK, axis=-1)
     if k > 1 and tc.get("moe_renormalize", True):
         w_TK = w_TK / (np.sum(w_TK, axis=-1, keepdims=True) + 1e-20)

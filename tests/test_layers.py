@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from helpers import rel_rms
+from helpers import oracle_clear_of_route_ties, rel_rms
 
 from k3jax import model, transforms
 from k3jax import params as P
@@ -29,6 +29,12 @@ TOL = 1e-5  # relative RMS error of one layer, fp32 vs float64 (worst of 40 seed
 # over 8 layers), so 1e-5 would fail now and then on the float32 floor of an ill-conditioned draw. The bar still
 # catches bookkeeping bugs: AttnRes weights off by 10% alone move the logits by 0.7 relative RMS.
 MODEL_TOL = 2e-5
+# The block layouts' whole models (test_attn_res_block_sizes_whole_model) check the AttnRes bookkeeping, whose
+# bugs move the logits by O(0.1-1): over 600 draws of the deepest (14 layers, block 12) the median was 2e-6, the
+# 99th percentile 1.1e-5 and the worst 6.8e-5 (routing margins >= 1.3e-4, so no expert flipped: the float32
+# floor of an ill-conditioned draw; our model in float64 with its fp32 islands was 5.7e-6 off on it). The
+# product's 2e-5 bar on a whole model is test_model_vs_reference's.
+BOOKKEEPING_TOL = 1e-4
 
 
 def model_from_oracle(cfg, rng):
@@ -96,9 +102,10 @@ def test_attn_res_block_sizes_whole_model(rng, block, layers):
     )
     assert [L for L in range(layers) if cfg.is_block_boundary(L)] == list(range(0, layers, block))
     params, hf, tc = model_from_oracle(cfg, rng)
-    tokens = rng.integers(0, cfg.vocab_size, 7)  # one length for all three: eager ops compile once
+    # one length for all three: eager ops compile once
+    tokens, want = oracle_clear_of_route_ties(hf, tc, lambda: rng.integers(0, cfg.vocab_size, 7))
     got = model.forward(params, jnp.asarray(tokens)[None], cfg, F32)[0]
-    _check(got, ref.forward(hf, tc, tokens), f"forward block={block} layers={layers}", tol=MODEL_TOL)
+    _check(got, want, f"forward block={block} layers={layers}", tol=BOOKKEEPING_TOL)
 
 
 # ---- KDA --------------------------------------------------------------------------------------------------

@@ -2,9 +2,8 @@
 
 import jax
 import jax.numpy as jnp
-import np_reference as ref
 import pytest
-from helpers import random_model, rel_rms
+from helpers import oracle_clear_of_route_ties, random_model, rel_rms
 
 from k3jax import model
 from k3jax.config import preset
@@ -16,8 +15,7 @@ def test_full_model_matches_reference(name, rng):
     tc = cfg.to_hf(wrapped=False)
     params, hf = random_model(cfg, int(rng.integers(1 << 30)))
     T = int(rng.integers(5, 23))
-    tokens = rng.integers(0, cfg.vocab_size, size=(T,))
-    want = ref.forward(hf, tc, tokens)
+    tokens, want = oracle_clear_of_route_ties(hf, tc, lambda: rng.integers(0, cfg.vocab_size, size=(T,)))
     got = jax.jit(model.forward, static_argnums=(2, 3))(params, jnp.asarray(tokens)[None], cfg, jnp.float32)[0]
     err = rel_rms(got, want)
     print(f"{name}: T={T} relative RMS error vs float64 oracle = {err:.2e}")

@@ -146,6 +146,85 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         kernel.check_supported(s, s, None, 40 if bad == "k" else 4)
 
 
+def make_block(r, T, ranks, e_local, width, *, ties=False):
+    """The ranks' all-gathered routing block [T, ranks x width] (each piece: E_l scores, E_l biased scores, then
+    other numbers, as layers/moe.py's gather) -> (block, scores [T, E], biased [T, E])."""
+    s, bias = make_scores(r, T, ranks * e_local, ties=ties)
+    biased = s + bias
+    pieces = r.standard_normal((T, ranks, width)).astype(np.float32)
+    pieces[..., :e_local] = np.asarray(s).reshape(T, ranks, e_local)
+    pieces[..., e_local : 2 * e_local] = np.asarray(biased).reshape(T, ranks, e_local)
+    return jnp.asarray(pieces.reshape(T, ranks * width)), s, biased
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "T, ranks, e_local, width, k, ties",
+    [(1, 4, 32, 96, 8, False), (7, 8, 16, 40, 4, True), (6, 2, 64, 192, 16, False), (13, 4, 32, 64, 3, True)],
+)
+def test_gathered_kernel_interpret_matches_numpy(T, ranks, e_local, width, k, ties):
+    """The gathered form reads each rank's scores and biased scores out of the block (TMA boxes of [rows,
+    ranks, E_l]): sel exactly the oracle's over the experts in rank order, tails of 2 and 1 rows, race-free."""
+    block, s, biased = make_block(rng(), T, ranks, e_local, width, ties=ties)
+    with abstract_gpu("sm90"):
+        got = kernel.route_gathered(block, ranks=ranks, e_local=e_local, k=k, scaling=2.5, interpret=interpret())
+    assert_no_races()
+    check_route(got, oracle_route(s, biased, k, True, 2.5))
+
+
+@cpu_only
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("tp", [4, 8, 16])
+@pytest.mark.parametrize("T", [1, 5, 64, 512])
+def test_gathered_kernel_lowers_for_cuda_at_real_shapes(arch, tp, T):
+    """E = 896 over tp ranks, each piece [E_l | E_l | L_l = 3584 / tp] as the model gathers it."""
+    e_local, l_local = 896 // tp, 3584 // tp
+    block = jax.ShapeDtypeStruct((T, tp * (2 * e_local + l_local)), F32)
+    with abstract_gpu(arch):
+        f = jax.jit(lambda b: kernel.route_gathered(b, ranks=tp, e_local=e_local, k=16))
+        lowered = f.trace(block).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert [o.shape for o in lowered.out_info] == [(T, 16), (T, 16)]
+
+
+@pytest.mark.parametrize("bad", ["tp2", "not_128s", "dtype"])
+def test_gathered_kernel_refuses_what_its_tma_cannot_read(bad):
+    """TP2's 448 experts a rank exceed a TMA box side; E not a whole number of 128-wide spans; bf16."""
+    ranks, e_local = {"tp2": (2, 448), "not_128s": (3, 32), "dtype": (4, 32)}[bad]
+    block = jnp.ones((3, ranks * 3 * e_local), jnp.bfloat16 if bad == "dtype" else F32)
+    with pytest.raises(NotImplementedError):
+        kernel.check_gathered(block, ranks, e_local, 4)
+
+
+@cpu_only
+@pytest.mark.parametrize("tp, gathered", [(16, True), (2, False)])
+def test_api_routes_the_gathered_block_through_a_kernel(tp, gathered):
+    """Under an abstract H100 the specialized policy lowers a Mosaic GPU kernel for the gathered block: the
+    gathered form where its TMA reads the block (TP16), the plain kernel on XLA's slices where it cannot (TP2);
+    the default policy lowers plain XLA."""
+    e_local, l_local = 896 // tp, 3584 // tp
+    block = jax.ShapeDtypeStruct((4, tp * (2 * e_local + l_local)), F32)
+    for pol, want in ((policy_lib.SPECIALIZED, "pallas"), (policy_lib.XLA, "xla")):
+        log = policy_lib.DispatchLog()
+        with abstract_gpu("sm90"), policy_lib.recording(log):
+            f = jax.jit(lambda b: api.route_gathered(b, ranks=tp, e_local=e_local, k=16, policy=pol))  # noqa: B023
+            text = f.trace(block).lower(lowering_platforms=("cuda",)).as_text()
+        assert log.ops["moe_route"]["impl"] == want
+        assert ("mosaic_gpu" in text) == (want == "pallas")
+        if want == "pallas":  # the plain kernel's operands are slices XLA makes; the gathered form takes the block
+            assert ("stablehlo.slice" in text) == (not gathered)
+
+
+def test_api_gathered_matches_numpy_and_rejects_a_malformed_block():
+    """On CPU the api runs the reference on split_block's slices: the oracle's routing over the ranks' experts."""
+    block, s, biased = make_block(rng(), 5, 4, 16, 50)
+    check_route(api.route_gathered(block, ranks=4, e_local=16, k=6), oracle_route(s, biased, 6, True, 1.0))
+    with pytest.raises(ValueError):
+        api.route_gathered(block, ranks=3, e_local=16, k=6)  # 200 columns are not 3 pieces
+    with pytest.raises(ValueError):
+        api.route_gathered(block, ranks=4, e_local=32, k=6)  # a piece of 50 holds no 2 x 32
+
+
 # --------------------------------------------------------------------------------------- reference and api
 @pytest.mark.parametrize("T, E, k, ties", [(1, 896, 16, False), (12, 64, 4, True), (37, 896, 16, True)])
 def test_reference_matches_numpy(T, E, k, ties):
@@ -223,3 +302,22 @@ def test_kernel_on_gpu_matches_xla_top_k(T, ties):
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=0)
     check_route(want, oracle_route(s, s + bias, 16, True, 1.0))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("T", [1, 5, 64, 512])
+def test_gathered_kernel_on_gpu_matches_xla_top_k(T, tp):
+    """The gathered form on the GPU at the model's block (E = 896 over tp ranks, L_l = 3584 / tp): sel equals
+    XLA's lax.top_k on the sliced scores exactly, w within 1e-6; through the api too."""
+    e_local = 896 // tp
+    block, s, biased = make_block(rng(), T, tp, e_local, 2 * e_local + 3584 // tp, ties=T == 5)
+    want = jax.jit(lambda s, b: reference.route(s, b, k=16))(s, biased)
+    for got in (
+        jax.jit(lambda b: kernel.route_gathered(b, ranks=tp, e_local=e_local, k=16))(block),
+        jax.jit(lambda b: api.route_gathered(b, ranks=tp, e_local=e_local, k=16, policy=policy_lib.SPECIALIZED))(block),
+    ):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=0)
+    check_route(want, oracle_route(s, biased, 16, True, 1.0))

@@ -67,15 +67,27 @@ def select(scores_TE, cfg: K3Config, comm: Comm, biased_TE=None, bias_E=None):
 
 def gather_routing(comm: Comm, scores_TE, biased_TE, z_TL):
     """The router (split by expert) and latent_down (split by output) results of every rank, in ONE all-gather:
-    each rank's [scores | biased | z] row (z widened to fp32, exactly) goes out as one block."""
+    each rank's [scores | biased | z] row (z widened to fp32, exactly) goes out as one piece -> (the gathered
+    block [T, ranks x (2 E_l + L_l)], which select_gathered reads as moe_route.route_gathered's layout, and the
+    whole z [T, L] in z's dtype)."""
     E_l, L_l = scores_TE.shape[-1], z_TL.shape[-1]
-    both = comm.all_gather(jnp.concatenate([scores_TE, biased_TE, z_TL.astype(F32)], -1), axis=-1, what="routing")
-    blocks = both.reshape(*both.shape[:-1], -1, 2 * E_l + L_l)  # [T, ranks, 2 E_l + L_l]
+    block = comm.all_gather(jnp.concatenate([scores_TE, biased_TE, z_TL.astype(F32)], -1), axis=-1, what="routing")
+    pieces = block.reshape(block.shape[0], -1, 2 * E_l + L_l)  # [T, ranks, 2 E_l + L_l]
+    return block, pieces[..., 2 * E_l :].reshape(block.shape[0], -1).astype(z_TL.dtype)
 
-    def part(lo, n):
-        return blocks[..., lo : lo + n].reshape(*both.shape[:-1], -1)
 
-    return part(0, E_l), part(E_l, E_l), part(2 * E_l, L_l).astype(z_TL.dtype)
+def select_gathered(block_TX, e_local: int, l_local: int, cfg: K3Config, comm: Comm):
+    """select() on gather_routing's block (E_l scores, E_l biased scores and L_l of z a rank), whose scores the
+    routing kernel reads itself."""
+    return moe_route.route_gathered(
+        block_TX,
+        ranks=block_TX.shape[-1] // (2 * e_local + l_local),
+        e_local=e_local,
+        k=cfg.num_experts_per_token,
+        renormalize=cfg.moe_renormalize,
+        scaling=cfg.routed_scaling_factor,
+        policy=comm.policy,
+    )
 
 
 def route(p, x_TD, cfg: K3Config, comm: Comm = LOCAL):
@@ -110,8 +122,9 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
     logits, z, gate, up = in_projections(p, x_TD, comm)
     scores = jax.nn.sigmoid(logits)
     if comm.sharded:
-        scores, biased, z = gather_routing(comm, scores, scores + p["router_bias"], z)
-        sel, w = select(scores, cfg, comm, biased)
+        E_l, L_l = logits.shape[-1], z.shape[-1]
+        block, z = gather_routing(comm, scores, scores + p["router_bias"], z)
+        sel, w = select_gathered(block, E_l, L_l, cfg, comm)
     else:  # the bias as [E]: the routing kernel adds it itself
         sel, w = select(scores, cfg, comm, bias_E=p["router_bias"].astype(F32))
     y_lat = routed_experts(p["experts"], z, sel, w, cfg, comm)

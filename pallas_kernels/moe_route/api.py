@@ -4,6 +4,8 @@ ones. The grouping of the chosen (token, expert) pairs by expert is pallas_kerne
 route dispatches through the decode policy: the Mosaic GPU kernel (kernel.py) where the policy asks for
 kernels and the kernel takes the call, else the XLA reference (reference.py, today's model code). Both give
 the same sel (exactly; lax.top_k's order) and the same weights up to the order of the fp32 sum.
+route_gathered is the same op on the block the tensor-parallel ranks' one all-gather returns (the kernel reads
+the scores out of it itself: no XLA slice kernel between the gather and the top-k).
 """
 
 from pallas_kernels import common
@@ -26,10 +28,14 @@ def _check_inputs(scores_TE, biased_TE, bias_E, k):
         raise ValueError(f"k = {k}: pick 1..E = {E} experts per token")
 
 
-def _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling):
+def _kernel_gpu():
     arch = common.gpu_arch()
     if arch is None or arch[0] not in (9, 10):
         raise NotImplementedError(f"no GPU to run Mosaic GPU on (compute capability {arch}; sm90 or sm100)")
+
+
+def _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling):
+    _kernel_gpu()
     from pallas_kernels.moe_route import kernel
 
     kernel.check_supported(scores_TE, biased_TE, bias_E, k)
@@ -53,4 +59,37 @@ def route(scores_TE, biased_TE=None, *, bias_E=None, k, renormalize=True, scalin
         policy,
         lambda: _kernel(scores_TE, biased_TE, bias_E, k, renormalize, scaling),
         xla,
+    )
+
+
+def route_gathered(block_TX, *, ranks, e_local, k, renormalize=True, scaling=1.0, policy: DecodePolicy = XLA):
+    """route() on the ranks' all-gathered routing block [T, ranks x W] (reference.split_block: each rank's piece
+    starts with its E_l scores, then its E_l biased scores) -> (sel [T, k] int32, w [T, k] fp32). The kernel
+    reads the block itself where it can (kernel.check_gathered), else the scores sliced out by XLA."""
+    if block_TX.ndim != 2 or block_TX.shape[1] % ranks or block_TX.shape[1] // ranks < 2 * e_local:
+        raise ValueError(
+            f"the routing block must be [T, ranks x W] with W >= 2 E_l = {2 * e_local} (ranks = {ranks}), "
+            f"got shape {list(block_TX.shape)}"
+        )
+    scaling = float(scaling)
+    scores, biased = reference.split_block(block_TX, ranks, e_local)
+    _check_inputs(scores, biased, None, k)
+
+    def kernel_path():
+        _kernel_gpu()
+        from pallas_kernels.moe_route import kernel
+
+        try:
+            kernel.check_gathered(block_TX, ranks, e_local, k)
+        except NotImplementedError:  # the scores sliced out by XLA, then the plain kernel
+            return _kernel(scores, biased, None, k, renormalize, scaling)
+        return kernel.route_gathered(
+            block_TX, ranks=ranks, e_local=e_local, k=k, renormalize=renormalize, scaling=scaling
+        )
+
+    return policy_lib.dispatch(
+        "moe_route",
+        policy,
+        kernel_path,
+        lambda: reference.route(scores, biased, k=k, renormalize=renormalize, scaling=scaling),
     )

@@ -75,19 +75,21 @@ def _order_key(x):
     return bits ^ (lax.shift_right_arithmetic(bits, 31) & 0x7FFFFFFF)
 
 
-def _select_rows(scores_ref, keys_ref, sel_ref, w_ref, start, n, *, k, E, biased, renormalize, scaling):
-    """Rows start..start+n-1: their top-k ids and weights, straight to sel_ref / w_ref."""
+def _select_rows(scores_ref, keys_ref, sel_ref, w_ref, start, n, *, k, E, biased, renormalize, scaling, src=None):
+    """Rows start..start+n-1: their top-k ids and weights, straight to sel_ref / w_ref. src: the first of the
+    n rows in scores_ref / keys_ref where they are not at start (the gathered form's SMEM copies: 0)."""
     layout = _layout(n)
     shape = (n, padded_experts(E))
     rows = pl.ds(start, n)
+    src_rows = rows if src is None else pl.ds(src, n)
 
     def spread(v_n):  # a per-row value [n] back over its row [n, E]
         return plgpu.layout_cast(lax.broadcast_in_dim(v_n, shape, (0,)), layout)
 
     # From HBM into registers: 16-byte vector loads ("optimized" means an SMEM bank plan, not wanted here)
-    s = plgpu.load(scores_ref.at[rows], layout=layout, optimized=False)
+    s = plgpu.load(scores_ref.at[src_rows], layout=layout, optimized=False)
     if biased:
-        b = plgpu.load(keys_ref.at[rows], layout=layout, optimized=False)
+        b = plgpu.load(keys_ref.at[src_rows], layout=layout, optimized=False)
     else:  # keys_ref is the bias [1, E]: the same fp32 add XLA does
         bias = plgpu.load(keys_ref.at[0], layout=layout.reduce(0), optimized=False)
         b = s + plgpu.layout_cast(lax.broadcast_in_dim(bias, shape, (1,)), layout)
@@ -165,3 +167,83 @@ def route(scores_TE, biased_TE=None, bias_E=None, *, k, renormalize=True, scalin
         interpret=interpret,
     )
     return kernel(scores_TE, keys)
+
+
+# ------------------------------------------------------------------------------- from the gathered routing block
+def check_gathered(block_TX, ranks: int, e_local: int, k: int):
+    """NotImplementedError where the gathered form cannot run: its TMA box [rows, ranks, E_l] needs E_l fp32 a
+    multiple of 16 bytes and at most 256 (TP2's 448 is not), and the E = ranks x E_l scores a whole number of
+    the warp's 128-wide spans (E = 896 at TP4 / 8 / 16)."""
+    T, X = block_TX.shape
+    if block_TX.dtype != F32:
+        raise NotImplementedError(f"fp32 routing blocks only, got {block_TX.dtype}")
+    if e_local % 4 or e_local > 256 or ranks > 256:
+        raise NotImplementedError(f"E_l = {e_local} experts a rank: the TMA box takes multiples of 4 up to 256")
+    if (ranks * e_local) % WIDTH:
+        raise NotImplementedError(f"E = {ranks} x {e_local}: the gathered form needs a multiple of {WIDTH}")
+    if not 1 <= k <= min(MAX_K, ranks * e_local):
+        raise NotImplementedError(f"k = {k}: the kernel unrolls 1..{MAX_K} rounds")
+
+
+def _body_gathered(block_ref, sel_ref, w_ref, s_smem, b_smem, bar, *flat, T, ranks, e_local, **kw):
+    """A CTA's rows of the gathered block [T, ranks, W]: each rank's scores and biased scores ([rows, ranks,
+    E_l] boxes, one TMA each) land in SMEM, which read as [rows, E] is expert order; then _select_rows as the
+    plain form. flat: interpret mode's [ROWS, E] copies (it takes no reshaped ref; the same bytes by copies)."""
+    blk = lax.axis_index("blk")
+    n_full = T // ROWS
+    E = ranks * e_local
+
+    def run(start, n):
+        rows, mine = block_ref.at[pl.ds(start, n)], pl.ds(0, n)
+        plgpu.copy_gmem_to_smem(rows.at[:, :, pl.ds(0, e_local)], s_smem.at[mine], bar)
+        plgpu.copy_gmem_to_smem(rows.at[:, :, pl.ds(e_local, e_local)], b_smem.at[mine], bar)
+        plgpu.barrier_wait(bar)
+        if flat:
+            for src, dst in zip((s_smem, b_smem), flat, strict=True):
+                for r in range(ranks):
+                    dst[mine, pl.ds(r * e_local, e_local)] = src[mine, r, :]
+            s_rows, b_rows = flat
+        else:
+            s_rows, b_rows = s_smem.reshape(ROWS, E), b_smem.reshape(ROWS, E)
+        _select_rows(s_rows, b_rows, sel_ref, w_ref, start, n, src=0, **kw)
+
+    if n_full:
+        pl.when(blk < n_full)(lambda: run(blk * ROWS, ROWS))
+    for i, (start, n) in enumerate(_tail_pieces(T)):
+        pl.when(blk == n_full + i)(functools.partial(run, start, n))
+
+
+@functools.partial(jax.jit, static_argnames=("ranks", "e_local", "k", "renormalize", "scaling", "interpret"))
+def route_gathered(block_TX, *, ranks, e_local, k, renormalize=True, scaling=1.0, interpret=None):
+    """route() on the routing block the ranks' all-gather returns, [T, ranks x W], each rank's W-wide piece
+    starting with its E_l scores then its E_l biased scores (expert r E_l + j at piece r's j): the kernel reads
+    both straight from the block (no XLA slice kernel before it). -> (sel [T, k] int32, w [T, k] fp32)."""
+    check_gathered(block_TX, ranks, e_local, k)
+    T, X = block_TX.shape
+    E = ranks * e_local
+    kernel = plgpu.kernel(
+        functools.partial(
+            _body_gathered,
+            T=T,
+            ranks=ranks,
+            e_local=e_local,
+            k=k,
+            E=E,
+            biased=True,
+            renormalize=renormalize,
+            scaling=float(scaling),
+        ),
+        out_type=(jax.ShapeDtypeStruct((T, k), I32), jax.ShapeDtypeStruct((T, k), F32)),
+        scratch_types=[
+            plgpu.SMEM((ROWS, ranks, e_local), F32),
+            plgpu.SMEM((ROWS, ranks, e_local), F32),
+            plgpu.Barrier(num_arrivals=2),
+        ]
+        + [plgpu.SMEM((ROWS, E), F32)] * (2 if interpret is not None else 0),
+        grid=(T // ROWS + len(_tail_pieces(T)),),
+        grid_names=("blk",),
+        kernel_name="moe_route_topk",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+    return kernel(block_TX.reshape(T, ranks, X // ranks))

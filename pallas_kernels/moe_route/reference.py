@@ -16,3 +16,11 @@ def route(scores_TE, biased_TE, *, k, renormalize=True, scaling=1.0):
     if renormalize and k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return sel.astype(jnp.int32), w * scaling
+
+
+def split_block(block_TX, ranks: int, e_local: int):
+    """The ranks' all-gathered routing block [T, ranks x W] -> (scores [T, E], biased [T, E]), E = ranks x E_l:
+    each rank's W-wide piece starts with its E_l scores, then its E_l biased scores (expert r E_l + j at piece
+    r's j; the rest of the piece is not routing's)."""
+    pieces = block_TX.reshape(block_TX.shape[0], ranks, -1)
+    return tuple(pieces[..., i * e_local : (i + 1) * e_local].reshape(block_TX.shape[0], -1) for i in (0, 1))
