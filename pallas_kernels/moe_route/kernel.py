@@ -22,7 +22,13 @@ stores are the same, duplicated), so no row is computed or written twice and no 
 end each row's k ids and k weights are one vector per thread, stored from registers straight to HBM (64-byte
 rows at k = 16; the warp's lanes write the same addresses).
 
-No instruction here is Hopper-only (no WGMMA, no TMA), so the same body serves sm90 and sm100.
+The gathered form (route_gathered, tensor parallelism): the ranks' one all-gather returns a [T, ranks x W]
+block whose rank pieces start with their E_l scores and E_l biased scores; two TMA boxes of [rows, ranks, E_l]
+put them in SMEM, where they read as [rows, E] in expert order, and the rounds run as above. It replaces an
+XLA slice kernel (~2 us at batch 1) between the gather and this launch.
+
+No instruction here is Hopper-only (no WGMMA; the gathered form's TMA is sm90's and sm100's alike), so the same
+body serves sm90 and sm100.
 """
 
 import functools
