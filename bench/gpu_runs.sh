@@ -20,9 +20,9 @@
 #                                 without command buffers, then with every custom call in them from graphs of 1 (~6 min;
 #                                 VARIANTS: some of them, e.g. "_trace:")
 #                                 -> rank_slice_trace.*, rank_slice_trace_nocb.*, rank_slice_trace_cb1.*
-#   rank_slice_93 nvidia-h200     the whole 93-layer TP16 rank slice (issue 28 item 1), one backend and batch a call:
-#                                 BACKEND and BATCH from the environment (default latency_specialized, 1), with --trace
-#                                 (~97 GB of weights: an H200 only) -> rank_slice_93L_<backend>_b<batch>.*
+#   rank_slice_93 nvidia-h200     the whole 93-layer TP16 rank slice (issue 28 item 1), BACKENDS (default
+#                                 latency_specialized,xla) x BATCHES (default 1,64) as far as ~9 minutes go, with --trace
+#                                 (~97 GB of weights: an H200 only) -> rank_slice_93L.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -107,11 +107,10 @@ case "${1:-}" in
         --backends latency_specialized --trace --budget-s 160 --out "$work" --tag "${v%%:*}"
     done
     ;;
-  rank_slice_93)  # one (backend, batch) a call: 97 GB of weights to generate, 93 layers to compile
+  rank_slice_93)  # 97 GB of weights to generate, 93 layers to compile; results written after each run
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.97
-    be=${BACKEND:-latency_specialized} b=${BATCH:-1}
-    step "rank_slice_93L_${be}_b${b}" 570 python3 bench/rank_slice.py --batches "$b" --backends "$be" --trace \
-      --budget-s 540 --out "$work" --tag "_93L_${be}_b${b}"
+    step rank_slice_93L 570 python3 bench/rank_slice.py --batches "${BATCHES:-1,64}" \
+      --backends "${BACKENDS:-latency_specialized,xla}" --trace --budget-s 530 --out "$work" --tag _93L
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
