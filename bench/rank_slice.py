@@ -217,12 +217,29 @@ def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
     sequence is active, but as the engine's step sees it: n_new is data (here from the tokens), not a constant
     XLA could fold away with the idle-slot handling it costs."""
 
+    return jax.jit(_greedy_step(cfg, comm, dtype), donate_argnums=(2,))
+
+
+def _greedy_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
     def step(params, tokens_B, cache):
         n_new_B = (tokens_B >= 0).astype(jnp.int32)
         logits, cache, _ = model.extend(params, tokens_B[:, None], n_new_B, cache, cfg, dtype, comm=comm)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
-    return jax.jit(step, donate_argnums=(2,))
+    return step
+
+
+def make_loop(cfg: K3Config, comm: Comm, steps: int, dtype=jnp.bfloat16):
+    """`steps` greedy decode steps in ONE program, a lax.scan over make_step's step as the engine's decode loop
+    runs them (k3jax/engine.py _decode_steps): its wall time per step is what serving sees, without the host's
+    per-call dispatch between steps."""
+    step = _greedy_step(cfg, comm, dtype)
+
+    def loop(params, tokens_B, cache):
+        (tokens_B, cache), _ = jax.lax.scan(lambda c, _: (step(params, *c), None), (tokens_B, cache), None, steps)
+        return tokens_B, cache
+
+    return jax.jit(loop, donate_argnums=(2,))
 
 
 # ---- the speculative round (--speculative K) ---------------------------------------------------------------
@@ -434,21 +451,23 @@ def wall_per_step_us(step, params, tokens, cache, iters: int):
     return 1e6 * (time.perf_counter() - t0) / iters, tokens, cache
 
 
-def traced(step, params, tokens, cache, iters: int, log):
-    """bench/step_trace.py's timeline summary of `iters` back-to-back steps (state threaded through)."""
+def traced(program, params, cache, batch: int, steps_per_call: int, args, log):
+    """bench/step_trace.py's timeline summary of --iters back-to-back calls of `program` (a step, or the
+    engine-style loop of steps_per_call steps), the state threaded through from a fresh cache."""
     from bench import step_trace
 
-    state = [tokens, cache]
+    state = [jnp.zeros((batch,), jnp.int32), cache]
 
     def run():
         t, c = state
-        for _ in range(iters):
-            t, c = step(params, t, c)
+        for _ in range(args.iters):
+            t, c = program(params, t, c)
         jax.block_until_ready((t, c))
         state[:] = [t, c]
 
+    run()  # warm
     try:
-        summary = step_trace.trace_steps(run, iters)
+        summary = step_trace.trace_steps(run, args.iters * steps_per_call)
     except Exception as e:  # a trace is extra: never lose the run for it
         log(f"trace failed: {e!r}")
         summary = {"error": repr(e)[:1000]}
@@ -459,7 +478,7 @@ def traced(step, params, tokens, cache, iters: int, log):
             f"{ ({k: round(v) for k, v in summary['us_per_step_by_kind'].items()}) }, host calls "
             f"{summary['host_calls_per_step']}"
         )
-    return summary, *state
+    return summary
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -885,11 +904,12 @@ def run(args, log=print) -> dict:
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
         comm = StubComm("tp", decode_policy(args, backend), tp=tp)
-        step = make_step(c, comm)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
-        exe = step.lower(abstract_local_params(c, tp), jax.ShapeDtypeStruct((B,), jnp.int32), cache).compile()
-        return comm, exe, time.perf_counter() - t
+        shapes = (abstract_local_params(c, tp), jax.ShapeDtypeStruct((B,), jnp.int32), cache)
+        exe = make_step(c, comm).lower(*shapes).compile()
+        loop = make_loop(c, comm, args.loop_steps).lower(*shapes).compile() if args.loop_steps and on_gpu else None
+        return comm, (exe, loop), time.perf_counter() - t
 
     pool = cf.ThreadPoolExecutor(max_workers=args.compile_threads)
     jobs = {k: pool.submit(compile_one, *k) for k in keys}
@@ -905,6 +925,7 @@ def run(args, log=print) -> dict:
     log(f"weights generated in {result['weights_gen_s']:.1f} s (t={time.perf_counter() - t_start:.0f} s)")
 
     rng = np.random.default_rng(args.seed)
+    to_trace = []  # (entry, key, program): traced after every CUPTI measurement (a trace breaks later CUPTI use)
     for key in keys:
         n, backend, B = key
         c = truncate(base_cfg, n)
@@ -930,8 +951,15 @@ def run(args, log=print) -> dict:
             result.setdefault("errors", []).append(f"L{n}/{backend}/b{B} run: {e!r}"[:2000])
             continue
         result["runs"].append(entry)
+        if args.trace and on_gpu:
+            to_trace.append((entry, key, exe[1] or exe[0], args.loop_steps or 1))
         del exe
         jobs[key] = None
+        if args.out:
+            write(result, args.out, args.tag)
+    for entry, (n, _, B), program, per_call in to_trace:
+        p = dict(params, layers=params["layers"][:n])
+        entry["trace"] = traced(program, p, new_cache(truncate(base_cfg, n), tp, B, ctx), B, per_call, args, log)
         if args.out:
             write(result, args.out, args.tag)
     if spec_jobs:
@@ -943,6 +971,7 @@ def run(args, log=print) -> dict:
 
 def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> dict:
     n, backend, B = key
+    exe, loop = exe  # the step, and the engine-style loop of --loop-steps steps (or None)
     tp, ctx = args.tp, args.context
     cache = new_cache(c, tp, B, ctx)
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, B), jnp.int32)
@@ -976,14 +1005,18 @@ def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> d
         entry["summary"] = summarize(rows, c)
         entry["kernels"] = [[r["name"], round(r["us"], 3), r["layer"], r["op"]] for r in rows]
         entry["wall_us_per_step"], tokens, cache = wall_per_step_us(exe, p, tokens, cache, args.iters)
-        if args.trace:
-            entry["trace"], tokens, cache = traced(exe, p, tokens, cache, args.iters, log)
+        if loop is not None:
+            tokens, cache = loop(p, tokens, cache)  # its first call
+            wall, tokens, cache = wall_per_step_us(loop, p, tokens, cache, args.iters)
+            entry["wall_us_per_step_loop"] = wall / args.loop_steps
+            entry["loop_steps"] = args.loop_steps
         entry["frac_floor"] = entry["floor_us"] / entry["step_us"]
         if result["copy_bw"]:
             entry["frac_copy_bw_floor"] = 1e6 * fb["total"] / result["copy_bw"] / entry["step_us"]
         log(
             f"L{n} {backend:>20} b{B:<3} step {entry['step_us']:9.1f} us  wall {entry['wall_us_per_step']:9.1f}"
-            f" us  {entry['summary']['kernels']} kernels  floor {entry['floor_us']:.0f} us "
+            f" us (loop {entry.get('wall_us_per_step_loop', float('nan')):.1f})"
+            f"  {entry['summary']['kernels']} kernels  floor {entry['floor_us']:.0f} us "
             f"({100 * entry['frac_floor']:.1f}%)  named {entry['summary']['named_fraction']:.2f}"
             f"  (t={time.perf_counter() - t_start:.0f} s)"
         )
@@ -1234,16 +1267,20 @@ def markdown(result: dict) -> str:
             "",
         ]
     lines += [
-        f"| layers | backend | batch | step us | wall us/step | kernels | floor us | % of floor | "
+        "'wall us/step' dispatches one step a call from Python; 'loop wall' runs the engine's way, "
+        "--loop-steps steps in one program (a lax.scan: no host dispatch between steps).",
+        "",
+        f"| layers | backend | batch | step us | wall us/step | loop wall us/step | kernels | floor us | % of floor | "
         f"% of copy-bw floor | est. {F}-layer us | tok/s, no collectives |",
-        "|---|" * 11 + "",
+        "|---|" * 12 + "",
     ]
-    lines[-1] = "|" + "---|" * 11
+    lines[-1] = "|" + "---|" * 12
     for r in runs:
         est = r.get("full_estimate_us") or r["step_us"]
         lines.append(
             f"| {r['layers']} | {r['backend']} | {r['batch']} | {r['step_us']:.0f} | "
-            f"{r['wall_us_per_step']:.0f} | {r['summary']['kernels']} | {r['floor_us']:.0f} | "
+            f"{r['wall_us_per_step']:.0f} | {r.get('wall_us_per_step_loop', float('nan')):.0f} | "
+            f"{r['summary']['kernels']} | {r['floor_us']:.0f} | "
             f"{100 * r['frac_floor']:.1f} | {100 * r.get('frac_copy_bw_floor', float('nan')):.1f} | "
             f"{est:.0f} | {r['batch'] / est * 1e6:.0f} |"
         )
@@ -1463,10 +1500,18 @@ def parse_args(argv=None):
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument(
+        "--loop-steps",
+        type=int,
+        default=16,
+        help="also time this many steps as ONE program (a lax.scan, as the engine's decode loop): the wall per "
+        "step serving sees (0: off; doubles the compiles)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
-        help="also trace --iters steps with the profiler: the device timeline's idle time between kernels by kind, "
-        "memcpy / memset, the host's driver calls (bench/step_trace.py) -> each run's 'trace'",
+        help="also trace --iters calls of the loop (or the step) with the profiler, after every CUPTI measurement: "
+        "the device timeline's idle time between kernels by kind, memcpy / memset (bench/step_trace.py) -> each "
+        "run's 'trace'",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-threads", type=int, default=8)

@@ -677,3 +677,20 @@ def test_step_trace_summary_adds_up(rng):
         assert out["events_per_step_by_kind"].get(k, 0) == pytest.approx(len(mine) / steps)
     if out["largest_gaps"]:
         assert out["largest_gaps"][0][0] == max(g for g, _, _ in out["largest_gaps"])
+
+
+def test_loop_is_the_steps_one_after_another(rng):
+    """make_loop (the engine-style program the loop wall times) = its step called n times: the same tokens and
+    the same decode state, the cache threaded through."""
+    cfg, tp, B, n = rs.truncate(preset("demo"), 4), 2, 2, int(rng.integers(2, 5))
+    comm = rs.StubComm("tp", DecodePolicy("xla"), tp=tp)
+    params = rs.init_local_params(cfg, tp, seed=int(rng.integers(1 << 30)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
+    step, loop = rs.make_step(cfg, comm), rs.make_loop(cfg, comm, n)
+    t1, c1 = tokens, rs.new_cache(cfg, tp, B, 64)
+    for _ in range(n):
+        t1, c1 = step(params, t1, c1)
+    t2, c2 = loop(params, tokens, rs.new_cache(cfg, tp, B, 64))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
