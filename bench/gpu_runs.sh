@@ -51,9 +51,8 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
-#   moe_small    nvidia-h200      the routed experts at T = 1, 2, 8 (TP16, L2-cold): the tuned launch beside the gate/up
-#                                 K unsplit with the GLU fused (1-3 stages) and the down CTAs' row blocks varied (~4 min)
-#                                 -> moe_small.*
+#   moe_small    nvidia-h200      the routed experts at T = 1, 2, 8 (TP16, L2-cold): the tuned launch beside the down
+#                                 CTAs' W2 row blocks and stages varied (~3 min) -> moe_small.*
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
@@ -183,12 +182,11 @@ case "${1:-}" in
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
       --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
     ;;
-  moe_small)  # the T <= 8 launch's free fields (tuning only, no code): the gate/up K unsplit with the GLU fused
-    # (96 CTAs at T = 1 streaming 7 K steps, 1-3 in flight; no GLU kernel) and the down CTAs' W2 row blocks
-    step moe_small 280 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant glu1:up_splits=1,fused_glu=1 --kernel-variant glu2:up_splits=1,fused_glu=1,up_steps=2 \
-      --kernel-variant glu3:up_splits=1,fused_glu=1,up_steps=3 --kernel-variant rb4:down_row_blocks=4 \
-      --kernel-variant rb7:down_row_blocks=7 --name moe_small
+  moe_small)  # the T <= 8 launch's free fields (tuning only, no code): the down CTAs' W2 row blocks and stages
+    # (the gate/up K unsplit with the GLU fused lost on an H100: results/moe_small_h100.md)
+    step moe_small 250 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
+      --kernel-variant rb1:down_row_blocks=1 --kernel-variant rb4:down_row_blocks=4 \
+      --kernel-variant rb7:down_row_blocks=7 --kernel-variant rb4ds4:down_row_blocks=4,down_steps=4 --name moe_small
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
