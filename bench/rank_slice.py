@@ -475,8 +475,7 @@ def traced(program, params, cache, batch: int, steps_per_call: int, args, log):
         log(
             f"trace: span {summary['span_us_per_step']:.0f} us/step, busy {summary['busy_us_per_step']:.0f}, idle "
             f"before { ({k: round(v) for k, v in summary['idle_us_per_step_before_kind'].items()}) }, by kind "
-            f"{ ({k: round(v) for k, v in summary['us_per_step_by_kind'].items()}) }, host calls "
-            f"{summary['host_calls_per_step']}"
+            f"{ ({k: round(v) for k, v in summary['us_per_step_by_kind'].items()}) }"
         )
     return summary
 
@@ -1309,10 +1308,10 @@ def markdown(result: dict) -> str:
             "",
             "The device timeline of back-to-back steps (--trace, bench/step_trace.py): per step, the span from the "
             "first event's start to the last one's end, the time some event runs, the idle time between events "
-            "(by the kind of the event that waits) and the host's CUDA calls:",
+            "(by the kind of the event that waits), and the events a step by kind:",
             "",
-            "| layers | backend | batch | span us | busy us | idle us | idle before (us) | events | host calls |",
-            "|" + "---|" * 9,
+            "| layers | backend | batch | span us | busy us | idle us | idle before (us) | events |",
+            "|" + "---|" * 8,
         ]
         for r in traced:
             t = r["trace"]
@@ -1323,8 +1322,7 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {r['layers']} | {r['backend']} | {r['batch']} | {t['span_us_per_step']:.0f} | "
                 f"{t['busy_us_per_step']:.0f} | {t['idle_us_per_step']:.0f} | "
-                f"{cells(t['idle_us_per_step_before_kind'])} | {cells(t['events_per_step_by_kind'], '{:.1f}')} | "
-                f"{cells(t.get('host_calls_per_step', {}), '{:.1f}')} |"
+                f"{cells(t['idle_us_per_step_before_kind'])} | {cells(t['events_per_step_by_kind'], '{:.1f}')} |"
             )
     for r in runs:
         if r["batch"] not in (1, 64) or r["layers"] != max(x["layers"] for x in runs):

@@ -1,11 +1,9 @@
 """Where a step's wall time goes between its kernels: a profiler trace of a few back-to-back steps, read as a
-device timeline (every kernel, memcpy and memset on the GPU's streams, with start times) and the host's CUDA
-driver calls.
+device timeline (every kernel, memcpy and memset on the GPU's streams, with start times).
 
-Why: CUPTI's kernel sum (bench/device_time.py, rank_slice's step_us) leaves out the time between kernels, and the
-rank slice's wall per step is 38-43% above it. This says whether the device idles between kernels (launch
-latency, per kernel kind), runs non-kernel work (memcpy / memset), or waits on the host (the driver calls: many
-cuLaunchKernel per step means the step is not one CUDA graph).
+Why: CUPTI's kernel sum (bench/device_time.py, rank_slice's step_us) leaves out the time between kernels and
+non-kernel work. This says where the device idles (between steps: the host's dispatch; between kernels, by the
+waiting kernel's kind) and what memcpy / memset adds (jax's trace of this stack records no host driver calls).
 
     summary = trace_steps(lambda: run_steps(n), n)   # on a GPU; CPU traces have no device plane -> None
 """
@@ -39,17 +37,6 @@ def device_events(xspace) -> list[tuple[int, int, str]]:
             if line.name.startswith("Stream"):
                 out += [(int(e.start_ns), int(e.end_ns), e.name) for e in line.events]
     return sorted(out)
-
-
-def host_driver_calls(xspace) -> Counter:
-    """Count of each CUDA driver / runtime call the host made (cuLaunchKernel*, cuGraphLaunch, ...)."""
-    calls = Counter()
-    for plane in xspace.planes:
-        if not plane.name.startswith("/host:CUPTI"):
-            continue
-        for line in plane.lines:
-            calls.update(e.name for e in line.events)
-    return calls
 
 
 def summarize(events: list[tuple[int, int, str]], steps: int, top: int = 12) -> dict:
@@ -88,7 +75,7 @@ def summarize(events: list[tuple[int, int, str]], steps: int, top: int = 12) -> 
 
 def trace_steps(run, steps: int) -> dict | None:
     """Run `run()` (which runs and waits for `steps` steps) under the profiler with the Python tracer off; ->
-    summarize(...) of its device timeline plus the host's driver calls per step, or None without a GPU plane."""
+    summarize(...) of its device timeline, or None without a GPU plane."""
     from jaxlib import _profile_data
 
     opts = jax.profiler.ProfileOptions()
@@ -104,8 +91,6 @@ def trace_steps(run, steps: int) -> dict | None:
         if not events:
             return None
         out = summarize(events, steps)
-        calls = host_driver_calls(xspace)
-        out["host_calls_per_step"] = {k: v / steps for k, v in calls.most_common(12)}
         lines = defaultdict(int)
         for plane in xspace.planes:
             if plane.name.startswith("/device:GPU:0"):
