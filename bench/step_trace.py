@@ -28,14 +28,20 @@ def kind(name: str) -> str:
 
 
 def device_events(xspace) -> list[tuple[int, int, str]]:
-    """(start_ns, end_ns, name) of every event on the first GPU's streams, by start time."""
+    """(start_ns, end_ns, name) of every event on the first GPU's streams, by start time; a memcpy or memset is
+    named by its HLO op where the trace says which ("MemcpyD2D copy.3"), so a step's copies can be traced back."""
     out = []
     for plane in xspace.planes:
         if not plane.name.startswith("/device:GPU:0"):
             continue
         for line in plane.lines:
             if line.name.startswith("Stream"):
-                out += [(int(e.start_ns), int(e.end_ns), e.name) for e in line.events]
+                for e in line.events:
+                    name = e.name
+                    if kind(name) in ("memcpy", "memset"):
+                        op = dict(e.stats).get("hlo_op")
+                        name = f"{name} {op}" if op else name
+                    out.append((int(e.start_ns), int(e.end_ns), name))
     return sorted(out)
 
 
@@ -70,6 +76,9 @@ def summarize(events: list[tuple[int, int, str]], steps: int, top: int = 12) -> 
         "idle_us_per_step_before_kind": {k: v * us for k, v in gap_by.items()},
         "idle_us_per_event_before_kind": {k: gap_by[k] / count[k] * 1e-3 for k in gap_by},
         "largest_gaps": [[round(g * 1e-3, 2), a, b] for g, a, b in gaps[:top]],
+        "copies_per_step": {
+            n: c / steps for n, c in Counter(n for *_, n in events if kind(n) in ("memcpy", "memset")).most_common(top)
+        },
     }
 
 

@@ -677,6 +677,8 @@ def test_step_trace_summary_adds_up(rng):
         assert out["events_per_step_by_kind"].get(k, 0) == pytest.approx(len(mine) / steps)
     if out["largest_gaps"]:
         assert out["largest_gaps"][0][0] == max(g for g, _, _ in out["largest_gaps"])
+    copies = Counter(n for _, _, n in ev if step_trace.kind(n) in ("memcpy", "memset"))
+    assert out["copies_per_step"] == {n: c / steps for n, c in copies.items()}
 
 
 def test_loop_is_the_steps_one_after_another(rng):
