@@ -138,14 +138,32 @@ def _tail_pieces(T):
     return tuple(pieces)
 
 
-def _body(scores_ref, keys_ref, sel_ref, w_ref, *, T, **kw):
+def _for_this_cta(T, run):
+    """run(start, n) on this CTA's rows: 4 for each of the T // 4 full CTAs, then the tail pieces' 2 or 1."""
     blk = lax.axis_index("blk")
     n_full = T // ROWS
-    select = functools.partial(_select_rows, scores_ref, keys_ref, sel_ref, w_ref, **kw)
     if n_full:
-        pl.when(blk < n_full)(lambda: select(blk * ROWS, ROWS))
+        pl.when(blk < n_full)(lambda: run(blk * ROWS, ROWS))
     for i, (start, n) in enumerate(_tail_pieces(T)):
-        pl.when(blk == n_full + i)(functools.partial(select, start, n))
+        pl.when(blk == n_full + i)(functools.partial(run, start, n))
+
+
+def _launch(body, T, k, *, scratch=(), interpret=None):
+    """The kernel over T rows (a CTA per 4, and the tail pieces) -> (sel [T, k] int32, w [T, k] fp32)."""
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((T, k), I32), jax.ShapeDtypeStruct((T, k), F32)),
+        scratch_types=list(scratch),
+        grid=(T // ROWS + len(_tail_pieces(T)),),
+        grid_names=("blk",),
+        kernel_name="moe_route_topk",  # what CUPTI traces call it
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+
+
+def _body(scores_ref, keys_ref, sel_ref, w_ref, *, T, **kw):
+    _for_this_cta(T, functools.partial(_select_rows, scores_ref, keys_ref, sel_ref, w_ref, **kw))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling", "interpret"))
@@ -162,17 +180,10 @@ def route(scores_TE, biased_TE=None, bias_E=None, *, k, renormalize=True, scalin
         pad = padded_experts(E) - E
         scores_TE = jnp.pad(scores_TE, ((0, 0), (0, pad)))
         keys = jnp.pad(keys, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    n_blocks = T // ROWS + len(_tail_pieces(T))
-    kernel = plgpu.kernel(
-        functools.partial(_body, T=T, k=k, E=E, biased=bias_E is None, renormalize=renormalize, scaling=float(scaling)),
-        out_type=(jax.ShapeDtypeStruct((T, k), I32), jax.ShapeDtypeStruct((T, k), F32)),
-        grid=(n_blocks,),
-        grid_names=("blk",),
-        kernel_name="moe_route_topk",  # what CUPTI traces call it
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret,
+    body = functools.partial(
+        _body, T=T, k=k, E=E, biased=bias_E is None, renormalize=renormalize, scaling=float(scaling)
     )
-    return kernel(scores_TE, keys)
+    return _launch(body, T, k, interpret=interpret)(scores_TE, keys)
 
 
 # ------------------------------------------------------------------------------- from the gathered routing block
@@ -195,8 +206,6 @@ def _body_gathered(block_ref, sel_ref, w_ref, s_smem, b_smem, bar, *flat, T, ran
     """A CTA's rows of the gathered block [T, ranks, W]: each rank's scores and biased scores ([rows, ranks,
     E_l] boxes, one TMA each) land in SMEM, which read as [rows, E] is expert order; then _select_rows as the
     plain form. flat: interpret mode's [ROWS, E] copies (it takes no reshaped ref; the same bytes by copies)."""
-    blk = lax.axis_index("blk")
-    n_full = T // ROWS
     E = ranks * e_local
 
     def run(start, n):
@@ -213,10 +222,7 @@ def _body_gathered(block_ref, sel_ref, w_ref, s_smem, b_smem, bar, *flat, T, ran
             s_rows, b_rows = s_smem.reshape(ROWS, E), b_smem.reshape(ROWS, E)
         _select_rows(s_rows, b_rows, sel_ref, w_ref, start, n, src=0, **kw)
 
-    if n_full:
-        pl.when(blk < n_full)(lambda: run(blk * ROWS, ROWS))
-    for i, (start, n) in enumerate(_tail_pieces(T)):
-        pl.when(blk == n_full + i)(functools.partial(run, start, n))
+    _for_this_cta(T, run)
 
 
 @functools.partial(jax.jit, static_argnames=("ranks", "e_local", "k", "renormalize", "scaling", "interpret"))
@@ -227,29 +233,18 @@ def route_gathered(block_TX, *, ranks, e_local, k, renormalize=True, scaling=1.0
     check_gathered(block_TX, ranks, e_local, k)
     T, X = block_TX.shape
     E = ranks * e_local
-    kernel = plgpu.kernel(
-        functools.partial(
-            _body_gathered,
-            T=T,
-            ranks=ranks,
-            e_local=e_local,
-            k=k,
-            E=E,
-            biased=True,
-            renormalize=renormalize,
-            scaling=float(scaling),
-        ),
-        out_type=(jax.ShapeDtypeStruct((T, k), I32), jax.ShapeDtypeStruct((T, k), F32)),
-        scratch_types=[
-            plgpu.SMEM((ROWS, ranks, e_local), F32),
-            plgpu.SMEM((ROWS, ranks, e_local), F32),
-            plgpu.Barrier(num_arrivals=2),
-        ]
-        + [plgpu.SMEM((ROWS, E), F32)] * (2 if interpret is not None else 0),
-        grid=(T // ROWS + len(_tail_pieces(T)),),
-        grid_names=("blk",),
-        kernel_name="moe_route_topk",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret,
+    body = functools.partial(
+        _body_gathered,
+        T=T,
+        ranks=ranks,
+        e_local=e_local,
+        k=k,
+        E=E,
+        biased=True,
+        renormalize=renormalize,
+        scaling=float(scaling),
     )
+    scratch = [plgpu.SMEM((ROWS, ranks, e_local), F32)] * 2 + [plgpu.Barrier(num_arrivals=2)]
+    scratch += [plgpu.SMEM((ROWS, E), F32)] * (2 if interpret is not None else 0)
+    kernel = _launch(body, T, k, scratch=scratch, interpret=interpret)
     return kernel(block_TX.reshape(T, ranks, X // ranks))
