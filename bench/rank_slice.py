@@ -10,6 +10,9 @@ so the collective term is added separately from bench/collectives.py measurement
 - Timing: CUPTI per-kernel device time of single decode steps (the cache is donated and threaded through, so
   the MLA cache write is in place as in serving); kernels are put in layers by launch order (each sublayer
   ends in an AttnRes join) and in decode ops by their fusion's op_name label in the optimised HLO.
+- Wall: one step a Python call (the host's dispatch included), and --loop-steps steps as one program (a lax.scan,
+  as the engine's decode loop: what serving sees); --trace: the loop's device timeline (bench/step_trace.py),
+  taken after every CUPTI measurement.
 - Floor: bytes one rank must move per step (weights read at this batch, KDA state read+write, MLA latent read,
   the AttnRes blocks each boundary mixes) / 4.8 TB/s, and / the copy bandwidth measured here.
 - --speculative K: also the DSpark speculative round at each (layers, backend, batch), as speculative._step
@@ -931,7 +934,7 @@ def run(args, log=print) -> dict:
         p = dict(params, layers=params["layers"][:n])
         left = args.budget_s - (time.perf_counter() - t_start)
         try:
-            comm, exe, secs = jobs[key].result(timeout=max(left, 0.01))
+            comm, programs, secs = jobs[key].result(timeout=max(left, 0.01))
         except cf.TimeoutError:
             log(f"budget reached waiting for {n} layers {backend} b{B}: skipped")
             continue
@@ -944,15 +947,16 @@ def run(args, log=print) -> dict:
             log(f"budget reached: skipping {n} layers {backend} b{B}")
             continue
         try:
-            entry = _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start)
+            entry = _measure(args, result, c, p, comm, programs, key, rng, on_gpu, log, t_start)
         except Exception as e:
             log(f"run failed for {n} layers {backend} b{B}: {e!r}")
             result.setdefault("errors", []).append(f"L{n}/{backend}/b{B} run: {e!r}"[:2000])
             continue
         result["runs"].append(entry)
         if args.trace and on_gpu:
-            to_trace.append((entry, key, exe[1] or exe[0], args.loop_steps or 1))
-        del exe
+            step_exe, loop_exe = programs
+            to_trace.append((entry, key, loop_exe or step_exe, args.loop_steps if loop_exe else 1))
+        del programs
         jobs[key] = None
         if args.out:
             write(result, args.out, args.tag)
@@ -968,9 +972,9 @@ def run(args, log=print) -> dict:
     return result
 
 
-def _measure(args, result, c, p, comm, exe, key, rng, on_gpu, log, t_start) -> dict:
+def _measure(args, result, c, p, comm, programs, key, rng, on_gpu, log, t_start) -> dict:
     n, backend, B = key
-    exe, loop = exe  # the step, and the engine-style loop of --loop-steps steps (or None)
+    exe, loop = programs  # the step, and the engine-style loop of --loop-steps steps (or None)
     tp, ctx = args.tp, args.context
     cache = new_cache(c, tp, B, ctx)
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, B), jnp.int32)
