@@ -3,6 +3,7 @@ kernel bodies (interpret mode on CPU, real shapes on the GPU) vs the reference."
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -582,6 +583,12 @@ def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
         lowered = jax.jit(f).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
+    assert aliased_operands(text) == [4, 5]  # state and conv window written in place, so no copies into the cache
+
+
+def aliased_operands(text):
+    """The operand indices a lowered Mosaic GPU call writes in place (its output_operand_aliases)."""
+    return sorted(int(i) for i in re.findall(r"output_operand_alias<[^>]*operand_index = (\d+)", text))
 
 
 @cpu_only

@@ -120,10 +120,11 @@ def _body(
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
     reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's SMEM. Inputs: qkv, then (f, beta) or
     with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w (+ with
-    idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y,
-    state, conv (+ o_xchg with v_split and gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA
-    barrier of a split) (+ the TMA slices and a barrier each: chunked, v_chunk column slices, each loaded and
-    stored by its own TMA; k_rows > 0, slices of k_rows state rows, see _recurrence_rows).
+    idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); state and conv
+    are written in place (refs: see _launch); outputs y (+ o_xchg with v_split and gmem); scratch vec_smem (one
+    per warpgroup) (+ the cluster or CTA barrier of a split) (+ the TMA slices and a barrier each: chunked,
+    v_chunk column slices, each loaded and stored by its own TMA; k_rows > 0, slices of k_rows state rows, see
+    _recurrence_rows).
     keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
@@ -132,7 +133,7 @@ def _body(
     n_in = (12 if fuse_gates else 10) + idle_mask
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[: n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
-    y_ref, new_state_ref, new_conv_ref, *rest = refs[n_in:]
+    y_ref, *rest = refs[n_in:]
     o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
     vec_all = rest.pop(0)
     xchg_bar = rest.pop(0) if v_split > 1 or warpgroups > 1 else None
@@ -220,17 +221,20 @@ def _body(
                 if fuse_gates
                 else f_beta
             )
-        o_gain = _prologue(
-            pro_in, f, beta, new_conv_ref.at[b, :, :, h], vec_smem, dtype, total, write_conv=s == 0, active=active
-        )
+        o_gain = _prologue(pro_in, f, beta, vec_smem, dtype, total, active=active)
+    # The conv window is rewritten in place: with the tile split (parts > 1) every warpgroup has read it in its
+    # prologue, so one of them writes it only after the split's barrier; alone, right away.
+    write_conv = functools.partial(_slide_conv, pro_in[0], conv_ref.at[b, :, :, h], active)
+    if parts == 1:
+        write_conv()
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
             tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], new_state_ref.at[b, h, :, gcols(c)])
+            plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], state_ref.at[b, h, :, gcols(c)])
         else:
-            new_state_ref.at[b, h, :, gcols(c)][...] = S_new
+            state_ref.at[b, h, :, gcols(c)][...] = S_new
 
     # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of WG 0, of the cluster's CTA 0, or GMEM
     if warpgroups > 1:
@@ -250,7 +254,7 @@ def _body(
             _recurrence_rows(
                 tile_smem,
                 tile_bar,
-                new_state_ref.at[b, h],
+                state_ref.at[b, h],
                 vec_smem,
                 o_gain,
                 dtype,
@@ -280,6 +284,7 @@ def _body(
                 plgpu.barrier_wait(xchg_bar)
             else:
                 cluster_sync(xchg_bar, on_gpu)
+            pl.when(s == 0)(write_conv)  # every warpgroup's prologue read the window before the barrier
             o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
             pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
@@ -302,14 +307,6 @@ def cluster_sync(bar, fences):
     plgpu.barrier_wait(bar)
     if fences:
         _inline_ptx("fence.acq_rel.cluster;")
-
-
-def _and(a, b):  # Python bools stay Python bools, so pl.when needs no branch for them
-    return a and b if isinstance(a, bool) and isinstance(b, bool) else jnp.logical_and(a, b)
-
-
-def _not(a):
-    return (not a) if isinstance(a, bool) else jnp.logical_not(a)
 
 
 def _sum_parts(load, n):
@@ -360,38 +357,42 @@ def _gates(fa_of, fb_ref, x_ref, bw_ref, b, h, vec_smem, dtype, total=jnp.sum):
 
 
 def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
-    """The prologue's GMEM loads, all issued before any store: the conv-window stores may alias them as far as
-    the compiler knows, so a load written after a store waits for it (one HBM round trip each, several
-    microseconds when a full wave's state traffic fills the memory system). Returns values, thread t's
-    channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h]).
+    """The prologue's GMEM loads, all issued before any store: stores may alias them as far as the compiler
+    knows (the window's do: it is rewritten in place), so a load written after a store waits for it (one HBM
+    round trip each, several microseconds when a full wave's state traffic fills the memory system). Returns
+    values, thread t's channel t: (conv windows + the new input per stream, conv taps per stream, A_log[h], dt_bias[h]).
     projected(i): stream i's new pre-conv input (q, k, v)."""
     windows = [[conv_33K.at[i, j][...] for j in range(CONV_TAPS - 1)] + [projected(i)] for i in range(3)]
     taps = [[plgpu.load(w_ref.at[i, h, :, j]) for j in range(CONV_TAPS)] for i in range(3)]
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
-def _prologue(pro_in, f, beta, new_conv_33K, vec_smem, dtype, total=jnp.sum, write_conv=True, active=True):
+def _slide_conv(windows, conv_33K, active):
+    """The conv window of one (b, h) slid by one in place (the newest three pre-conv inputs of each stream, from
+    _prologue_loads' values); an idle sequence (not active) keeps it, so nothing is written."""
+
+    def slide():
+        for i, window in enumerate(windows):
+            for j in range(CONV_TAPS - 1):
+                conv_33K.at[i, j][...] = window[j + 1]
+
+    slide() if active is True else pl.when(active)(slide)  # True: no mask, no branch
+
+
+def _prologue(pro_in, f, beta, vec_smem, dtype, total=jnp.sum, active=True):
     """The O(K) work of one (b, h), thread t owning channel t: conv window + SiLU (docs/model.md §4.2), gate,
-    beta, L2 norms (§4.3), from _prologue_loads' values and the gate input f (fp32). Writes the conv window (where
-    write_conv: one CTA or warpgroup of a split): slid by one, or where not active (an idle sequence) as it
-    was. Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of the output
-    correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0, S' = S * 1 + 0 * delta = S
-    (value for value; an exact -0.0 may come back +0.0), which costs the tile loop nothing, where a branch in
-    the loop would (kda_idle.json, kda_idle_branch.json@721adb5). Its y is the stepped one (the api leaves an idle
-    slot's y unspecified)."""
+    beta, L2 norms (§4.3), from _prologue_loads' values and the gate input f (fp32); the caller slides the
+    window (_slide_conv). Leaves the tile-side vectors in vec_smem rows 0-4, returns the gain beta (k̂ · q̂) of
+    the output correction. An idle sequence's tile update gets decay 1 and rank-1 weight 0,
+    S' = S * 1 + 0 * delta = S (value for value; an exact -0.0 may come back +0.0), which costs the tile loop
+    nothing, where a branch in the loop would (kda_idle.json, kda_idle_branch.json@721adb5). Its y is the
+    stepped one (the api leaves an idle slot's y unspecified)."""
     K = vec_smem.shape[-1]
     windows, taps, a_log, dt_bias = pro_in
     x = []
     for i, window in enumerate(windows):
         y = sum(w * u.astype(F32) for w, u in zip(taps[i], window, strict=True))
         x.append((y * sigmoid(y)).astype(dtype).astype(F32))
-
-        def slide(i=i, window=window, by=1):  # by 1: keep the newest three pre-conv inputs; by 0: as it was
-            for j in range(CONV_TAPS - 1):
-                new_conv_33K.at[i, j][...] = window[j + by]
-
-        pl.when(_and(write_conv, active))(slide)
-        pl.when(_and(write_conv, _not(active)))(functools.partial(slide, by=0))
     q, k, v = x
     g = -5.0 * sigmoid(jnp.exp(a_log) * (f + dt_bias))
     beta = sigmoid(beta.astype(F32))
@@ -699,12 +700,10 @@ def _launch(
             f"k_chunk={k_chunk}, K={K}, V={V}"
         )
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
+    if conv_B3WHK.dtype != dtype:  # the window is rewritten in place with the step's new (dtype) inputs
+        raise NotImplementedError(f"conv window {conv_B3WHK.dtype} != activations {dtype}")
     fuse_gates = len(gate_in) == 4
-    out_type = [
-        jax.ShapeDtypeStruct((B, H, K), dtype),
-        jax.ShapeDtypeStruct(state_BHKV.shape, F32),
-        jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype),
-    ]
+    out_type = [jax.ShapeDtypeStruct((B, H, K), dtype)]
     # vec_smem rows: 0-5 (_prologue, o), 6 f (fused gates), 7 fa broadcast (from the GEMV's partials, R = K: _fa_of)
     fa_broadcast = bool(fuse_gates and from_gemv) and gate_in[0].shape[2 if from_gemv == "TN" else 1] == K
     vec_rows = 6 + int(fuse_gates) + int(fa_broadcast)
@@ -751,16 +750,21 @@ def _launch(
         ),
         interpret=interpret,
     )
+    # The state and conv window go in as refs the kernel writes, so its call aliases them (XLA's
+    # output_operand_aliases): a donated cache is updated in place, where fresh outputs cost a D2D copy each into
+    # the cache's buffers (2 a KDA layer in the step's trace, bench/NOTES.md lever 7). Each CTA reads its own
+    # tile (and window) before writing it (_recurrence_rows: all of it; the window: _slide_conv's placement).
+    state_ref, conv_ref = jax.new_ref(state_BHKV), jax.new_ref(conv_B3WHK)
     outs = kernel(
         qkv_B3HK,
         *gate_in,
         gate_BHK,
-        state_BHKV,
-        conv_B3WHK,
+        state_ref,
+        conv_ref,
         conv_w_3HKW.astype(F32),
         A_log_H.astype(F32),
         dt_bias_HK.astype(F32),
         o_norm_w_K.astype(F32),
         *(() if active_B is None else (active_B.astype(jnp.int32),)),
     )
-    return outs[:3]  # (y, state, conv); with v_split the gather buffer is dropped
+    return outs[0], state_ref[...], conv_ref[...]  # with v_split the gather buffer is dropped
