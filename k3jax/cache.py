@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from k3jax.config import K3Config
+from pallas_kernels.mla_decode import reference as mla_reference
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
+FP8 = mla_reference.FP8
 CACHE_DTYPES = ("fp8", "bf16")
 
 
@@ -60,39 +60,16 @@ def cache_bytes(cfg: K3Config, batch: int, max_len: int, cache_dtype: str = "fp8
     }
 
 
-def _quantize(x, R):
-    def q(v):
-        scale = jnp.maximum(jnp.max(jnp.abs(v.astype(jnp.float32)), axis=-1, keepdims=True) / FP8_MAX, 1e-30)
-        return (v.astype(jnp.float32) / scale).astype(FP8), scale
-
-    qc, sc = q(x[..., :R])
-    qp, sp = q(x[..., R:])
-    return jnp.concatenate([qc, qp], axis=-1), jnp.concatenate([sc, sp], axis=-1)
-
-
 def write_rows(entry: dict, rows_BTC, pos_BT, valid_BT, R: int) -> dict:
-    """Scatter new rows at their absolute positions; rows of padding tokens are dropped."""
-    S = entry["rows"].shape[1]
-    pos = jnp.where(valid_BT, pos_BT, S)  # out of range -> dropped
-    b = jnp.arange(rows_BTC.shape[0])[:, None]
-    out = dict(entry)
-    if "scales" in entry:
-        q, s = _quantize(rows_BTC, R)
-        out["rows"] = entry["rows"].at[b, pos].set(q, mode="drop")
-        out["scales"] = entry["scales"].at[b, pos].set(s, mode="drop")
-    else:
-        out["rows"] = entry["rows"].at[b, pos].set(rows_BTC.astype(entry["rows"].dtype), mode="drop")
-    return out
+    """Scatter new rows at their absolute positions (fp8: by the scaling rule above); rows of padding tokens are
+    dropped. The rule lives with the MLA kernels' reference (pallas_kernels.mla_decode.reference), which the
+    kernel that writes the rows in decode is tested against."""
+    return mla_reference.write_rows(entry, rows_BTC, pos_BT, valid_BT, R)
 
 
 def read_rows(entry: dict, R: int, dtype):
     """The whole latent cache in the compute dtype [B, S, C]."""
-    rows = entry["rows"]
-    if "scales" not in entry:
-        return rows.astype(dtype)
-    sc = entry["scales"]
-    f = rows.astype(jnp.float32)
-    return jnp.concatenate([f[..., :R] * sc[..., :1], f[..., R:] * sc[..., 1:]], axis=-1).astype(dtype)
+    return mla_reference.dequantize(entry, R, dtype)
 
 
 def reset_slots(cache: dict, slots_mask_B) -> dict:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from k3jax import cache as cache_lib
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla, moe
@@ -138,13 +137,12 @@ def extend(
     pos_BT = start_B[:, None] + jnp.arange(T)[None]
     valid_BT = jnp.arange(T)[None] < n_new_B[:, None]
     new_layers = list(cache["layers"])
-    R = cfg.kv_lora_rank
 
     def attn(L, p, x):
         entry = cache["layers"][L]
         if cfg.is_mla(L):
             q_a, kv, g = mla.mla_in_projections(p, x, comm.policy)
-            entry = cache_lib.write_rows(entry, mla.latent_rows(p, kv, cfg), pos_BT, valid_BT, R)
+            entry = mla.write_latent_rows(p, kv, entry, pos_BT, valid_BT, comm.policy)
             new_layers[L] = entry
             return mla.mla_cached(p, q_a, g, cfg, entry, pos_BT + 1, comm.policy)  # the entry as stored
         if T == 1:

@@ -68,9 +68,8 @@ def verify(
     def attn(L, p, x):
         entry = cache["layers"][L]
         if cfg.is_mla(L):
-            R = cfg.kv_lora_rank
             q_a, kv, g = mla.mla_in_projections(p, x, comm.policy)
-            entry = cache_lib.write_rows(entry, mla.latent_rows(p, kv, cfg), pos_BT, all_valid, R)
+            entry = mla.write_latent_rows(p, kv, entry, pos_BT, all_valid, comm.policy)
             layers[L] = entry
             return mla.mla_cached(p, q_a, g, cfg, entry, pos_BT + 1, comm.policy)  # causal inside the block
         qkv, f, beta, gate = kda.project(p, x)

@@ -1,6 +1,6 @@
 """Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
-once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does), a
-rounding XLA:GPU keeps (round_to) and SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
+once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does), its
+RMSNorm, a rounding XLA:GPU keeps (round_to) and SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
 kernels)."""
 
 import functools
@@ -60,6 +60,13 @@ def dot(spec: str, a, b):
     if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def rms_norm(x, w, eps):
+    """HF RMSNorm: fp32 statistics, normalised value rounded to x's dtype, then times the weight."""
+    xf = x.astype(jnp.float32)
+    n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return n * w.astype(x.dtype)
 
 
 def round_to(x_f32, dtype):

@@ -4,11 +4,10 @@ Dtype rule: activations carry the compute dtype (bf16 serving, fp32 verification
 fp32 and rounds its output to the compute dtype; nonlinearities upcast to fp32 and round once.
 """
 
-import jax
 import jax.numpy as jnp
 
-# the GEMM rule and SiTU-GLU live once, beside the kernels' references (and kernels) that use them
-from pallas_kernels.common import dot, situ_glu  # noqa: F401
+# the GEMM rule, RMSNorm and SiTU-GLU live once, beside the kernels' references (and kernels) that use them
+from pallas_kernels.common import dot, rms_norm, situ_glu  # noqa: F401
 
 F32 = jnp.float32
 
@@ -16,13 +15,6 @@ F32 = jnp.float32
 def linear(x, w, spec: str):
     """GEMM with fp32 accumulation, output rounded to x's dtype (weights cast to it; fp32 weights stay exact)."""
     return dot(spec, x, w.astype(x.dtype)).astype(x.dtype)
-
-
-def rms_norm(x, w, eps):
-    """HF RMSNorm: fp32 statistics, normalised value rounded to x's dtype, then times the weight."""
-    xf = x.astype(F32)
-    n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return n * w.astype(x.dtype)
 
 
 def row_parallel(x, w):

@@ -15,6 +15,7 @@ from k3jax.layers.common import dot, linear, rms_norm, row_parallel
 from pallas_kernels import mla_decode
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.gemv import reference as gemv_ref
+from pallas_kernels.mla_decode import reference as mla_reference
 from pallas_kernels.policy import XLA, DecodePolicy
 
 
@@ -45,8 +46,16 @@ def queries(p, q_a_BTQ):
 
 def latent_rows(p, kv_BTC, cfg: K3Config):
     """kv_a's output -> cache rows [B,T,R+rope]: [RMSNorm(c) | k_pe] (k_pe neither normalised nor rotated)."""
-    R = cfg.kv_lora_rank
-    return jnp.concatenate([rms_norm(kv_BTC[..., :R], p["kv_a_norm"], MLA_LOWRANK_EPS), kv_BTC[..., R:]], axis=-1)
+    del cfg  # R is the norm weight's width
+    return mla_reference.latent_rows(kv_BTC, p["kv_a_norm"], MLA_LOWRANK_EPS)
+
+
+def write_latent_rows(p, kv_BTC, entry, pos_BT, valid_BT, policy: DecodePolicy = XLA):
+    """latent_rows stored into the layer's cache entry at pos_BT where valid_BT -> the new entry: one launch
+    writing the cache in place where the decode policy asks for kernels (pallas_kernels.mla_decode)."""
+    return mla_decode.mla_write_rows(
+        kv_BTC, p["kv_a_norm"], entry, pos_BT, valid_BT, eps=MLA_LOWRANK_EPS, policy=policy
+    )
 
 
 def _gate_out(p, o_BTHV, g_BTHV):

@@ -17,10 +17,12 @@ from pallas_kernels.mla_decode import reference
 from pallas_kernels.policy import XLA, DecodePolicy
 
 OP = "mla_decode_attention"
+ROWS_OP = "mla_write_rows"
 BODIES = {9: "sm90", 10: "sm100"}  # compute capability major -> the body's module (and tuning.json section)
 
 
-def _kernel_op(policy: DecodePolicy):
+def _body_name(policy: DecodePolicy) -> str:
+    """The body (tuning.json section) for the GPU we compile for; NotImplementedError where none serves."""
     arch = common.gpu_arch()
     if arch is None:
         raise NotImplementedError("no GPU device (Mosaic GPU needs sm90 or sm100)")
@@ -31,8 +33,12 @@ def _kernel_op(policy: DecodePolicy):
     if section is None:
         raise NotImplementedError(f"the policy's mla_decode tuning has no {name!r} section")
     if not section.get("serve", True):
-        raise NotImplementedError(f"the MLA decode kernel is switched off (tuning.json {name} 'serve': false)")
-    body = importlib.import_module(f"pallas_kernels.mla_decode.{name}")
+        raise NotImplementedError(f"the MLA decode kernels are switched off (tuning.json {name} 'serve': false)")
+    return name
+
+
+def _kernel_op(policy: DecodePolicy):
+    body = importlib.import_module(f"pallas_kernels.mla_decode.{_body_name(policy)}")
     return body.ops(policy)
 
 
@@ -91,3 +97,31 @@ def combine(parts, dtype=None):
     total = jnp.sum(w, axis=0)
     o = jnp.sum(o_s * w[..., None], axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
     return o if dtype is None else o.astype(dtype)
+
+
+def mla_write_rows(kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT, *, eps, policy: DecodePolicy = XLA):
+    """The MLA layer's new cache rows: kv_a's output [B, T, R + E] -> [RMSNorm(c) | k_pe] (kv_norm_w_R the norm's
+    weight), stored at pos_BT (absolute positions) where valid_BT, quantised by the FP8 row rule for an fp8
+    entry -> the new entry. One Mosaic GPU launch writing the cache in place where the policy asks for kernels
+    (rows_kernel.py; the same on sm90 and sm100), else XLA's norm, quantisation and scatters (reference.py).
+    A token that is not valid, or whose position is past the cache, writes nothing."""
+    if not isinstance(entry, dict) or "rows" not in entry:
+        raise ValueError("entry must be a cache entry dict: {'rows': [B, S, R + E]} (+ 'scales': [B, S, 2] for fp8)")
+    B, T, C = kv_BTC.shape
+    if entry["rows"].shape[0] != B or entry["rows"].shape[2] != C or kv_norm_w_R.shape[0] >= C:
+        raise ValueError(
+            f"kv [B, T, C] = {list(kv_BTC.shape)} against cache rows {list(entry['rows'].shape)} and a "
+            f"norm weight of {kv_norm_w_R.shape[0]}: the cache rows must be [B, S, C], R < C"
+        )
+    for name, a in (("pos_BT", pos_BT), ("valid_BT", valid_BT)):
+        if a.shape != (B, T):
+            raise ValueError(f"{name} must have shape ({B}, {T}), one entry per new token, got {list(a.shape)}")
+    args = (kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT)
+
+    def kernel():
+        _body_name(policy)
+        from pallas_kernels.mla_decode import rows_kernel
+
+        return rows_kernel.write_rows(*args, eps=eps)
+
+    return policy_lib.dispatch(ROWS_OP, policy, kernel, lambda: reference.mla_write_rows(*args, eps=eps))

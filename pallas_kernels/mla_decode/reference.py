@@ -15,14 +15,62 @@ compute dtype before P·V (§5.2's eager numerics), the output rounded once.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import dot
+from pallas_kernels.common import dot, rms_norm
 
 F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+# ----------------------------------------------------------------------------- the new rows into the cache
+def latent_rows(kv_BTC, kv_norm_w_R, eps):
+    """kv_a's output [B, T, R + E] -> the cache rows [RMSNorm(c) | k_pe] in its dtype (k_pe neither normalised
+    nor rotated: NoPE)."""
+    R = kv_norm_w_R.shape[0]
+    return jnp.concatenate([rms_norm(kv_BTC[..., :R], kv_norm_w_R, eps), kv_BTC[..., R:]], axis=-1)
+
+
+def quantize_rows(rows_BTC, R: int):
+    """The FP8 row rule (k3jax.cache): c = rows[..., :R] and k_pe = rows[..., R:] each get the fp32 scale
+    max|x| / 448 (at least 1e-30), so each uses e4m3's whole range and nothing saturates; the codes are x / scale
+    rounded to e4m3. -> (codes [..., C] fp8, scales [..., 2] fp32)."""
+
+    def q(v):
+        scale = jnp.maximum(jnp.max(jnp.abs(v.astype(F32)), axis=-1, keepdims=True) / FP8_MAX, 1e-30)
+        return (v.astype(F32) / scale).astype(FP8), scale
+
+    qc, sc = q(rows_BTC[..., :R])
+    qp, sp = q(rows_BTC[..., R:])
+    return jnp.concatenate([qc, qp], axis=-1), jnp.concatenate([sc, sp], axis=-1)
+
+
+def write_rows(entry: dict, rows_BTC, pos_BT, valid_BT, R: int) -> dict:
+    """The rows stored at their absolute positions (quantised where the entry is fp8); a token that is not valid,
+    or whose position is past the cache, writes nothing."""
+    S = entry["rows"].shape[1]
+    pos = jnp.where(valid_BT, pos_BT, S)  # out of range -> dropped
+    b = jnp.arange(rows_BTC.shape[0])[:, None]
+    out = dict(entry)
+    if "scales" in entry:
+        q, s = quantize_rows(rows_BTC, R)
+        out["rows"] = entry["rows"].at[b, pos].set(q, mode="drop")
+        out["scales"] = entry["scales"].at[b, pos].set(s, mode="drop")
+    else:
+        out["rows"] = entry["rows"].at[b, pos].set(rows_BTC.astype(entry["rows"].dtype), mode="drop")
+    return out
+
+
+def mla_write_rows(kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT, *, eps):
+    """The op's reference: latent_rows of kv_a's output, written into the layer's cache entry -> the new entry."""
+    return write_rows(entry, latent_rows(kv_BTC, kv_norm_w_R, eps), pos_BT, valid_BT, kv_norm_w_R.shape[0])
+
+
+# ----------------------------------------------------------------------------- attention over the cache
 
 
 def dequantize(entry: dict, R: int, dtype):
     """The cache entry's rows [B, S, C] in `dtype`: fp8 rows times their two per-row scales (c[:R], k_pe[R:]),
-    or the rows as stored (the same rule as k3jax.cache.read_rows)."""
+    or the rows as stored (quantize_rows' inverse; k3jax.cache.read_rows is this)."""
     rows = entry["rows"]
     if "scales" not in entry:
         return rows.astype(dtype)
