@@ -62,7 +62,7 @@ def _body(pos_ref, valid_ref, kv_ref, w_ref, rows_ref, *scales_ref, R, eps):
     def spread(v, layout, n):  # a row's scalar [1] back over the row [1, n]
         return plgpu.layout_cast(lax.broadcast_in_dim(v, (1, n), (0,)), layout)
 
-    inv = lax.rsqrt(jnp.sum(c * c, axis=1) * (1.0 / R) + eps)  # the mean as XLA's: the sum times 1 / R (exact)
+    inv = lax.rsqrt(jnp.sum(c * c, axis=1) / R + eps)  # the mean as jnp.mean: the sum over R
     c = (c * spread(inv, c_l, R)).astype(dtype) * w
 
     def store():
