@@ -14,7 +14,7 @@ from kernel_testbase import abstract_gpu, cpu_only, gpu_only
 
 from pallas_kernels import common
 from pallas_kernels.mla_decode import api, reference, rows_kernel
-from pallas_kernels.policy import SPECIALIZED, DispatchLog, recording
+from pallas_kernels.policy import SPECIALIZED, DecodePolicy, DispatchLog, recording
 
 E = 64  # k_pe
 EPS = 1e-6
@@ -180,17 +180,29 @@ def test_api_falls_back_off_gpu_and_says_why(rng, caplog):
             np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8), np.asarray(want[k]).view(np.uint8))
 
 
+def policy_with_rows(on: bool) -> DecodePolicy:
+    """latency_specialized with the tuning's write_rows switch set (both bodies)."""
+    table = SPECIALIZED.table("mla_decode")
+    entries = {arch: dict(table[arch], write_rows=on) for arch in ("sm90", "sm100")}
+    return DecodePolicy(backend="latency_specialized", tuning=SPECIALIZED.tuning.with_entries("mla_decode", **entries))
+
+
 @cpu_only
-def test_api_runs_the_kernel_under_the_policy(rng, monkeypatch):
-    """Under an abstract H100 the api serves the kernel (run here in interpret mode) and records it."""
+@pytest.mark.parametrize("on", [True, False])
+def test_api_runs_the_kernel_where_the_tuning_switches_it_on(rng, monkeypatch, on):
+    """Under an abstract H100 the api serves the kernel (run here in interpret mode) where tuning.json's
+    write_rows is true, else the reference, saying why; it records which ran."""
     import functools
 
     monkeypatch.setattr(rows_kernel, "write_rows", functools.partial(rows_kernel.write_rows, interpret=interpret()))
     case = make_case(rng, 2, 1, 16, 128, jnp.float32, "fp8")
     log = DispatchLog()
     with recording(log), abstract_gpu("sm90"):
-        got = api.mla_write_rows(*case, eps=EPS, policy=SPECIALIZED)
-    assert log.ops[api.ROWS_OP] == {"impl": "pallas", "reason": None}
+        got = api.mla_write_rows(*case, eps=EPS, policy=policy_with_rows(on))
+    if on:
+        assert log.ops[api.ROWS_OP] == {"impl": "pallas", "reason": None}
+    else:
+        assert log.ops[api.ROWS_OP]["impl"] == "xla" and "write_rows" in log.ops[api.ROWS_OP]["reason"]
     check_against_reference(got, reference.mla_write_rows(*case, eps=EPS), 128)
 
 

@@ -119,7 +119,9 @@ def mla_write_rows(kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT, *, eps, policy:
     args = (kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT)
 
     def kernel():
-        _body_name(policy)
+        name = _body_name(policy)
+        if not policy.table("mla_decode")[name].get("write_rows", False):
+            raise NotImplementedError(f"the rows kernel is switched off (tuning.json {name} 'write_rows': false)")
         from pallas_kernels.mla_decode import rows_kernel
 
         return rows_kernel.write_rows(*args, eps=eps)
