@@ -175,14 +175,15 @@ def _variant(arch, tma, v_split=1, gates=False, gather="gmem", warpgroups=1, **l
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("tma", [False, "chunked", "rows"])
-def test_kernel_interpret_matches_reference(arch, dtype, tma):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernel_interpret_matches_reference(arch, dtype, tma, in_place):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     x = make_inputs(rng(), 2, 2, 128, DTYPES[dtype])
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu(arch):
-        got = _variant(arch, tma)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
+        got = _variant(arch, tma, in_place=in_place)(*args_of(x), interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -200,7 +201,7 @@ SPLITS = (
 
 @cpu_only
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("tma, split, dtype", SPLITS)
+@pytest.mark.parametrize("tma, split, dtype", SPLITS + [(t, dict(s, in_place=True), d) for t, s, d in SPLITS[::2]])
 def test_split_interpret_matches_reference(arch, tma, split, dtype):
     """V split over a cluster (o gathered through GMEM behind a cluster barrier for the gated norm) or over the
     warpgroups of one CTA (each with its own O(K) vectors, o meeting in WG 0's SMEM behind a CTA barrier) vs
@@ -450,6 +451,8 @@ def test_api_refuses_qkv_without_three_streams():
         ("rows", dict(keep_slices=2)),
         ("chunked", dict(warpgroups=2)),
         ("chunked", dict(v_split=2)),
+        ("rows", dict(keep_slices=3, in_place=True)),
+        ("chunked", dict(v_split=2, in_place=True)),
     ],
 )
 def test_kernel_keeps_idle_sequences(tma, split):
@@ -574,16 +577,18 @@ def test_fused_gates_lower_for_cuda(arch, tma):
     [(t, 1, "gmem") for t in (False, "chunked", "rows")]
     + [(t, 4, g) for t in (False, "chunked") for g in ("gmem", "dsmem")],
 )
-def test_kernel_lowers_for_cuda(arch, tma, v_split, gather):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernel_lowers_for_cuda(arch, tma, v_split, gather, in_place):
     """Lower (not run) the real Mosaic GPU kernel at a real shape: catches layout/lowering errors on CPU
-    (the only CPU check of the peer-SMEM gather, which interpret mode cannot run; the GPU tests run it)."""
+    (the only CPU check of the peer-SMEM gather, which interpret mode cannot run; the GPU tests run it). In
+    place, the call aliases the state and conv window (no copies into a donated cache)."""
     x = make_inputs(rng(), 8, 12, 128, jnp.bfloat16)
     with abstract_gpu(arch):
-        f = _variant(arch, tma, v_split, gather=gather)
+        f = _variant(arch, tma, v_split, gather=gather, in_place=in_place)
         lowered = jax.jit(f).trace(*args_of(x)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
     assert "mosaic_gpu" in text
-    assert aliased_operands(text) == [4, 5]  # state and conv window written in place, so no copies into the cache
+    assert aliased_operands(text) == ([4, 5] if in_place else [])
 
 
 def aliased_operands(text):
@@ -736,6 +741,28 @@ def test_stagings_on_gpu_match_reference(B, H, tma, dtype, v_split, gather):
     got = jax.jit(_variant("sm90", tma, v_split, gather=gather))(*args_of(x))
     for name, a, b in zip(("y", "state", "conv"), got, want, strict=True):
         assert_close(a, b, **TOL[dtype], what=name)
+
+
+def policy_in_place() -> DecodePolicy:
+    """latency_specialized with tuning.json's state_in_place on (both bodies)."""
+    table = SPECIALIZED.table("kda_decode")
+    entries = {arch: dict(table[arch], state_in_place=True) for arch in ("sm90", "sm100")}
+    return DecodePolicy(backend="latency_specialized", tuning=SPECIALIZED.tuning.with_entries("kda_decode", **entries))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("B, H", [(1, 6), (8, 12), (64, 6)])
+def test_in_place_on_gpu_matches_reference(B, H, dtype):
+    """The tuned launches (a cluster split, two warpgroups, the rows path) writing the state and window in place
+    into donated arrays, idle sequences included: as the reference, the idle ones exactly as they were."""
+    r = rng()
+    x = make_inputs(r, B, H, 128, DTYPES[dtype])
+    active = idle_mask(r, B) if B > 1 else np.ones(1, np.int32)
+    want = jax.jit(reference.kda_decode)(*args_of(x), jnp.asarray(active))
+    step = jax.jit(lambda *a: api.kda_decode(*a, policy=policy_in_place()), donate_argnums=(4, 5))
+    got = step(*(jnp.array(a, copy=True) for a in args_of(x)), jnp.asarray(active))
+    assert_idle_kept(got, want, x, active, TOL[dtype])
 
 
 @gpu_only

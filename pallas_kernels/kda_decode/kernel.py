@@ -94,6 +94,7 @@ def pick_launch(tuning, qkv_B3HK):
         v_split=entry.get("v_split", 1),
         gather=entry.get("gather", "gmem"),
         warpgroups=entry.get("warpgroups", 1),
+        in_place=tuning.get("state_in_place", False),
         **{key: entry[key] for key in ROWS_KEYS if key in entry},
     )
 
@@ -114,17 +115,18 @@ def _body(
     on_gpu=True,
     k_rows=0,
     keep_slices=0,
+    in_place=False,
 ):
     """One CTA per (b, h), its columns split over its warpgroups (warpgroups > 1, WG s owning state columns
     [s V/warpgroups, (s+1) V/warpgroups), o gathered in WG 0's SMEM behind one CTA barrier), or with v_split > 1
     a cluster of v_split CTAs per (b, h), CTA s owning the columns [s V/v_split, (s+1) V/v_split), whose o
     reaches CTA 0 through GMEM or (gather="dsmem") straight into CTA 0's SMEM. Inputs: qkv, then (f, beta) or
     with fuse_gates (fa, f_b, x, b_w), then gate, state, conv, conv_w, A_log, dt_bias, o_norm_w (+ with
-    idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); state and conv
-    are written in place (refs: see _launch); outputs y (+ o_xchg with v_split and gmem); scratch vec_smem (one
-    per warpgroup) (+ the cluster or CTA barrier of a split) (+ the TMA slices and a barrier each: chunked,
-    v_chunk column slices, each loaded and stored by its own TMA; k_rows > 0, slices of k_rows state rows, see
-    _recurrence_rows).
+    idle_mask, active: int32 [B], a sequence whose entry is 0 keeps its state and conv window); outputs y, state,
+    conv (in_place: y only, the state and conv inputs written in place: see _launch) (+ o_xchg with v_split and
+    gmem); scratch vec_smem (one per warpgroup) (+ the cluster or CTA barrier of a split) (+ the TMA slices and
+    a barrier each: chunked, v_chunk column slices, each loaded and stored by its own TMA; k_rows > 0, slices of
+    k_rows state rows, see _recurrence_rows).
     keep_slices (k_rows): see _recurrence_rows. The state's TMA goes out whole before the prologue.
     from_gemv: qkv and gate are both the projection GEMV's fp32 partials (pallas_kernels.gemv.kernel.partials)
     and fa its partials: "NT" [S, 4 H K, T] and [S, R, T] (token b in column b), "TN" [S, T, 4 H K] and
@@ -134,6 +136,7 @@ def _body(
     qkv_ref, *gate_in, gate_ref, state_ref, conv_ref, w_ref, alog_ref, dtb_ref, onw_ref = refs[: n_in - idle_mask]
     active_ref = refs[n_in - 1] if idle_mask else None
     y_ref, *rest = refs[n_in:]
+    state_out, conv_out = (state_ref, conv_ref) if in_place else (rest.pop(0), rest.pop(0))
     o_xchg_ref = rest.pop(0) if v_split > 1 and gather == "gmem" else None
     vec_all = rest.pop(0)
     xchg_bar = rest.pop(0) if v_split > 1 or warpgroups > 1 else None
@@ -222,19 +225,20 @@ def _body(
                 else f_beta
             )
         o_gain = _prologue(pro_in, f, beta, vec_smem, dtype, total, active=active)
-    # The conv window is rewritten in place: with the tile split (parts > 1) every warpgroup has read it in its
-    # prologue, so one of them writes it only after the split's barrier; alone, right away.
-    write_conv = functools.partial(_slide_conv, pro_in[0], conv_ref.at[b, :, :, h], active)
-    if parts == 1:
-        write_conv()
+    # The window is written by one warpgroup of a split. In place, every warpgroup of the split has read it in
+    # its prologue, so the writer waits for the split's barrier; to a fresh output, right away.
+    write_conv = functools.partial(_slide_conv, pro_in[0], conv_out.at[b, :, :, h], active, in_place)
+    late_conv = in_place and parts > 1
+    if not late_conv:
+        write_conv() if parts == 1 else pl.when(s == 0)(write_conv)
 
     def store_state(c, S_new):
         if chunked:  # in place in the slice's SMEM; its write starts while the next slice is computed
             tile_smem.at[slot(c)][...] = S_new
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], state_ref.at[b, h, :, gcols(c)])
+            plgpu.copy_smem_to_gmem(tile_smem.at[slot(c)], state_out.at[b, h, :, gcols(c)])
         else:
-            state_ref.at[b, h, :, gcols(c)][...] = S_new
+            state_out.at[b, h, :, gcols(c)][...] = S_new
 
     # o goes where the gated norm reads it: vec_smem row 5 of this CTA, of WG 0, of the cluster's CTA 0, or GMEM
     if warpgroups > 1:
@@ -254,7 +258,7 @@ def _body(
             _recurrence_rows(
                 tile_smem,
                 tile_bar,
-                state_ref.at[b, h],
+                state_out.at[b, h],
                 vec_smem,
                 o_gain,
                 dtype,
@@ -284,7 +288,8 @@ def _body(
                 plgpu.barrier_wait(xchg_bar)
             else:
                 cluster_sync(xchg_bar, on_gpu)
-            pl.when(s == 0)(write_conv)  # every warpgroup's prologue read the window before the barrier
+            if late_conv:
+                pl.when(s == 0)(write_conv)  # every warpgroup's prologue read the window before the barrier
             o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
             pl.when(s == 0)(lambda: _gated_norm(o_src, gate_K, onw_K, y_ref.at[b, h], eps, dtype, total))
     if tma_scratch:
@@ -367,16 +372,22 @@ def _prologue_loads(projected, conv_33K, w_ref, alog_ref, dtb_ref, h):
     return windows, taps, alog_ref[h], dtb_ref.at[h][...]
 
 
-def _slide_conv(windows, conv_33K, active):
-    """The conv window of one (b, h) slid by one in place (the newest three pre-conv inputs of each stream, from
-    _prologue_loads' values); an idle sequence (not active) keeps it, so nothing is written."""
+def _slide_conv(windows, conv_33K, active, in_place):
+    """The conv window of one (b, h) slid by one (the newest three pre-conv inputs of each stream, from
+    _prologue_loads' values). An idle sequence (not active) keeps it: in place nothing is written, to a fresh
+    output the window as it was."""
 
-    def slide():
+    def slide(by=1):
         for i, window in enumerate(windows):
             for j in range(CONV_TAPS - 1):
-                conv_33K.at[i, j][...] = window[j + 1]
+                conv_33K.at[i, j][...] = window[j + by]
 
-    slide() if active is True else pl.when(active)(slide)  # True: no mask, no branch
+    if active is True:  # no mask, no branch
+        slide()
+        return
+    pl.when(active)(slide)
+    if not in_place:
+        pl.when(jnp.logical_not(active))(functools.partial(slide, by=0))
 
 
 def _prologue(pro_in, f, beta, vec_smem, dtype, total=jnp.sum, active=True):
@@ -515,6 +526,7 @@ _STATIC = (
     "warpgroups",
     "interpret",
     "profile_dir",
+    "in_place",
 )
 
 
@@ -543,6 +555,7 @@ def decode(
     profile_dir="",
     k_chunk=32,
     keep_slices=0,
+    in_place=False,
 ):
     """One step over every (b, h) state tile. tma, the tile's staging (the body's tuning entry picks it):
     False: v_chunk column pieces straight HBM <-> registers by ld/st.global, the next piece's read in flight;
@@ -560,7 +573,8 @@ def decode(
     (bit for bit), so no select over the state runs after the kernel; its y is computed.
     qkv_B3HK may also be the layer's whole qkvg [B, 4, H, K], passed again as gate_BHK: the kernel reads the
     gate from its fourth stream, so the caller makes no sliced copies.
-    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py@721adb5)."""
+    profile_dir: write Mosaic GPU's in-kernel trace of the named phases there (bench/kda_profile.py@721adb5).
+    in_place: the state and conv window written into the input arrays (see _launch), not fresh outputs."""
     return _launch(
         qkv_B3HK,
         (f_BHK, beta_BH),
@@ -583,6 +597,7 @@ def decode(
         profile_dir=profile_dir,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
+        in_place=in_place,
     )
 
 
@@ -614,6 +629,7 @@ def decode_gates(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
+    in_place=False,
 ):
     """decode with the f and beta projections in the kernel (_gates): two fewer launches per KDA layer;
     fa_BR = x @ f_a (rank R, 128 in K3), D a multiple of K.
@@ -649,6 +665,7 @@ def decode_gates(
         from_gemv=from_gemv,
         k_chunk=k_chunk,
         keep_slices=keep_slices,
+        in_place=in_place,
     )
 
 
@@ -676,6 +693,7 @@ def _launch(
     from_gemv=False,
     k_chunk=32,
     keep_slices=0,
+    in_place=False,
 ):
     """gate_in: (f, beta), or the four inputs of the fused gate projections (fa, f_b, x, b_w); from_gemv: qkv
     and gate are the GEMV's partials (decode_gates)."""
@@ -700,10 +718,12 @@ def _launch(
             f"k_chunk={k_chunk}, K={K}, V={V}"
         )
     dtype = gate_in[2].dtype if from_gemv else qkv_B3HK.dtype
-    if conv_B3WHK.dtype != dtype:  # the window is rewritten in place with the step's new (dtype) inputs
+    if in_place and conv_B3WHK.dtype != dtype:  # the window is rewritten in place with the new (dtype) inputs
         raise NotImplementedError(f"conv window {conv_B3WHK.dtype} != activations {dtype}")
     fuse_gates = len(gate_in) == 4
     out_type = [jax.ShapeDtypeStruct((B, H, K), dtype)]
+    if not in_place:
+        out_type += [jax.ShapeDtypeStruct(state_BHKV.shape, F32), jax.ShapeDtypeStruct(conv_B3WHK.shape, dtype)]
     # vec_smem rows: 0-5 (_prologue, o), 6 f (fused gates), 7 fa broadcast (from the GEMV's partials, R = K: _fa_of)
     fa_broadcast = bool(fuse_gates and from_gemv) and gate_in[0].shape[2 if from_gemv == "TN" else 1] == K
     vec_rows = 6 + int(fuse_gates) + int(fa_broadcast)
@@ -731,6 +751,7 @@ def _launch(
         on_gpu=interpret is None,
         k_rows=k_chunk if tma == "rows" else 0,
         keep_slices=keep_slices,
+        in_place=in_place,
     )
     if tma == "rows":  # [slice, k_chunk, V]: unswizzled, a thread's column is one bank
         scratch += [plgpu.SMEM((K // k_chunk, k_chunk, V), F32), plgpu.Barrier(num_barriers=K // k_chunk)]
@@ -750,11 +771,11 @@ def _launch(
         ),
         interpret=interpret,
     )
-    # The state and conv window go in as refs the kernel writes, so its call aliases them (XLA's
+    # in_place: the state and conv window go in as refs the kernel writes, so its call aliases them (XLA's
     # output_operand_aliases): a donated cache is updated in place, where fresh outputs cost a D2D copy each into
     # the cache's buffers (2 a KDA layer in the step's trace, bench/NOTES.md lever 7). Each CTA reads its own
-    # tile (and window) before writing it (_recurrence_rows: all of it; the window: _slide_conv's placement).
-    state_ref, conv_ref = jax.new_ref(state_BHKV), jax.new_ref(conv_B3WHK)
+    # tile (and window) before writing it (_recurrence_rows: all of it; the window: _body's placement).
+    state_ref, conv_ref = (jax.new_ref(state_BHKV), jax.new_ref(conv_B3WHK)) if in_place else (state_BHKV, conv_B3WHK)
     outs = kernel(
         qkv_B3HK,
         *gate_in,
@@ -767,4 +788,6 @@ def _launch(
         o_norm_w_K.astype(F32),
         *(() if active_B is None else (active_B.astype(jnp.int32),)),
     )
-    return outs[0], state_ref[...], conv_ref[...]  # with v_split the gather buffer is dropped
+    if in_place:
+        return outs[0], state_ref[...], conv_ref[...]  # with v_split the gather buffer is dropped
+    return outs[:3]

@@ -57,7 +57,7 @@ def pick_launch(tuning, qkv_BT3HK, split=True):
     if split and B * H >= tuning.get("verify_rows_min_tiles", float("inf")):  # verify's own rows path
         return dict(tile_layout=launch["tile_layout"], tma="rows", k_chunk=32)
     launch["tma"] = bool(launch["tma"])
-    for key in ("warpgroups", *kernel.ROWS_KEYS):  # decode-only launch keys
+    for key in ("warpgroups", "in_place", *kernel.ROWS_KEYS):  # decode-only launch keys
         launch.pop(key, None)
     if not split:  # the commit: one CTA per tile, the tile by ld/st.global
         del launch["v_split"], launch["gather"], launch["tma"]
