@@ -23,6 +23,9 @@
 #   rank_slice_93 nvidia-h200     the whole 93-layer TP16 rank slice (issue 28 item 1), BACKENDS (default
 #                                 latency_specialized,xla) x BATCHES (default 1,64) as far as ~9 minutes go, with --trace
 #                                 (~97 GB of weights: an H200 only) -> rank_slice_93L.*
+#   switches     nvidia-h200      the GPU tests of the two in-place writes (kda_decode state_in_place, mla_decode
+#                                 write_rows: both off in tuning.json until these pass), then the 12-layer slice at
+#                                 b1 / b64 with --trace, both off and both on (--tuning) -> rank_slice_switches_{off,on}.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -114,6 +117,18 @@ case "${1:-}" in
     budget=${BUDGET:-530}  # seconds for measurements to start; the step gets 40 more to finish one and exit
     step rank_slice_93L $((budget + 40)) python3 bench/rank_slice.py --batches "${BATCHES:-1,64}" \
       --backends "${BACKENDS:-latency_specialized,xla}" --trace --budget-s "$budget" --out "$work" --tag _93L
+    ;;
+  switches)  # one checkout, both sides of each switch; the kernels' own GPU tests first
+    step pytest_switches 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+      python3 -m pytest -p no:cacheprovider -m "gpu and not gpu2" -n 8 -q -rf tests/test_kda_decode.py \
+      tests/test_mla_write_rows.py
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+    for side in off on; do
+      flags=()
+      [ "$side" = on ] && flags=(--tuning kda_decode.sm90.state_in_place=true --tuning mla_decode.sm90.write_rows=true)
+      step "rank_slice_switches_$side" 180 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
+        --backends latency_specialized --trace --budget-s 150 --out "$work" --tag "_switches_$side" ${flags[@]+"${flags[@]}"}
+    done
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95

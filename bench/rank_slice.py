@@ -22,6 +22,8 @@ so the collective term is added separately from bench/collectives.py measurement
 - --mix-norm-single-device [on|off]: the layer boundaries under latency_specialized as the boundary kernel minus
   its exchange (the launch a TP16 rank runs) or as XLA's kernels, overriding the collectives tuning's
   mix_norm_single_device for this run only (decode_policy); the segmenting knows the kernel by its name.
+- --tuning OP.SECTION.KEY=JSON (repeatable): any tuning.json entry set for this run only, e.g.
+  `--tuning kda_decode.sm90.state_in_place=true`: a switch measured both ways from one checkout.
 
 Device: PYTHONPATH=. python3 bench/rank_slice.py --out $OUT [--layers 24] [--backends xla,latency_specialized]
   [--speculative 7] [--mix-norm-single-device [on|off]]
@@ -205,14 +207,34 @@ def new_cache(cfg: K3Config, tp: int, batch: int, context: int, dtype=jnp.bfloat
     return jax.jit(make)()
 
 
+def tuning_override(text: str) -> tuple[list[str], object]:
+    """ "OP.SECTION.KEY=JSON" (or "OP.KEY=JSON") -> (path, value); a clear error for anything else."""
+    path, sep, value = text.partition("=")
+    keys = path.split(".")
+    if not sep or len(keys) not in (2, 3) or not all(keys):
+        raise SystemExit(f"--tuning {text!r}: write OP.SECTION.KEY=VALUE or OP.KEY=VALUE (VALUE as JSON, e.g. true)")
+    try:
+        return keys, json.loads(value)
+    except json.JSONDecodeError:
+        raise SystemExit(f'--tuning {text!r}: the value must be JSON (true, 3, "rows", ...)') from None
+
+
 def decode_policy(args, backend: str) -> DecodePolicy:
-    """The run's decode policy for `backend`: --moe-impl, and --mix-norm-single-device (on / off) set in the
-    collectives table for this run only (tuning.json keeps its default), so one checkout measures both."""
+    """The run's decode policy for `backend`: --moe-impl, --mix-norm-single-device (on / off) set in the
+    collectives table and each --tuning entry, for this run only (tuning.json keeps its defaults), so one checkout
+    measures both sides of a switch."""
     policy = DecodePolicy(backend, args.moe_impl)
-    if args.mix_norm_single_device is None:
-        return policy
-    on = args.mix_norm_single_device == "on"
-    return policy.replace(tuning=policy.tuning.with_entries("collectives", mix_norm_single_device=on))
+    tuning = policy.tuning
+    if args.mix_norm_single_device is not None:
+        tuning = tuning.with_entries("collectives", mix_norm_single_device=args.mix_norm_single_device == "on")
+    for text in args.tuning:
+        (op, *section, key), value = tuning_override(text)
+        table = tuning.get(op)
+        if section:
+            tuning = tuning.with_entries(op, **{section[0]: dict(table[section[0]], **{key: value})})
+        else:
+            tuning = tuning.with_entries(op, **{key: value})
+    return policy.replace(tuning=tuning)
 
 
 def make_step(cfg: K3Config, comm: Comm, dtype=jnp.bfloat16):
@@ -891,6 +913,7 @@ def run(args, log=print) -> dict:
             "mix_norm_single_device"
         ],
         "mix_norm_single_device_from": "tuning.json" if args.mix_norm_single_device is None else "the command line",
+        "tuning_overrides": list(args.tuning),
         "local_weight_bytes": sum(s.nbytes for s in local_table(cfg, tp)),
         "active_bytes_per_device_b1": sh.active_bytes_per_device(base_cfg, tp),
         "runs": [],
@@ -1256,6 +1279,8 @@ def markdown(result: dict) -> str:
             + (f"; boundary kernels per step: {', '.join(ran)}." if ran else "."),
             "",
         ]
+    if result.get("tuning_overrides"):
+        lines += [f"Tuning set for this run (--tuning): {', '.join(result['tuning_overrides'])}.", ""]
     if result.get("copy_bw"):
         lines += [
             f"Measured copy bandwidth (x+1 over 2 GiB): {result['copy_bw'] / 1e12:.2f} TB/s; the floor uses "
@@ -1499,6 +1524,14 @@ def parse_args(argv=None):
         default=None,
         help="the layer-boundary kernel without its exchange under latency_specialized (on without a value), "
         "overriding the collectives tuning's mix_norm_single_device for this run (default: the tuning's)",
+    )
+    p.add_argument(
+        "--tuning",
+        action="append",
+        default=[],
+        metavar="OP.SECTION.KEY=JSON",
+        help="set one tuning.json entry for this run only, e.g. kda_decode.sm90.state_in_place=true (repeatable; "
+        "OP.KEY=JSON for a top-level key)",
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument(

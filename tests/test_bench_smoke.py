@@ -477,6 +477,21 @@ def test_rank_slice_policy_overrides_the_boundary_tuning_for_the_run_only():
     assert DecodePolicy().table("collectives") == default  # tuning.json as it was
 
 
+def test_rank_slice_tuning_flag_sets_one_entry_for_the_run_only():
+    """--tuning OP.SECTION.KEY=JSON (repeatable) sets exactly those entries in the run's policy; a malformed one
+    stops with a message saying the form."""
+    kda, mla = (DecodePolicy().table(op) for op in ("kda_decode", "mla_decode"))
+    argv = ["--tuning", "kda_decode.sm90.state_in_place=true", "--tuning", "mla_decode.sm100.write_rows=true"]
+    policy = rs.decode_policy(rs.parse_args(argv), "latency_specialized")
+    assert policy.table("kda_decode") == dict(kda, sm90=dict(kda["sm90"], state_in_place=True))
+    assert policy.table("mla_decode") == dict(mla, sm100=dict(mla["sm100"], write_rows=True))
+    assert policy.table("gemv") == DecodePolicy().table("gemv")
+    assert DecodePolicy().table("kda_decode") == kda  # tuning.json as it was
+    for bad in ("kda_decode.sm90.state_in_place", "kda_decode=1", "kda_decode.sm90.x=yes"):
+        with pytest.raises(SystemExit, match="--tuning"):
+            rs.decode_policy(rs.parse_args(["--tuning", bad]), "latency_specialized")
+
+
 @cpu_only
 def test_rank_slice_runs_the_boundary_kernel_on_cpu(monkeypatch, tmp_path):
     """The CPU rank slice with --mix-norm-single-device, the collectives api planning as on a GPU and the
