@@ -22,6 +22,7 @@
 #                                 -> rank_slice_trace.*, rank_slice_trace_nocb.*, rank_slice_trace_cb1.*
 #   rank_slice_93 nvidia-h200     the whole 93-layer TP16 rank slice (issue 28 item 1), BACKENDS (default
 #                                 latency_specialized,xla) x BATCHES (default 1,64) as far as ~9 minutes go, with --trace
+#                                 (RS_FLAGS: more rank_slice flags, e.g. --tuning ...)
 #                                 (~97 GB of weights: an H200 only) -> rank_slice_93L.*
 #   switches     nvidia-h200      the GPU tests of the two in-place writes (kda_decode state_in_place, mla_decode
 #                                 write_rows: both off in tuning.json until these pass), then the 12-layer slice at
@@ -116,7 +117,8 @@ case "${1:-}" in
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.97
     budget=${BUDGET:-530}  # seconds for measurements to start; the step gets 40 more to finish one and exit
     step rank_slice_93L $((budget + 40)) python3 bench/rank_slice.py --batches "${BATCHES:-1,64}" \
-      --backends "${BACKENDS:-latency_specialized,xla}" --trace --budget-s "$budget" --out "$work" --tag _93L
+      --backends "${BACKENDS:-latency_specialized,xla}" --trace --budget-s "$budget" --out "$work" --tag _93L \
+      ${RS_FLAGS:-}  # e.g. RS_FLAGS="--tuning kda_decode.sm90.state_in_place=true"
     ;;
   switches)  # one checkout, both sides of each switch; the kernels' own GPU tests first
     step pytest_switches 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
