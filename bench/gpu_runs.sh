@@ -46,6 +46,8 @@
 #                                 kernel (--sweep), B 1, 64, 8, 32 (~3 min) -> gemv_moe_out.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
+#   mla_profile  nvidia-h200      where a 64-position block's time goes in the MLA kernel (in-kernel trace of its
+#                                 phases), TP16, B 1 and 64, 8K (~1 min) -> mla_profile.json
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
 #   moe_next     nvidia-h200      the routed experts L2-cold, under skewed routing, and with split_groups (~7 min)
 #                                 -> moe_layer_cold.*, moe_layer_skewed.*, moe_layer_skewed_split.*
@@ -172,6 +174,9 @@ case "${1:-}" in
   mla)
     step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -m gpu -rf
     step bench_mla 290 python3 bench/mla_layer.py "$work" --deadline-s 260
+    ;;
+  mla_profile)  # the in-kernel trace comes back through a host callback: a CPU device beside the GPU
+    step mla_profile 150 env JAX_PLATFORMS=cuda,cpu python3 bench/mla_layer.py "$work" --profile
     ;;
   mla_variants)
     step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200

@@ -6,6 +6,9 @@ batch 1 / 8 / 64, context 1K / 8K / 32K, the fp8 latent cache (k3jax.cache's def
       [--deadline-s 270]
   PYTHONPATH=. JAX_PLATFORMS=cuda python3 bench/mla_layer.py OUT_DIR --variants   (launch variants, VARIANTS,
       at TP16 / TP8 x B = 1 / 64 x 8K, equal lengths, fp8 -> OUT_DIR/mla_variants.json, ~2 min)
+  PYTHONPATH=. JAX_PLATFORMS=cuda,cpu python3 bench/mla_layer.py OUT_DIR --profile   (where a block's time goes:
+      the kernel alone at TP16, B = 1 and 64, 8K, fp8, its in-kernel trace of each block's phases (wait for the
+      TMA, convert fp8 -> f16, qk, softmax, pv) -> OUT_DIR/mla_profile.json, ~1 min)
   (GPU; writes OUT_DIR/mla_layer.{json,md}; --quick: B = 1 and 64 at 8K only; --cache bf16: the bf16 cache,
   written as mla_layer_bf16.{json,md}; rows not started by the deadline are skipped and listed)
 
@@ -16,6 +19,7 @@ whatever the lengths. The kernel column is the api's whole path (prep, kernel, c
 "kernel alone" is the Mosaic kernel's own time. CUPTI device time, median of bench/device_time's runs.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -28,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.device_time import device_us, per_kernel_us  # noqa: E402
-from pallas_kernels.mla_decode import reference, sm90  # noqa: E402
+from bench.kernel_trace import phases  # noqa: E402
+from pallas_kernels.mla_decode import kernel, reference, sm90  # noqa: E402
 
 HBM_PEAK = 4.8e12  # H200 datasheet
 R, E = 512, 64
@@ -202,6 +207,40 @@ def main_variants(out_dir, deadline_s=200.0):
     pathlib.Path(out_dir, "mla_variants.json").write_text(json.dumps(results, indent=1))
 
 
+def main_profile(out_dir, batches=(1, 64), S=8192, H=6):
+    """The Mosaic kernel alone at one TP16 rank's heads, equal lengths, fp8: CUPTI time and the in-kernel trace's
+    mean span of each phase of a block (a warpgroup's blocks: count / CTAs), against the block's share of the
+    floor (its 64 rows' bytes at the kernel's fair share of 4.8 TB/s)."""
+    results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tuning=sm90.TUNING, rows=[])
+    key = jax.random.key(2)
+    for B in batches:
+        key, k_cache, k_q = jax.random.split(key, 3)
+        entry = make_cache(k_cache, B, S, "fp8")
+        kq1, kq2 = jax.random.split(k_q)
+        q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
+        q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
+        lens = jnp.full((B, 1), S, jnp.int32)
+        launch = sm90.launch_for(q_lat, q_pe, entry, sm90.TUNING)
+        args = (q_lat, q_pe, entry["rows"], entry["scales"], lens)
+        f = jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch))
+        tdir = os.path.join(out_dir, f"mla trace B{B} 8K")
+        os.makedirs(tdir, exist_ok=True)
+        traced = jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch, profile_dir=tdir))
+        jax.block_until_ready(traced(*args))
+        ctas = B * (H // launch.heads_per_group) * launch.splits
+        blocks = -(-S // 64) // launch.splits  # a CTA's blocks
+        nbytes = B * S * row_bytes("fp8")
+        row = dict(B=B, H=H, ctx=S, launch=dict(vars(launch)), ctas=ctas, blocks_per_cta=blocks)
+        row["us"], row["kernels"] = measure(f, args)
+        row["floor_us"] = nbytes / HBM_PEAK * 1e6
+        row["block_floor_us"] = row["floor_us"] / blocks  # every CTA streaming its blocks side by side
+        row["phases"] = phases(tdir)
+        results["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        pathlib.Path(out_dir, "mla_profile.json").write_text(json.dumps(results, indent=1))
+        del entry
+
+
 def _f(v, fmt="{:.2f}"):
     return fmt.format(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v)[:40])
 
@@ -255,5 +294,7 @@ if __name__ == "__main__":
     deadline = float(args[args.index("--deadline-s") + 1]) if "--deadline-s" in args else 270.0
     if "--variants" in args:
         main_variants(out, deadline_s=deadline)
+    elif "--profile" in args:
+        main_profile(out)
     else:
         main(out, quick="--quick" in args, cache=cache, deadline_s=deadline)

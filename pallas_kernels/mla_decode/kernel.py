@@ -232,7 +232,8 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
     def step(i, carry):
         acc, m, l, scales = carry
         slot = lax.rem(i, stages)
-        plgpu.barrier_wait(bar.at[slot])
+        with jax.named_scope("wait"):  # the phases of a block, each a span in an in-kernel profile (profile_dir)
+            plgpu.barrier_wait(bar.at[slot])
         if fp8:
             c_src, e_src = cb_s, eb_s
             sc_c, sc_e = scales
@@ -267,44 +268,49 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
 
         accs = (plgpu.ACC((BLOCK, N), F32), plgpu.ACC((BLOCK, N), F32))
         if fp8 and qk_regs:
-            s_c, s_e = pl.run_scoped(convert_and_qk, *accs)
-            plgpu.commit_smem()  # P·V reads the converted tile
+            with jax.named_scope("convert_qk"):
+                s_c, s_e = pl.run_scoped(convert_and_qk, *accs)
+                plgpu.commit_smem()  # P·V reads the converted tile
             pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # the slot is free once converted
         else:
             if fp8:
-                convert()
-                plgpu.commit_smem()
+                with jax.named_scope("convert"):
+                    convert()
+                    plgpu.commit_smem()
                 pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))
-            s_c, s_e = pl.run_scoped(qk, *accs)
-        s = s_c * rows_bcast(sc_c) + s_e * rows_bcast(sc_e) if fp8 else s_c + s_e
-        s = s * cols_bcast(colscale_N)  # base-2 logits
-        row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.WGMMA)
-        visible = (row >= (lo + i) * BLOCK) & (row < cols_bcast(lens_N))
-        s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=0))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a column with nothing visible yet: p = 0, alpha = 0
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - cols_bcast(m_use))
-        l = l * cols_bcast(alpha) + p
-        if fp8:
-            p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
-        for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA); Mosaic keeps
-            # the astype pair below (no XLA here on the GPU: see the module docstring)
-            piece = p.astype(p_s.dtype)
-            p_s.at[j].T[...] = piece
-            if j + 1 < P:
-                p = p - piece.astype(F32)
-        plgpu.commit_smem()
-        acc = acc * cols_bcast(alpha, R)
+            with jax.named_scope("qk"):
+                s_c, s_e = pl.run_scoped(qk, *accs)
+        with jax.named_scope("softmax"):
+            s = s_c * rows_bcast(sc_c) + s_e * rows_bcast(sc_e) if fp8 else s_c + s_e
+            s = s * cols_bcast(colscale_N)  # base-2 logits
+            row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.WGMMA)
+            visible = (row >= (lo + i) * BLOCK) & (row < cols_bcast(lens_N))
+            s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a column with nothing visible yet: p = 0, alpha = 0
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - cols_bcast(m_use))
+            l = l * cols_bcast(alpha) + p
+            if fp8:
+                p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
+            for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA); Mosaic keeps
+                # the astype pair below (no XLA here on the GPU: see the module docstring)
+                piece = p.astype(p_s.dtype)
+                p_s.at[j].T[...] = piece
+                if j + 1 < P:
+                    p = p - piece.astype(F32)
+            plgpu.commit_smem()
+            acc = acc * cols_bcast(alpha, R)
 
         def pv(acc_ref):
             for j in range(P):
                 plgpu.wgmma(acc_ref, c_src.T, p_s.at[j].T)
 
-        if acc_mode == "state":
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        else:
-            acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((R, N), F32))
+        with jax.named_scope("pv"):
+            if acc_mode == "state":
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((R, N), F32))
         if not fp8:
             pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # after P·V read the slot
         return acc, m_new, l, scales
@@ -381,21 +387,35 @@ def _q_pieces(q_lat_BTHR, q_pe_BTHE, Hg, N, mdt, P, scale):
 _STATIC = ("scale", "launch", "interpret")  # scale: the softmax's, (qk_nope + qk_rope)^-1/2
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def partials(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, launch: Launch, interpret=None):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("profile_dir",))
+def partials(
+    q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, lens_BT, *, scale, launch: Launch, interpret=None, profile_dir=""
+):
     """The kernel alone -> (o [B, G, splits, R, N] fp32 normalised per split, lse [B, G, splits, N] fp32).
-    lens_BT: the rows token t sees (clipped to 0 .. S in the kernel)."""
+    lens_BT: the rows token t sees (clipped to 0 .. S in the kernel). profile_dir: see partials_from_pieces."""
     mdt, P = mma_dtype(rows_BSC.dtype), pieces(q_lat_BTHR.dtype)
     q, colscale = _q_pieces(q_lat_BTHR, q_pe_BTHE, launch.heads_per_group, launch.cols, mdt, P, scale)
     return partials_from_pieces(
-        q, colscale, rows_BSC, scales_BS2, lens_BT, R=q_lat_BTHR.shape[-1], launch=launch, interpret=interpret
+        q,
+        colscale,
+        rows_BSC,
+        scales_BS2,
+        lens_BT,
+        R=q_lat_BTHR.shape[-1],
+        launch=launch,
+        interpret=interpret,
+        profile_dir=profile_dir,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("R", "launch", "interpret"))
-def partials_from_pieces(q_BGPNC, colscale_BGN, rows_BSC, scales_BS2, lens_BT, *, R, launch: Launch, interpret=None):
+@functools.partial(jax.jit, static_argnames=("R", "launch", "interpret", "profile_dir"))
+def partials_from_pieces(
+    q_BGPNC, colscale_BGN, rows_BSC, scales_BS2, lens_BT, *, R, launch: Launch, interpret=None, profile_dir=""
+):
     """The kernel on queries already in pieces (_q_pieces: q [B, G, P, N, C] in the MMA type, colscale [B, G, N]),
-    R of C = R + E the latent part -> partials' (o, lse). Tests hand it pieces made as XLA GPU compiles them."""
+    R of C = R + E the latent part -> partials' (o, lse). Tests hand it pieces made as XLA GPU compiles them.
+    profile_dir: write Mosaic GPU's in-kernel trace of each block's phases there (wait, convert, qk, softmax, pv;
+    GPU only, with a CPU device beside it: bench/mla_layer.py --profile)."""
     B, G, P, N, C = q_BGPNC.shape
     E = C - R
     T = lens_BT.shape[1]
@@ -443,7 +463,12 @@ def partials_from_pieces(q_BGPNC, colscale_BGN, rows_BSC, scales_BS2, lens_BT, *
         scratch_types=scratch,
         grid=(G, splits, B),  # head groups fastest: a block's rows are read by its groups' CTAs together (L2)
         grid_names=("g", "s", "b"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
+            profile_space=1024 if profile_dir else 0,  # in SMEM (4 KB): ~50 blocks' phases, then truncated
+            profile_dir=profile_dir,
+            profile_bounds_check=bool(profile_dir),
+        ),
         interpret=interpret,
     )
     return kernel(lens_BT.astype(jnp.int32), colscale_BGN, q_BGPNC, rows_BSC, *([scales_BS2] if fp8 else []))
