@@ -171,7 +171,7 @@ def test_mla_full_and_cached(rng, tiny):
     x = _x(rng, 1, T, cfg.hidden_size)
     o_ref, rows_ref = ref.mla_layer(hf, L, tc, x[0])
     q_a, kv, g = mla.mla_in_projections(p, F32(x))
-    rows = mla.latent_rows(p, kv, cfg)
+    rows = mla.latent_rows(p, kv)
     _check(rows[0], rows_ref, "mla latent rows")
     full = mla.mla_full(p, F32(x), cfg)
     _check(full[0], o_ref, "mla_full")

@@ -44,9 +44,9 @@ def queries(p, q_a_BTQ):
     return linear(rms_norm(q_a_BTQ, p["q_a_norm"], MLA_LOWRANK_EPS), p["q_b"], "btq,qhe->bthe")
 
 
-def latent_rows(p, kv_BTC, cfg: K3Config):
-    """kv_a's output -> cache rows [B,T,R+rope]: [RMSNorm(c) | k_pe] (k_pe neither normalised nor rotated)."""
-    del cfg  # R is the norm weight's width
+def latent_rows(p, kv_BTC):
+    """kv_a's output -> cache rows [B,T,R+rope]: [RMSNorm(c) | k_pe] (k_pe neither normalised nor rotated; R is
+    the norm weight's width)."""
     return mla_reference.latent_rows(kv_BTC, p["kv_a_norm"], MLA_LOWRANK_EPS)
 
 
@@ -74,7 +74,7 @@ def mla_full(p, x_BTD, cfg: K3Config):
     N, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     q_a, kv, g = mla_in_projections(p, x_BTD)
     q = queries(p, q_a)
-    rows = latent_rows(p, kv, cfg)
+    rows = latent_rows(p, kv)
     c, k_pe = rows[..., :R], rows[..., R:]
     k_nope = linear(c, p["w_uk"], "bsr,hnr->bshn")
     v = linear(c, p["w_uv"], "bsr,hvr->bshv")
