@@ -111,7 +111,7 @@ def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Lau
     stages = next((s for s in range(want, 0, -1) if fits(N, s)), 1)
     G = H // Hg
     by_capacity = max(1, -(-S // BLOCK) // tuning["min_split_blocks"])
-    splits = max(1, min(-(-tuning["ctas"] // (B * G)), by_capacity, tuning["max_splits"]))
+    splits = max(1, min(tuning["ctas"] // (B * G), by_capacity, tuning["max_splits"]))  # whole waves
     return Launch(heads_per_group=Hg, cols=N, splits=splits, stages=stages)
 
 
