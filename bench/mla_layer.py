@@ -157,6 +157,7 @@ VARIANTS = {  # tuning changes against tuning.json's entry
     "fp8 stages 2": dict(stages={"fp8": 2, "bf16": 2}),
     "min_split_blocks 1": dict(min_split_blocks=1),
     "min_split_blocks 4": dict(min_split_blocks=4),
+    "one block a split": dict(min_split_blocks=1, max_splits=128),  # 1 x 8K: 128 CTAs of one block
     "ctas 192": dict(ctas=192),  # 64 x 8K: 3 splits, 1.45 waves (the launch before whole waves)
     "ctas 264": dict(ctas=264),
 }
