@@ -27,6 +27,7 @@
 #   switches     nvidia-h200      the GPU tests of the two in-place writes (kda_decode state_in_place, mla_decode
 #                                 write_rows: both off in tuning.json until these pass), then the 12-layer slice at
 #                                 b1 / b64 with --trace, both off and both on (--tuning) -> rank_slice_switches_{off,on}.*
+#   switch_tests nvidia-h200      only those GPU tests (~1-2 min)
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -122,10 +123,11 @@ case "${1:-}" in
       --backends "${BACKENDS:-latency_specialized,xla}" --trace --budget-s "$budget" --out "$work" --tag _93L \
       ${RS_FLAGS:-}  # e.g. RS_FLAGS="--tuning kda_decode.sm90.state_in_place=true"
     ;;
-  switches)  # one checkout, both sides of each switch; the kernels' own GPU tests first
+  switches|switch_tests)  # one checkout, both sides of each switch; the kernels' own GPU tests first
     step pytest_switches 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       python3 -m pytest -p no:cacheprovider -m "gpu and not gpu2" -n 8 -q -rf tests/test_kda_decode.py \
       tests/test_mla_write_rows.py
+    [ "$1" = switch_tests ] && { mkdir -p "$OUT"; tar -czf "$OUT/$1.tar.gz" -C "$work" .; exit 0; }
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
     for side in off on; do
       flags=()
