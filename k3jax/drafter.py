@@ -136,7 +136,7 @@ def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
     visible = jnp.concatenate([ctx_visible, jnp.ones((x_BTD.shape[0], T), bool)], axis=1)
     probs = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1).astype(x_BTD.dtype)
     o_lat = dot("bhts,bsr->bthr", probs, lat).astype(x_BTD.dtype)
-    return linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,hvd->btd")
+    return linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,dhv->btd")
 
 
 _ACT = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}

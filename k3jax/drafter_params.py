@@ -176,7 +176,16 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
         a, ha = p + ("attn",), h + "self_attn."
         lin(a + ("q_a",), ha + "q_a_proj.weight", D, (Q,), ("embed", "q_lora"))
         add(a + ("q_a_norm",), ha + "q_a_layernorm.weight", (Q,), ("q_lora",), init="norm")
-        lin(a + ("q_b",), ha + "q_b_proj.weight", Q, (H, N + Pd), ("q_lora", "mla_heads", None))
+        # q_b and o out-major, as the target's (k3jax.params): mla.queries and the o_proj read them so
+        add(
+            a + ("q_b",),
+            ha + "q_b_proj.weight",
+            (H, N + Pd, Q),
+            ("mla_heads", None, "q_lora"),
+            "reshape",
+            (H * (N + Pd), Q),
+            fan_in=Q,
+        )
         lin(a + ("kv_a",), ha + "kv_a_proj_with_mqa.weight", D, (R + Pd,), ("embed", None))
         add(a + ("kv_a_norm",), ha + "kv_a_layernorm.weight", (R,), (None,), init="norm")
         for name, tr, n in (("w_uk", "kvb_k", N), ("w_uv", "kvb_v", Vd)):
@@ -189,7 +198,8 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
                 (H * (N + Vd), R),
                 fan_in=R,
             )
-        add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd), fan_in=H * Vd)
+        o_axes = ("embed", "mla_heads", None)
+        add(a + ("o",), ha + "o_proj.weight", (D, H, Vd), o_axes, "reshape", (D, H * Vd), fan_in=H * Vd)
         f, hf = p + ("ffn",), h + "mlp."
         lin(f + ("gate",), hf + "gate_proj.weight", D, (F,), ("embed", "ffn"))
         lin(f + ("up",), hf + "up_proj.weight", D, (F,), ("embed", "ffn"))

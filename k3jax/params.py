@@ -10,7 +10,10 @@ Our layout is `[in, out]` for matmul weights (x_BD @ w_DF), head axes split out 
   `latent_up` [D, Dl] and `shared_down` [D, S];
 - the MLA sublayer's projections of the normed x are out-major too, for the same kernel: `q_a` [Q, D], `kv_a`
   [R+P, D] and `g` [H, Vd, D] (one decode-GEMV launch reads x once for all three; g keeps its heads axis, split
-  under TP, and a rank's [H_l, Vd, D] is its [H_l*Vd, D] rows);
+  under TP, and a rank's [H_l, Vd, D] is its [H_l*Vd, D] rows); and so are `q_b` [H, nope+rope, Q] (in-major,
+  XLA ran it at batch 1 as a multiply fusion writing the products and a column reduce reading them: 8.3 us for
+  3.5 MB at one TP16 rank, bench/results/rank_slice_kernels.json) and `o` [D, H, Vd] (KDA's o_proj shape at
+  TP16: the same decode-GEMV launch);
 - KDA q/k/v/g projections stacked as `qkvg` [4, H, K, D] (one GEMV per step);
 - KDA q/k/v conv weights stacked as `conv` [3, H, K, 4];
 - MLA `kv_b` split into the absorbed decode layouts `w_uk` [H, nope, R] and `w_uv` [H, v, R];
@@ -33,8 +36,9 @@ import numpy as np
 from k3jax.config import MXFP4_GROUP, K3Config
 
 # 2: KDA qkvg stacked on axis 1; 3: KDA qkvg [4, H, K, D], f_a [R, D], o [D, H, K] (out-major); 4: KDA b [H, D];
-# 5: MoE router, latent_down/up and shared gate/up/down out-major; 6: MLA q_a [Q, D], kv_a [R+P, D], g [H, Vd, D]
-TABLE_VERSION = 6
+# 5: MoE router, latent_down/up and shared gate/up/down out-major; 6: MLA q_a [Q, D], kv_a [R+P, D], g [H, Vd, D];
+# 7: MLA q_b [H, nope+rope, Q] and o [D, H, Vd] out-major
+TABLE_VERSION = 7
 HF_PREFIX = "language_model."
 
 # Transforms from the HF tensor (after per-`stack` reading) to ours. Each takes (hf_array, spec) -> array.
@@ -231,9 +235,9 @@ def _mla(add, norm, a, ha, cfg: K3Config):
     add(
         a + ("q_b",),
         ha + "q_b_proj.weight",
-        (Q, H, N + P),
-        ("q_lora", "mla_heads", None),
-        "T",
+        (H, N + P, Q),
+        ("mla_heads", None, "q_lora"),
+        "reshape",
         (H * (N + P), Q),
         fan_in=Q,
     )
@@ -258,7 +262,8 @@ def _mla(add, norm, a, ha, cfg: K3Config):
         fan_in=R,
     )
     add(a + ("g",), ha + "g_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "reshape", (H * Vd, D), fan_in=D)
-    add(a + ("o",), ha + "o_proj.weight", (H, Vd, D), ("mla_heads", None, "embed"), "T", (D, H * Vd), fan_in=H * Vd)
+    o_axes = ("embed", "mla_heads", None)
+    add(a + ("o",), ha + "o_proj.weight", (D, H, Vd), o_axes, "reshape", (D, H * Vd), fan_in=H * Vd)
 
 
 def _moe(add, norm, f, hm, cfg: K3Config, experts: str):

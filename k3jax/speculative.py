@@ -36,6 +36,7 @@ from k3jax import sharding as sh
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import K3Config
 from k3jax.layers import kda, mla
+from k3jax.layers.common import o_proj
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams
 from pallas_kernels.kda_decode import api as kda_api
@@ -87,7 +88,7 @@ def verify(
             eps=cfg.rms_norm_eps,
             policy=comm.policy,
         )
-        return kda.o_proj(y, p["o"])
+        return o_proj(y, p["o"], comm.policy)  # the decode GEMV for B x T tokens where the policy asks
 
     h, tapped = model.trunk(params, model.embed(params, block_BT, dtype, comm), cfg, attn, taps, comm)
     logits = model.logits_from_hidden(params, h, cfg, comm)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 # the GEMM rule, RMSNorm and SiTU-GLU live once, beside the kernels' references (and kernels) that use them
 from pallas_kernels.common import dot, rms_norm, situ_glu  # noqa: F401
+from pallas_kernels.gemv import api as gemv_api
+from pallas_kernels.policy import XLA, DecodePolicy
 
 F32 = jnp.float32
 
@@ -17,11 +19,18 @@ def linear(x, w, spec: str):
     return dot(spec, x, w.astype(x.dtype)).astype(x.dtype)
 
 
-def row_parallel(x, w):
-    """This rank's partial of a row-parallel projection: x [..., *c] @ w [*c, D], w's leading axes contracted
-    (o_proj: heads x head dim). The caller all-reduces it (layers/boundary.py)."""
-    c = w.ndim - 1
-    return linear(x.reshape(*x.shape[: x.ndim - c], -1), w.reshape(-1, w.shape[-1]), "...k,kd->...d")
+def o_proj(y_HK, w_DHK, policy: DecodePolicy = XLA):
+    """This rank's o_proj partial (KDA's and MLA's: row-parallel, the caller all-reduces it, layers/boundary.py):
+    y [..., H, K] against the out-major w [D, H, K], heads x head dim contracted as one axis. A decode or verify
+    step (at most the GEMV's batch of tokens) asks for the decode GEMV (tuning table o_proj_launch: run where the
+    policy asks for kernels and the table has a launch for the batch, else the same maths by XLA)."""
+    lead, D = y_HK.shape[:-2], w_DHK.shape[0]
+    y, w = y_HK.reshape(-1, y_HK.shape[-2] * y_HK.shape[-1]), w_DHK.reshape(D, -1)
+    if y.shape[0] <= gemv_api.MAX_BATCH:
+        out = gemv_api.gemv(y, (w,), policy=policy, table="o_proj_launch")[0]
+    else:
+        out = linear(y, w, "nc,dc->nd")
+    return out.reshape(*lead, D)
 
 
 def ffn(x, gate_w, up_w, down_w, cfg):

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import L2NORM_EPS, K3Config
-from k3jax.layers.common import F32, linear
-from pallas_kernels.gemv import api as gemv_api
+from k3jax.layers.common import F32, o_proj
 from pallas_kernels.kda_decode import api as kda_api
 from pallas_kernels.kda_decode import reference as kda_ref
 from pallas_kernels.policy import XLA, DecodePolicy
@@ -23,16 +22,6 @@ def project(p, x_BTD):
     qkvg, fa = kda_ref.project(x_BTD, p["qkvg"], p["f_a"])
     f, beta = kda_ref.gates(fa, p["f_b"], x_BTD, p["b"])
     return qkvg[:, :, :3], f, beta, qkvg[:, :, 3]
-
-
-def o_proj(y_HK, w_DHK, policy: DecodePolicy = XLA):
-    """This rank's o_proj partial: y [..., H, K] against the out-major w [D, H, K], heads x head dim contracted
-    as one axis (the caller all-reduces it, layers/boundary.py). A decode step under latency_specialized runs
-    the decode GEMV where its tuning has an o_proj launch for the batch (else the same maths by XLA)."""
-    y, w = y_HK.reshape(*y_HK.shape[:-2], -1), w_DHK.reshape(w_DHK.shape[0], -1)
-    if y.ndim == 2:  # a decode step: the GEMV op (its reference is this same GEMM)
-        return gemv_api.gemv(y, (w,), policy=policy, table="o_proj_launch")[0]
-    return linear(y, w, "...c,dc->...d")
 
 
 def decay_gate(f_BTHK, A_log_H, dt_bias_HK, lower_bound):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import MLA_LOWRANK_EPS, K3Config
-from k3jax.layers.common import dot, linear, rms_norm, row_parallel
+from k3jax.layers.common import dot, linear, o_proj, rms_norm
 from pallas_kernels import mla_decode
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.gemv import reference as gemv_ref
@@ -40,8 +40,8 @@ def mla_in_projections(p, x_BTD, policy: DecodePolicy = XLA):
 
 
 def queries(p, q_a_BTQ):
-    """q_a's output -> q [B,T,H,nope+rope]."""
-    return linear(rms_norm(q_a_BTQ, p["q_a_norm"], MLA_LOWRANK_EPS), p["q_b"], "btq,qhe->bthe")
+    """q_a's output -> q [B,T,H,nope+rope] (q_b out-major [H, nope+rope, Q]: XLA reads its rows contiguously)."""
+    return linear(rms_norm(q_a_BTQ, p["q_a_norm"], MLA_LOWRANK_EPS), p["q_b"], "btq,heq->bthe")
 
 
 def latent_rows(p, kv_BTC):
@@ -58,10 +58,11 @@ def write_latent_rows(p, kv_BTC, entry, pos_BT, valid_BT, policy: DecodePolicy =
     )
 
 
-def _gate_out(p, o_BTHV, g_BTHV):
+def _gate_out(p, o_BTHV, g_BTHV, policy: DecodePolicy = XLA):
     """Sigmoid output gate (g: its pre-activation) on the bf16 attention output (not an fp32 island, §5.2), then
-    this rank's partial of o_proj (row-parallel: the trunk all-reduces it)."""
-    return row_parallel(o_BTHV * jax.nn.sigmoid(g_BTHV), p["o"])
+    this rank's partial of o_proj (row-parallel: the trunk all-reduces it; the decode GEMV where the policy asks
+    for kernels, as KDA's)."""
+    return o_proj(o_BTHV * jax.nn.sigmoid(g_BTHV), p["o"], policy)
 
 
 def _softmax_probs(s, mask, dtype):
@@ -103,4 +104,4 @@ def mla_cached(p, q_a_BTQ, g_BTHV, cfg: K3Config, entry, key_len_BT, policy: Dec
         q_lat, q[..., N:], entry, key_len_BT, scale=cfg.qk_head_dim**-0.5, policy=policy
     )
     o = linear(o_lat, p["w_uv"], "bthr,hvr->bthv")  # W_UV o_lat
-    return _gate_out(p, o, g_BTHV)
+    return _gate_out(p, o, g_BTHV, policy)
