@@ -17,7 +17,8 @@ so the collective term is added separately from bench/collectives.py measurement
   the AttnRes blocks each boundary mixes) / 4.8 TB/s, and / the copy bandwidth measured here.
 - --speculative K: also the DSpark speculative round at each (layers, backend, batch), as speculative._step
   runs it but in three programs timed apart: verify over [anchor + K drafts] with synthetic acceptance, the
-  commit, the drafter (observe + propose; replicated, so one rank runs all of it); tokens/s at a synthetic
+  commit, the drafter (observe + propose; one rank's share: its layers split as the target's, the rest whole,
+  its all-reduces stubbed and counted); tokens/s at a synthetic
   acceptance length (--acceptance-length, default 6) -> the outputs' "speculative" section.
 - --mix-norm-single-device [on|off]: the layer boundaries under latency_specialized as the boundary kernel minus
   its exchange (the launch a TP16 rank runs) or as XLA's kernels, overriding the collectives tuning's
@@ -133,6 +134,14 @@ def local_shape(spec: params_lib.TensorSpec, tp: int) -> tuple[int, ...]:
 
 def local_table(cfg: K3Config, tp: int) -> list[params_lib.TensorSpec]:
     return [dataclasses.replace(s, shape=local_shape(s, tp)) for s in params_lib.tensor_table(cfg)]
+
+
+def local_drafter_table(dc, tp: int) -> list[params_lib.TensorSpec]:
+    """One rank's share of the DSpark drafter's tensors (drafter_params.param_specs: the same rules)."""
+    from k3jax import drafter_params as DP
+
+    DP.param_specs(dc, tp)  # its divisibility check
+    return [dataclasses.replace(s, shape=local_shape(s, tp)) for s in DP.tensor_table(dc)]
 
 
 def local_cfg(cfg: K3Config, tp: int) -> K3Config:
@@ -270,8 +279,8 @@ def make_loop(cfg: K3Config, comm: Comm, steps: int, dtype=jnp.bfloat16):
 # ---- the speculative round (--speculative K) ---------------------------------------------------------------
 # speculative._step is one program: propose, verify, accept, commit, observe. Here it is three, each timed on
 # its own: verify + accept (the target's forward over the block), commit (KDA state advance: per KDA layer,
-# outside the trunk, so launch order would put it in embed/head), and the drafter (observe + propose: its
-# weights are replicated under tp, so every rank runs all of it, independent of the target's depth).
+# outside the trunk, so launch order would put it in embed/head), and the drafter (observe + propose: one rank's
+# share, DSparkDrafter.param_specs: its layers split by heads and FFN intermediate, the Markov head whole).
 
 
 def make_verify(cfg: K3Config, comm: Comm, acceptance_length: float, dtype=jnp.bfloat16):
@@ -302,8 +311,9 @@ def _split_pending(pending: dict) -> tuple[dict, dict]:
     return {k: v for k, v in pending.items() if k != "kda_commit"}, pending["kda_commit"]
 
 
-def drafter_config(cfg: K3Config):
-    """The released DSpark drafter where it fits the target (k3), else a tiny one made for it."""
+def drafter_config(cfg: K3Config, tp: int):
+    """The released DSpark drafter where it fits the target (k3), else a tiny one made for it, with a head a
+    rank (its layers split over tp as the release's are: DSparkDrafter.param_specs)."""
     from k3jax import drafter_params as DP
 
     try:
@@ -312,7 +322,7 @@ def drafter_config(cfg: K3Config):
     except ValueError:
         from convert.fake_dspark import tiny_dspark_config
 
-        return tiny_dspark_config(cfg)
+        return tiny_dspark_config(cfg, heads=tp)
 
 
 def make_drafter_round(drafter, num_draft: int, comm: Comm, dtype=jnp.bfloat16):
@@ -1057,11 +1067,10 @@ def _measure(args, result, c, p, comm, programs, key, rng, on_gpu, log, t_start)
 def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
     """Compile the speculative programs in `pool`: verify + commit per key, the drafter per batch."""
     from k3jax.drafter import DSparkDrafter
-    from k3jax.drafter_params import tensor_table
 
     K, tp, ctx = args.speculative, args.tp, args.context
     al = float(min(args.acceptance_length, K + 1))
-    dc = drafter_config(base_cfg)
+    dc = drafter_config(base_cfg, tp)
     drafter = DSparkDrafter(dc)
 
     def i32(*shape):
@@ -1081,7 +1090,9 @@ def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
     def compile_drafter(B):
         comm = StubComm("tp", DecodePolicy("xla"), tp=tp)  # the drafter's ops take no decode policy
         top = abstract_local_params(truncate(base_cfg, 1), tp)
-        dp = params_lib.unflatten({s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in tensor_table(dc)})
+        dp = params_lib.unflatten(
+            {s.path: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in local_drafter_table(dc, tp)}
+        )
         state = jax.eval_shape(lambda: drafter.init_state(B, ctx, jnp.bfloat16))
         taps = {L: jax.ShapeDtypeStruct((B, K + 1, base_cfg.hidden_size), jnp.bfloat16) for L in dc.target_layer_ids}
         t = time.perf_counter()
@@ -1100,10 +1111,10 @@ def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
 
 def run_spec(args, result, base_cfg: K3Config, keys, jobs, params, rng, on_gpu, log, t_start):
     """The "speculative" section: one entry per key, after the plain ones (their programs compile meanwhile)."""
-    from k3jax.drafter_params import DSparkConfig, tensor_table
+    from k3jax.drafter_params import DSparkConfig
 
     K, dc = args.speculative, jobs["drafter"].config
-    dspecs = tensor_table(dc)
+    dspecs = local_drafter_table(dc, args.tp)
     spec = result["speculative"] = {
         "num_draft": K,
         "tokens_per_verify": K + 1,
@@ -1119,7 +1130,7 @@ def run_spec(args, result, base_cfg: K3Config, keys, jobs, params, rng, on_gpu, 
         "compile_s": {},
         "runs": [],
     }
-    dp = jax.jit(partial(_gen, dspecs))(jax.random.key(args.seed + 1))  # replicated: the whole drafter per rank
+    dp = jax.jit(partial(_gen, dspecs))(jax.random.key(args.seed + 1))  # one rank's share of the drafter
     head = {k: params[k] for k in ("embed", "lm_head")}
     for key in keys:
         n, backend, B = key
@@ -1413,7 +1424,7 @@ def spec_markdown(result: dict) -> list[str]:
         f" MLA rows written for the block, KDA verify without state writes, the MoE over batch x {K + 1} tokens,"
         " logits at every row, synthetic acceptance), commit (KDA state and conv advanced by the accepted tokens),"
         f" drafter (DSpark observe of the committed block + propose of the next {K}; {dr['layers']} layers,"
-        f" {dr['weight_bytes'] / 1e9:.2f} GB, replicated: every rank runs all of it; its taps of the target are"
+        f" {dr['weight_bytes'] / 1e9:.2f} GB a rank: its layers split as the target's; its taps of the target are"
         f" random inputs here). {sp['definition']}. 'est. {F}-layer': verify scaled per layer kind as the decode"
         " step, commit by the count of KDA layers.",
         "",

@@ -5,8 +5,10 @@ A drafter is a frozen dataclass (hashable: a static jit argument) holding only s
 pure function that runs inside the jitted speculative step.
 
 Under tensor parallelism the methods run inside the step's shard_map: `target_params` are this rank's shards
-(embedding and lm_head split by vocab), so anything read from them goes through `comm` (k3jax.comm). The
-drafter's own weights and state are replicated on every rank, and proposals must come out replicated.
+(embedding and lm_head split by vocab), so anything read from them goes through `comm` (k3jax.comm). A drafter
+with a `param_specs(tp)` method has its own weights split so (DSpark: by heads and FFN intermediate, each layer's
+attention and FFN ending in an all-reduce); without one they are replicated. Drafter state is replicated on
+every rank, and proposals must come out replicated.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from k3jax import cache as cache_lib
 from k3jax import model
 from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS
-from k3jax.drafter_params import DSparkConfig, yarn_inv_freq, yarn_mscale
+from k3jax.drafter_params import DSparkConfig, param_specs, yarn_inv_freq, yarn_mscale
 from k3jax.layers import mla
 from k3jax.layers.common import F32, dot, linear, rms_norm
 
@@ -122,8 +124,9 @@ def _latent_rows(p, x_BTD, pos_BT, c: DSparkConfig):
     return jnp.concatenate([c_lat, rope_interleaved(kv[..., R:], pos_BT, c)], axis=-1)
 
 
-def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
-    """Absorbed MLA, no output gate: the block sees the context rows before the anchor and ALL block rows."""
+def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig, comm: Comm = LOCAL):
+    """Absorbed MLA, no output gate: the block sees the context rows before the anchor and ALL block rows. With
+    a part of the heads (param_specs under tp) the o projection is this rank's partial: all-reduced here."""
     N, R = c.qk_nope_head_dim, c.kv_lora_rank
     q = mla.queries(p, linear(x_BTD, p["q_a"], "btd,dq->btq"))  # the drafter's own table: q_a in-major
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")
@@ -136,16 +139,20 @@ def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig):
     visible = jnp.concatenate([ctx_visible, jnp.ones((x_BTD.shape[0], T), bool)], axis=1)
     probs = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1).astype(x_BTD.dtype)
     o_lat = dot("bhts,bsr->bthr", probs, lat).astype(x_BTD.dtype)
-    return linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,dhv->btd")
+    out = linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,dhv->btd")
+    return comm.all_reduce(out, "draft_attn") if p["o"].shape[1] < c.num_attention_heads else out
 
 
 _ACT = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
 
-def _ffn(p, x, c: DSparkConfig):
+def _ffn(p, x, c: DSparkConfig, comm: Comm = LOCAL):
+    """The gated MLP; with a part of the intermediate (param_specs under tp) its down projection's partial is
+    all-reduced here."""
     g = linear(x, p["gate"], "btd,df->btf").astype(F32)
     h = (_ACT[c.hidden_act](g) * linear(x, p["up"], "btd,df->btf").astype(F32)).astype(x.dtype)
-    return linear(h, p["down"], "btf,fd->btd")
+    out = linear(h, p["down"], "btf,fd->btd")
+    return comm.all_reduce(out, "draft_ffn") if p["down"].shape[0] < c.intermediate_size else out
 
 
 def dspark_context(dp, taps: dict, c: DSparkConfig, dtype):
@@ -165,8 +172,8 @@ def dspark_block(
     pos_BT = pos_B[:, None] + jnp.arange(num_draft)[None]
     x = model.embed(target_params, ids, dtype, comm)
     for lp, rows_j in zip(dp["layers"], rows, strict=True):
-        x = x + _attention(lp["attn"], rms_norm(x, lp["attn_norm"], eps), pos_BT, rows_j, ctx_len_B, c)
-        x = x + _ffn(lp["ffn"], rms_norm(x, lp["mlp_norm"], eps), c)
+        x = x + _attention(lp["attn"], rms_norm(x, lp["attn_norm"], eps), pos_BT, rows_j, ctx_len_B, c, comm)
+        x = x + _ffn(lp["ffn"], rms_norm(x, lp["mlp_norm"], eps), c, comm)
     h = rms_norm(x, dp["final_norm"], eps)
     return h, comm.all_gather(linear(h, target_params["lm_head"], "btd,dv->btv"), axis=-1, what="draft_logits")
 
@@ -174,9 +181,13 @@ def dspark_block(
 @dataclass(frozen=True)
 class DSparkDrafter:
     """DSpark: context KV from tapped target states, one non-causal block pass, sequential Markov head.
-    Under tp its own weights stay replicated for now (2.39 B parameters at release, ~4.8 GB bf16 per rank)."""
+    Under tp its layers are split as the target's (param_specs: 2.39 B parameters at release, ~4.8 GB bf16 of
+    which the five layers' ~4.1 GB are split; replicated, each rank read them all every round)."""
 
     config: DSparkConfig
+
+    def param_specs(self, tp: int):
+        return param_specs(self.config, tp)
 
     @property
     def taps(self) -> tuple[int, ...]:

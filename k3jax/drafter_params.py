@@ -1,7 +1,8 @@
 """The DSpark drafter (docs/model.md §9): its config, its one tensor table, loading an HF drafter checkpoint.
 
-Same conventions as the target's table (k3jax.params): `[in, out]` matmul weights, head axes split out, MLA
-`kv_b` split into the absorbed layouts `w_uk` [H, nope, R] / `w_uv` [H, v, R]. HF names are those of §9.2,
+Same conventions as the target's table (k3jax.params): `[in, out]` matmul weights (q_b and o out-major, as the
+target's), head axes split out, MLA `kv_b` split into the absorbed layouts `w_uk` [H, nope, R] / `w_uv` [H, v, R];
+the same logical axes, so the same rules split it under tensor parallelism (param_specs). HF names are those of §9.2,
 without a prefix (a `model.` prefix is accepted when loading). `embed_tokens.weight` is a frozen copy of the
 target's and is not loaded: the drafter uses the target's embedding and lm_head.
 """
@@ -205,13 +206,28 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
         lin(f + ("up",), hf + "up_proj.weight", D, (F,), ("embed", "ffn"))
         lin(f + ("down",), hf + "down_proj.weight", F, (D,), ("ffn", "embed"))
     add(("final_norm",), "final_norm.weight", (D,), ("embed",), init="norm")
-    add(("markov_w1",), "markov_head.markov_w1.weight", (V, r), ("vocab", None), init="embed")
-    add(("markov_w2",), "markov_head.markov_w2.weight", (V, r), ("vocab", None), fan_in=r)
+    # the Markov head stays whole on every rank ("draft_vocab" is no sharding rule): it biases the gathered logits
+    add(("markov_w1",), "markov_head.markov_w1.weight", (V, r), ("draft_vocab", None), init="embed")
+    add(("markov_w2",), "markov_head.markov_w2.weight", (V, r), ("draft_vocab", None), fan_in=r)
     if c.enable_confidence_head:
         Dh = D + (r if c.confidence_head_with_markov else 0)
         add(("conf_w",), "confidence_head.proj.weight", (Dh,), (None,), "reshape", (1, Dh), fan_in=Dh)
         add(("conf_b",), "confidence_head.proj.bias", (), (), "reshape", (1,))
     return t
+
+
+def param_specs(c: DSparkConfig, tp: int):
+    """The drafter's weights under tensor parallelism over `tp` ranks, by the target's rules (k3jax.sharding):
+    each layer's MLA heads (q_b, w_uk / w_uv, o's columns) and FFN intermediate split, so a layer's attention and
+    FFN each end in one all-reduce (k3jax.drafter); q_a, kv_a, the norms, context_proj and the Markov and
+    confidence heads whole on every rank. -> a pytree of PartitionSpecs shaped like the params; ValueError where
+    the heads or the intermediate do not divide by tp."""
+    from k3jax import sharding as sh
+
+    for what, n in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"the DSpark drafter's {what} = {n} does not divide by tp = {tp}; use a tp dividing it")
+    return P.unflatten({s.path: sh.spec_for(s.axes) for s in tensor_table(c)})
 
 
 def init_params(c: DSparkConfig, seed: int = 0) -> dict:

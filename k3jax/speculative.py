@@ -12,9 +12,10 @@ The next token becomes the new anchor. `generate` runs the whole loop in one jit
 
 Tensor parallelism (SpecConfig.mesh): prefill, step and loop each run as ONE `jax.shard_map` program over the
 "tp" axis, with the target's collectives (k3jax.comm) inside. Only the KDA state and conv windows are split
-(by heads, as k3jax.sharding.cache_specs); the MLA cache, the drafter's weights and state, tokens, keys and
-counters are replicated, and the verify logits are all-gathered, so acceptance runs identically on every
-rank. verify's pending commit data (split by heads) never leave the step program.
+(by heads, as k3jax.sharding.cache_specs), and the drafter's weights where it says how (DSpark: split as the
+target's); the MLA cache, the drafter's state, tokens, keys and counters are replicated, and the verify logits
+are all-gathered, so acceptance runs identically on every rank. verify's pending commit data (split by heads)
+never leave the step program.
 """
 
 from __future__ import annotations
@@ -290,14 +291,21 @@ def _state_specs(cache) -> SpecState:
     return SpecState(sh.cache_specs(cache), *([P()] * (len(SpecState._fields) - 1)))
 
 
+def _draft_specs(spec: SpecConfig):
+    """The drafter's weights on the mesh: as its param_specs(tp) says (DSpark: split as the target's), else
+    replicated (the n-gram drafter has none)."""
+    specs = getattr(spec.drafter, "param_specs", None)
+    return P() if specs is None else specs(spec.mesh.shape[sh.AXIS])
+
+
 def _on_mesh(spec: SpecConfig, body, params, state_specs, out_specs):
     """`body(params, draft_params, *state)` as is on one device, else under shard_map over "tp": params
-    split as the tensor table says, the drafter's weights replicated (they are small next to the target)."""
+    split as the tensor table says, the drafter's weights as _draft_specs says."""
     if spec.mesh is None:
         return body
     pspec = sh.param_specs(spec.cfg, experts_format(params))
     return jax.shard_map(
-        body, mesh=spec.mesh, in_specs=(pspec, P(), *state_specs), out_specs=out_specs, check_vma=False
+        body, mesh=spec.mesh, in_specs=(pspec, _draft_specs(spec), *state_specs), out_specs=out_specs, check_vma=False
     )
 
 

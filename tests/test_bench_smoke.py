@@ -457,7 +457,8 @@ def test_rank_slice_speculative_runs_on_cpu(tmp_path):
     assert (r["layers"], r["backend"], r["batch"]) == (4, "xla", 1)
     assert r["verify_us"] is None and r["tokens_per_s"] is None and r["wall_us_per_round"] > 0  # no CUPTI on CPU
     assert r["collectives"] == data["runs"][0]["collectives"]  # verify issues the decode step's collectives
-    assert r["drafter_collectives"] == {"embed": 1, "draft_logits": 1}
+    layers = 2  # the tiny drafter's (convert.fake_dspark), split over the slice's tp: an all-reduce a sublayer
+    assert r["drafter_collectives"] == {"embed": 1, "draft_logits": 1, "draft_attn": layers, "draft_ffn": layers}
     md = (tmp_path / "rank_slice.md").read_text()
     assert "## Speculative round: DSpark, K = 3 drafts, synthetic acceptance length 4" in md
     assert md.startswith(rs.markdown({k: v for k, v in data.items() if k != "speculative"}))  # appended only

@@ -40,6 +40,9 @@ class OracleMixDrafter:
     def init_state(self, batch, max_len, dtype):
         return self.dspark.init_state(batch, max_len, dtype)
 
+    def param_specs(self, tp):  # DSpark's weights split as in serving; the oracle's inputs whole
+        return {"dspark": self.dspark.param_specs(tp), "ref": P(), "p_right": P()}
+
     def observe(self, dp, target_params, state, tokens_BT, n_B, start_B, taps, comm=None):
         return self.dspark.observe(dp["dspark"], target_params, state, tokens_BT, n_B, start_B, taps, comm=comm)
 
@@ -117,9 +120,12 @@ def test_greedy_speculative_tp_equals_greedy(setup, tp):
     assert rates == sorted(rates, reverse=True) and rates[0] == np.mean(live >= 1)
 
 
-def test_dspark_propose_independent_of_tp(setup, rng):
-    """Drafts and base draft logits read through the vocab-split target embedding and lm_head at TP 4 equal
-    the one-device ones (the speculative test above is lossless whatever the drafts, so it cannot see this)."""
+@pytest.mark.parametrize("split_drafter", [False, True])
+def test_dspark_propose_independent_of_tp(setup, rng, split_drafter):
+    """Drafts and base draft logits read through the vocab-split target embedding and lm_head at TP 4, with
+    the drafter's own layers whole on every rank or split by heads and FFN intermediate (param_specs: its
+    all-reduces), equal the one-device ones (the speculative test above is lossless whatever the drafts, so it
+    cannot see this)."""
     cfg, params_np, c, dspark_np, *_ = setup
     drafter, B, T, max_len = DSparkDrafter(c), 2, 6, 16
     dp = jax.tree.map(jnp.asarray, dspark_np)
@@ -129,15 +135,21 @@ def test_dspark_propose_independent_of_tp(setup, rng):
     state = drafter.observe(dp, None, drafter.init_state(B, max_len, F32), tokens, n_B, jnp.zeros(B, jnp.int32), taps)
     anchor = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
 
-    def draft(params, comm=LOCAL):  # -> (drafts [B,K], base logits U [B,K,V])
+    def draft(dp, params, comm=LOCAL):  # -> (drafts [B,K], base logits U [B,K,V])
         U = dspark_block(dp, params, state["rows"], n_B, anchor, n_B, K, c, F32, comm)[1]
         return drafter.propose(dp, params, state, anchor, n_B, K, None, 0.0, comm=comm).drafts_BK, U
 
-    want_drafts, want_U = jax.jit(draft)(jax.tree.map(jnp.asarray, params_np))
+    want_drafts, want_U = jax.jit(draft)(dp, jax.tree.map(jnp.asarray, params_np))
     mesh, params = _place(cfg, params_np, 4)
+    comm = Comm(sh.AXIS)
     sharded = jax.shard_map(
-        partial(draft, comm=Comm(sh.AXIS)), mesh=mesh, in_specs=(sh.param_specs(cfg),), out_specs=P(), check_vma=False
+        partial(draft, comm=comm),
+        mesh=mesh,
+        in_specs=(drafter.param_specs(4) if split_drafter else P(), sh.param_specs(cfg)),
+        out_specs=P(),
+        check_vma=False,
     )
-    got_drafts, got_U = jax.jit(sharded)(params)
+    got_drafts, got_U = jax.jit(sharded)(dp, params)
+    assert (comm.counts["draft_attn"] > 0) == split_drafter and (comm.counts["draft_ffn"] > 0) == split_drafter
     np.testing.assert_allclose(np.asarray(got_U), np.asarray(want_U), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_drafts), np.asarray(want_drafts))
