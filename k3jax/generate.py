@@ -241,7 +241,9 @@ def _run(args) -> int:
     if args.spec == "dspark":  # a drafter for another target fails deep inside jit: check its config first
         from k3jax import drafter_params
 
-        drafter_params.check_target(drafter_params.read_config(args.draft_checkpoint), cfg)
+        dcfg = drafter_params.read_config(args.draft_checkpoint)
+        drafter_params.check_target(dcfg, cfg)
+        drafter_params.param_specs(dcfg, args.tp)  # its layers split over --tp as the target's
     tok = None
     try:
         tok = Tokenizer.from_dir(ckpt)

@@ -153,3 +153,17 @@ def test_dspark_propose_independent_of_tp(setup, rng, split_drafter):
     assert (comm.counts["draft_attn"] > 0) == split_drafter and (comm.counts["draft_ffn"] > 0) == split_drafter
     np.testing.assert_allclose(np.asarray(got_U), np.asarray(want_U), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_drafts), np.asarray(want_drafts))
+
+
+def test_dspark_heads_not_dividing_tp_refused(setup, rng):
+    """The drafter's layers split over tp as the target's: a head count or intermediate tp does not divide is
+    refused with what to do (k3jax.generate checks it before loading anything)."""
+    cfg = setup[0]
+    heads = int(rng.choice([3, 5]))
+    with pytest.raises(ValueError, match=f"num_attention_heads = {heads} does not divide by tp = 2; use a tp"):
+        DP.param_specs(tiny_dspark_config(cfg, heads=heads), 2)
+    c = tiny_dspark_config(cfg, heads=4, intermediate_size=6)
+    with pytest.raises(ValueError, match="intermediate_size = 6 does not divide by tp = 4"):
+        DP.param_specs(c, 4)
+    specs = DP.param_specs(c, 2)  # 4 heads and 6 of intermediate split in two: the layers split, the rest whole
+    assert specs["layers"][0]["attn"]["o"] == P(None, sh.AXIS, None) and specs["markov_w2"] == P(None, None)
