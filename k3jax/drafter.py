@@ -131,14 +131,20 @@ def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig, comm:
     q = mla.queries(p, linear(x_BTD, p["q_a"], "btd,dq->btq"))  # the drafter's own table: q_a in-major
     q_lat = linear(q[..., :N], p["w_uk"], "bthn,hnr->bthr")
     q_pe = rope_interleaved(q[..., N:], pos_BT[:, :, None], c)
-    rows = jnp.concatenate([ctx_rows_BSC.astype(x_BTD.dtype), _latent_rows(p, x_BTD, pos_BT, c)], axis=1)
-    lat, k_pe = rows[..., :R], rows[..., R:]
-    s = (dot("bthr,bsr->bhts", q_lat, lat) + dot("bthe,bse->bhts", q_pe, k_pe)) * c.softmax_scale
-    S, T = ctx_rows_BSC.shape[1], x_BTD.shape[1]
+    # the context rows and the block's own are read where they lie: a concatenation of the rows copied the whole
+    # context cache every layer (179 us a layer at 8 x 8K, bench/results/rank_slice_spec.json); the scores are few
+    ctx, blk = ctx_rows_BSC.astype(x_BTD.dtype), _latent_rows(p, x_BTD, pos_BT, c)
+
+    def scores(rows_BSC):  # -> [B, H, T, S]
+        lat, k_pe = rows_BSC[..., :R], rows_BSC[..., R:]
+        return (dot("bthr,bsr->bhts", q_lat, lat) + dot("bthe,bse->bhts", q_pe, k_pe)) * c.softmax_scale
+
+    S = ctx.shape[1]
     ctx_visible = jnp.arange(S)[None] < ctx_len_B[:, None]
-    visible = jnp.concatenate([ctx_visible, jnp.ones((x_BTD.shape[0], T), bool)], axis=1)
-    probs = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1).astype(x_BTD.dtype)
-    o_lat = dot("bhts,bsr->bthr", probs, lat).astype(x_BTD.dtype)
+    s_ctx = jnp.where(ctx_visible[:, None, None], scores(ctx), -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, scores(blk)], axis=-1), axis=-1).astype(x_BTD.dtype)
+    pv = dot("bhts,bsr->bthr", probs[..., :S], ctx[..., :R]) + dot("bhts,bsr->bthr", probs[..., S:], blk[..., :R])
+    o_lat = pv.astype(x_BTD.dtype)
     out = linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,dhv->btd")
     return comm.all_reduce(out, "draft_attn") if p["o"].shape[1] < c.num_attention_heads else out
 
