@@ -219,6 +219,33 @@ def test_mla_in_projections_are_one_gemv_call(rng, tiny):
         )
 
 
+def test_mla_o_proj_is_the_decode_gemv(rng, tiny):
+    """MLA's o_proj (o out-major [D, H, Vd], table version 7) is KDA's: a decode or verify step's tokens ask for
+    the decode GEMV (table o_proj_launch; on CPU its reference runs, and is recorded), a prefill chunk's the same
+    maths without it; rounded to bf16, against float64 from the HF o_proj rows."""
+    cfg, params, hf, tc = tiny
+    L = int(rng.choice([L for L in range(cfg.num_hidden_layers) if cfg.is_mla(L)]))
+    w = P.cast_params(params["layers"][L]["attn"], jnp.bfloat16)["o"]
+    H, Vd = cfg.num_attention_heads, cfg.v_head_dim
+    y = jnp.asarray(_x(rng, 2, 35, H * Vd).reshape(2, 35, H, Vd), jnp.bfloat16)  # B*T = 70 > the GEMV's 64
+    B, T = int(rng.integers(1, 3)), int(rng.integers(1, 33))
+    policy = DecodePolicy("latency_specialized")
+    with policy_lib.recording(policy_lib.DispatchLog()) as wide:
+        wide_out = common.o_proj(y, w, policy)
+    with policy_lib.recording(policy_lib.DispatchLog()) as decode:
+        out = common.o_proj(y[:B, :T], w, policy)
+    assert "gemv o_proj_launch" not in wide.ops and decode.ops["gemv o_proj_launch"]["impl"] == "xla"
+    w64 = np.asarray(jnp.asarray(np.asarray(hf[f"layers.{L}.self_attn.o_proj.weight"]), jnp.bfloat16), np.float64)
+    y64 = np.asarray(y[:B, :T], np.float64).reshape(B, T, H * Vd)
+    want, scale = y64 @ w64.T, np.abs(y64) @ np.abs(w64).T
+    assert out.dtype == jnp.bfloat16 and out.shape == want.shape
+    err = np.abs(np.asarray(out, np.float64) - want)
+    assert np.all(err <= 2**-8 * np.abs(want) + 2**-18 * scale), float(err.max())
+    np.testing.assert_allclose(
+        np.asarray(wide_out[:B, :T], np.float64), np.asarray(out, np.float64), rtol=2**-7, atol=2**-18 * scale.max()
+    )
+
+
 # ---- FFNs and MoE -----------------------------------------------------------------------------------------
 def test_dense_mlp(rng, tiny):
     cfg, params, hf, tc = tiny
