@@ -448,12 +448,15 @@ def test_sm100_kernel_lowers_for_cuda_in_float32_and_with_lse(cache):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_launch_fits_what_it_claims(B, T, H, S, cache, dtype):
     """pick_launch: head groups divide H within max_cols, columns are whole WGMMA N steps, SMEM holds the
-    stages, splits stay within the capacity's blocks."""
+    stages, splits stay within the capacity's blocks and fill one wave of `ctas` CTAs, never part of a second."""
     t = sm90.TUNING
     launch = kernel.pick_launch(t, B, T, H, 512, E, S, jnp.float8_e4m3fn if cache == "fp8" else jnp.bfloat16, dtype)
     Hg, N = launch.heads_per_group, launch.cols
     assert H % Hg == 0 and T * Hg <= max(t["max_cols"], T) and N % 8 == 0 and T * Hg <= N < T * Hg + 8
     assert 1 <= launch.splits <= min(t["max_splits"], -(-S // 64)) and launch.stages >= 1
+    ctas = B * (H // Hg) * launch.splits  # one wave, and as full as the other bounds let it be
+    assert launch.splits == 1 or ctas <= t["ctas"]
+    assert launch.splits in (t["max_splits"], -(-S // 64) // t["min_split_blocks"]) or ctas + B * (H // Hg) > t["ctas"]
     assert kernel.smem_bytes(512, E, N, launch.stages, jnp.bfloat16 if cache == "bf16" else jnp.uint8, dtype) <= (
         kernel.SMEM_BYTES
     )
@@ -477,12 +480,16 @@ def test_kernel_refuses_what_it_cannot_run(bad):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_sm100_launch_fits_what_it_claims(B, T, H, S, cache, dtype):
     """kernel_sm100.pick_launch: head groups divide H within max_cols, columns are whole tcgen05 N steps, TMEM and
-    SMEM hold the accumulators and the stages, splits stay within the capacity's blocks of 128."""
+    SMEM hold the accumulators and the stages, splits stay within the capacity's blocks of 128 and fill one wave
+    of `ctas` CTAs, never part of a second."""
     t, rdt = sm100.TUNING, jnp.float8_e4m3fn if cache == "fp8" else jnp.bfloat16
     launch = kernel_sm100.pick_launch(t, B, T, H, 512, E, S, rdt, dtype)
     Hg, N = launch.heads_per_group, launch.cols
     assert H % Hg == 0 and T * Hg <= max(t["max_cols"], T) and N % 16 == 0 and T * Hg <= N < T * Hg + 16
     assert 1 <= launch.splits <= min(t["max_splits"], -(-S // 128)) and launch.stages >= 1
+    ctas = B * (H // Hg) * launch.splits  # one wave, and as full as the other bounds let it be
+    assert launch.splits == 1 or ctas <= t["ctas"]
+    assert launch.splits in (t["max_splits"], -(-S // 128) // t["min_split_blocks"]) or ctas + B * (H // Hg) > t["ctas"]
     assert kernel_sm100.tmem_cols(512, N, rdt) <= kernel_sm100.TMEM_COLS
     assert kernel_sm100.smem_bytes(512, E, N, launch.stages, rdt, dtype) <= kernel_sm100.SMEM_BYTES
 

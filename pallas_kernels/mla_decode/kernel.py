@@ -326,14 +326,20 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
     lse_ref.at[b, g, sp][...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
 
 
+def split_count(tuning: dict, groups: int, S: int, block: int) -> int:
+    """Context splits of each of `groups` (sequence, head group) pairs, both bodies: the most whose groups x
+    splits CTAs fit tuning's `ctas` (one wave: a CTA fills an SM, so a partial second wave would run its blocks
+    while most SMs idle: 64 x 8K at 3 splits was 192 CTAs, 1.45 waves), but no split shorter than
+    min_split_blocks blocks of the capacity S (the combine reads splits x R x N x 4 bytes per sequence and head
+    group), and at most max_splits."""
+    by_capacity = max(1, -(-S // block) // tuning["min_split_blocks"])
+    return max(1, min(tuning["ctas"] // groups, by_capacity, tuning["max_splits"]))
+
+
 def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Launch:
     """tuning.json's sm90 entry -> the launch for this call. Head groups: the most heads whose T x Hg columns
     fit max_cols (registers: O^T is R x N fp32 over 128 threads) and whose SMEM holds two of the entry's
-    stages (fp32's q pieces are 3x bf16's), fewer stages only where one head is too much. Splits: the most
-    whose B x G x splits CTAs fit `ctas` (one wave: a CTA fills an SM, so a partial second wave would run its
-    blocks while most SMs idle: 64 x 8K at 3 splits was 192 CTAs, 1.45 waves), but no split shorter than
-    min_split_blocks blocks of the capacity S (the combine reads splits x R x N x 4 bytes per sequence and head
-    group), and at most max_splits."""
+    stages (fp32's q pieces are 3x bf16's), fewer stages only where one head is too much. Splits: split_count."""
     want = tuning["stages"]["fp8" if jnp.dtype(row_dtype) == FP8 else "bf16"]
 
     def stages_for(cols):
@@ -345,13 +351,10 @@ def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Lau
 
     groups = [d for d in range(H, 0, -1) if H % d == 0 and T * d <= max(tuning["max_cols"], T)]
     Hg = next((d for d in groups if stages_for(cols_for(d)) >= min(2, want)), groups[-1])
-    G = H // Hg
-    by_capacity = max(1, -(-S // BLOCK) // tuning["min_split_blocks"])
-    splits = max(1, min(tuning["ctas"] // (B * G), by_capacity, tuning["max_splits"]))  # whole waves
     return Launch(
         heads_per_group=Hg,
         cols=cols_for(Hg),
-        splits=splits,
+        splits=split_count(tuning, B * (H // Hg), S, BLOCK),
         stages=stages_for(cols_for(Hg)),
         acc=tuning["acc"],
         qk_regs=bool(tuning.get("qk_regs", False)),

@@ -93,7 +93,7 @@ def check_supported(q_lat_BTHR, q_pe_BTHE, rows_BSC, scales_BS2, launch: Launch)
 def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Launch:
     """tuning.json's sm100 entry -> the launch for this call. Head groups: the most heads whose T x Hg columns fit
     max_cols (registers: O^T is R / 128 x N fp32 per thread), TMEM and, with one stage, SMEM; stages: the entry's,
-    lowered to what SMEM holds. Splits as kernel.pick_launch, over blocks of 128."""
+    lowered to what SMEM holds. Splits: kernel.split_count, over blocks of 128."""
     want = tuning["stages"]["fp8" if jnp.dtype(row_dtype) == FP8 else "bf16"]
 
     def cols_for(hg):
@@ -109,9 +109,7 @@ def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Lau
     Hg = next((d for d in groups if fits(cols_for(d), 1)), groups[-1])
     N = cols_for(Hg)
     stages = next((s for s in range(want, 0, -1) if fits(N, s)), 1)
-    G = H // Hg
-    by_capacity = max(1, -(-S // BLOCK) // tuning["min_split_blocks"])
-    splits = max(1, min(tuning["ctas"] // (B * G), by_capacity, tuning["max_splits"]))  # whole waves
+    splits = kernel.split_count(tuning, B * (H // Hg), S, BLOCK)
     return Launch(heads_per_group=Hg, cols=N, splits=splits, stages=stages)
 
 
