@@ -140,7 +140,7 @@ def local_drafter_table(dc, tp: int) -> list[params_lib.TensorSpec]:
     """One rank's share of the DSpark drafter's tensors (drafter_params.param_specs: the same rules)."""
     from k3jax import drafter_params as DP
 
-    DP.param_specs(dc, tp)  # its divisibility check
+    DP.check_tp(dc, tp)
     return [dataclasses.replace(s, shape=local_shape(s, tp)) for s in DP.tensor_table(dc)]
 
 

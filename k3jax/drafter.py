@@ -25,7 +25,7 @@ from k3jax.comm import LOCAL, Comm
 from k3jax.config import MLA_LOWRANK_EPS
 from k3jax.drafter_params import DSparkConfig, param_specs, yarn_inv_freq, yarn_mscale
 from k3jax.layers import mla
-from k3jax.layers.common import F32, dot, linear, rms_norm
+from k3jax.layers.common import F32, dot, linear, o_proj, rms_norm
 
 
 class Proposal(NamedTuple):
@@ -145,7 +145,7 @@ def _attention(p, x_BTD, pos_BT, ctx_rows_BSC, ctx_len_B, c: DSparkConfig, comm:
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, scores(blk)], axis=-1), axis=-1).astype(x_BTD.dtype)
     pv = dot("bhts,bsr->bthr", probs[..., :S], ctx[..., :R]) + dot("bhts,bsr->bthr", probs[..., S:], blk[..., :R])
     o_lat = pv.astype(x_BTD.dtype)
-    out = linear(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"], "bthv,dhv->btd")
+    out = o_proj(linear(o_lat, p["w_uv"], "bthr,hvr->bthv"), p["o"])  # the target's o_proj (no decode policy)
     return comm.all_reduce(out, "draft_attn") if p["o"].shape[1] < c.num_attention_heads else out
 
 

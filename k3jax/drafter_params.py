@@ -216,17 +216,21 @@ def tensor_table(c: DSparkConfig) -> list[TensorSpec]:
     return t
 
 
-def param_specs(c: DSparkConfig, tp: int):
-    """The drafter's weights under tensor parallelism over `tp` ranks, by the target's rules (k3jax.sharding):
-    each layer's MLA heads (q_b, w_uk / w_uv, o's columns) and FFN intermediate split, so a layer's attention and
-    FFN each end in one all-reduce (k3jax.drafter); q_a, kv_a, the norms, context_proj and the Markov and
-    confidence heads whole on every rank. -> a pytree of PartitionSpecs shaped like the params; ValueError where
-    the heads or the intermediate do not divide by tp."""
-    from k3jax import sharding as sh
-
+def check_tp(c: DSparkConfig, tp: int) -> None:
+    """ValueError unless `tp` ranks can split the drafter's layers (param_specs): its heads and FFN intermediate."""
     for what, n in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size)):
         if n % tp:
             raise ValueError(f"the DSpark drafter's {what} = {n} does not divide by tp = {tp}; use a tp dividing it")
+
+
+def param_specs(c: DSparkConfig, tp: int):
+    """The drafter's weights under tensor parallelism over `tp` ranks (check_tp first), by the target's rules
+    (k3jax.sharding): each layer's MLA heads (q_b, w_uk / w_uv, o's columns) and FFN intermediate split, so a
+    layer's attention and FFN each end in one all-reduce (k3jax.drafter); q_a, kv_a, the norms, context_proj and
+    the Markov and confidence heads whole on every rank. -> a pytree of PartitionSpecs shaped like the params."""
+    from k3jax import sharding as sh
+
+    check_tp(c, tp)
     return P.unflatten({s.path: sh.spec_for(s.axes) for s in tensor_table(c)})
 
 

@@ -243,7 +243,7 @@ def _run(args) -> int:
 
         dcfg = drafter_params.read_config(args.draft_checkpoint)
         drafter_params.check_target(dcfg, cfg)
-        drafter_params.param_specs(dcfg, args.tp)  # its layers split over --tp as the target's
+        drafter_params.check_tp(dcfg, args.tp)  # its layers split over --tp as the target's
     tok = None
     try:
         tok = Tokenizer.from_dir(ckpt)

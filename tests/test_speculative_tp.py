@@ -161,7 +161,7 @@ def test_dspark_heads_not_dividing_tp_refused(setup, rng):
     cfg = setup[0]
     heads = int(rng.choice([3, 5]))
     with pytest.raises(ValueError, match=f"num_attention_heads = {heads} does not divide by tp = 2; use a tp"):
-        DP.param_specs(tiny_dspark_config(cfg, heads=heads), 2)
+        DP.check_tp(tiny_dspark_config(cfg, heads=heads), 2)
     c = tiny_dspark_config(cfg, heads=4, intermediate_size=6)
     with pytest.raises(ValueError, match="intermediate_size = 6 does not divide by tp = 4"):
         DP.param_specs(c, 4)
