@@ -185,6 +185,57 @@ def split_stream(gmem, smem, *, T, P, R, E, block, splits, scale_layout) -> Spli
     return SplitStream(lens_T, lo, n, first_row, issue, load_scales)
 
 
+def column_lengths(lens_T, T, Hg, N, layout):
+    """Each (token, head) column's visible rows [N] (column t Hg + h is token t's; the padding columns, token T
+    and past, see nothing): both bodies, in their column layout."""
+    token_N = plgpu.broadcasted_iota(jnp.int32, (N,), 0, layout=layout) // Hg
+    lens_N = jnp.zeros((N,), jnp.int32)
+    for t in range(T):
+        lens_N = jnp.where(token_N == t, lens_T[t], lens_N)
+    return lens_N
+
+
+def softmax_block(s, m, l, p_s, *, i, lo, first_row, lens_N, colscale_N, sc_c, layout, rows_bcast, cols_bcast):
+    """Block i of the split's online softmax, both bodies: s [block, N] fp32 scores (fp8: already times the rows'
+    scales), m [N] the running max (base 2), l [block, N] the running sums kept per element -> (m_new, alpha
+    [N], l). Rows before the split's own blocks (from block lo on; first_row: SplitStream's) or at a column's
+    length and past are masked; P (times c's scale sc_c x P_SCALE per row where sc_c is given: fp8) is stored
+    into p_s as the MMA type's pieces, transposed (K-major for P·V), and committed for the async proxy."""
+    block = s.shape[0]
+    s = s * cols_bcast(colscale_N)  # base-2 logits
+    row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=layout)
+    visible = (row >= (lo + i) * block) & (row < cols_bcast(lens_N))
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=0))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a column with nothing visible yet: p = 0, alpha = 0
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - cols_bcast(m_use))
+    l = l * cols_bcast(alpha) + p
+    if sc_c is not None:
+        p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
+    P = p_s.shape[0]
+    for j in range(P):  # P^T as pieces in the MMA type, stored [N, block]; Mosaic keeps the astype pair below
+        # (no XLA here on the GPU: see the module docstring)
+        piece = p.astype(p_s.dtype)
+        p_s.at[j].T[...] = piece
+        if j + 1 < P:
+            p = p - piece.astype(F32)
+    plgpu.commit_smem()
+    return m_new, alpha, l
+
+
+def store_normalised(l, m, lse_ref, *, fp8, store_o):
+    """The split's end, both bodies: store_o(1 / l per column, 0 where nothing was seen) writes o; lse [N] (natural
+    log, -inf where nothing was seen) to lse_ref."""
+    l_N = l.sum(axis=0)
+    seen = l_N > 0
+    if fp8:
+        l_N = l_N * P_SCALE  # o's share; the lse below adds log2 P_SCALE back
+    store_o(jnp.where(seen, 1.0 / jnp.where(seen, l_N, 1.0), 0.0))
+    log2_l = jnp.log2(jnp.where(seen, l_N, 1.0)) - (math.log2(P_SCALE) if fp8 else 0.0)
+    lse_ref[...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
+
+
 def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode, qk_regs):
     """lens [B, T] int32: the rows token t sees (clipped to 0 .. S here); colscale [B, G, N] fp32: a column's
     scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
@@ -213,10 +264,7 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
         pl.when(j < n)(functools.partial(issue, j, j))
 
     col = plgpu.Layout.WGMMA.reduce(0)
-    token_N = plgpu.broadcasted_iota(jnp.int32, (N,), 0, layout=col) // Hg  # column t Hg + h is token t's
-    lens_N = jnp.zeros((N,), jnp.int32)  # padding columns (token T and past) see nothing
-    for t in range(T):
-        lens_N = jnp.where(token_N == t, lens_T[t], lens_N)
+    lens_N = column_lengths(lens_T, T, Hg, N, col)
     colscale_N = plgpu.load(colscale_ref.at[b, g], layout=col, optimized=False)
     m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col)
     l0 = plgpu.layout_cast(jnp.zeros((BLOCK, N), F32), plgpu.Layout.WGMMA)
@@ -282,24 +330,21 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
                 s_c, s_e = pl.run_scoped(qk, *accs)
         with jax.named_scope("softmax"):
             s = s_c * rows_bcast(sc_c) + s_e * rows_bcast(sc_e) if fp8 else s_c + s_e
-            s = s * cols_bcast(colscale_N)  # base-2 logits
-            row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.WGMMA)
-            visible = (row >= (lo + i) * BLOCK) & (row < cols_bcast(lens_N))
-            s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=0))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a column with nothing visible yet: p = 0, alpha = 0
-            alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s - cols_bcast(m_use))
-            l = l * cols_bcast(alpha) + p
-            if fp8:
-                p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
-            for j in range(P):  # P^T as pieces in the MMA type, stored [N, 64] (K-major for the MMA); Mosaic keeps
-                # the astype pair below (no XLA here on the GPU: see the module docstring)
-                piece = p.astype(p_s.dtype)
-                p_s.at[j].T[...] = piece
-                if j + 1 < P:
-                    p = p - piece.astype(F32)
-            plgpu.commit_smem()
+            m_new, alpha, l = softmax_block(
+                s,
+                m,
+                l,
+                p_s,
+                i=i,
+                lo=lo,
+                first_row=first_row,
+                lens_N=lens_N,
+                colscale_N=colscale_N,
+                sc_c=sc_c if fp8 else None,
+                layout=plgpu.Layout.WGMMA,
+                rows_bcast=rows_bcast,
+                cols_bcast=cols_bcast,
+            )
             acc = acc * cols_bcast(alpha, R)
 
         def pv(acc_ref):
@@ -317,13 +362,11 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
 
     scales0 = load_scales(0) if fp8 else ()
     acc, m, l, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, scales0))
-    l_N = l.sum(axis=0)
-    seen = l_N > 0
-    if fp8:
-        l_N = l_N * P_SCALE  # o's share; the lse below adds log2 P_SCALE back
-    o_ref.at[b, g, sp][...] = acc * cols_bcast(jnp.where(seen, 1.0 / jnp.where(seen, l_N, 1.0), 0.0), R)
-    log2_l = jnp.log2(jnp.where(seen, l_N, 1.0)) - (math.log2(P_SCALE) if fp8 else 0.0)
-    lse_ref.at[b, g, sp][...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
+
+    def store_o(inv_N):
+        o_ref.at[b, g, sp][...] = acc * cols_bcast(inv_N, R)
+
+    store_normalised(l, m, lse_ref.at[b, g, sp], fp8=fp8, store_o=store_o)
 
 
 def split_count(tuning: dict, groups: int, S: int, block: int) -> int:

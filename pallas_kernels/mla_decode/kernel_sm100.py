@@ -29,7 +29,6 @@ Left out against kernel.py: the "state" accumulation, the qk_regs variant (tcgen
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode import kernel
-from pallas_kernels.mla_decode.kernel import F16, F32, FP8, LN2, P_SCALE
+from pallas_kernels.mla_decode.kernel import F16, F32, FP8
 
 BLOCK = 128  # positions per block: tcgen05's M
 CHUNK = 128  # columns per MMA chunk: one O^T row tile (its M), one converted f16 tile
@@ -166,10 +165,7 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
     for j in range(stages):
         pl.when(j < n)(functools.partial(issue, j, j))
 
-    token_N = plgpu.broadcasted_iota(jnp.int32, (N,), 0, layout=COL) // Hg  # column t Hg + h is token t's
-    lens_N = jnp.zeros((N,), jnp.int32)  # padding columns (token T and past) see nothing
-    for t in range(T):
-        lens_N = jnp.where(token_N == t, lens_T[t], lens_N)
+    lens_N = kernel.column_lengths(lens_T, T, Hg, N, COL)
     colscale_N = plgpu.load(colscale_ref.at[b, g], layout=COL, optimized=False)
     m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), COL)
     l0 = plgpu.layout_cast(jnp.zeros((BLOCK, N), F32), plgpu.Layout.TCGEN05)
@@ -219,23 +215,21 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
             s = plgpu.async_load_tmem(s_c_tm) * rows_bcast(sc_c) + plgpu.async_load_tmem(s_e_tm) * rows_bcast(sc_e)
         else:
             s = plgpu.async_load_tmem(s_c_tm)
-        s = s * cols_bcast(colscale_N)  # base-2 logits
-        row = first_row(i) + plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), 0, layout=plgpu.Layout.TCGEN05)
-        visible = (row >= (lo + i) * BLOCK) & (row < cols_bcast(lens_N))
-        s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=0))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a column with nothing visible yet: p = 0, alpha = 0
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - cols_bcast(m_use))
-        l = l * cols_bcast(alpha) + p
-        if fp8:
-            p = p * rows_bcast(sc_c * P_SCALE)  # c's scale, folded into P before its rounding
-        for j in range(P):  # P^T as pieces in the MMA type, stored [N, 128] (K-major for the MMA)
-            piece = p.astype(p_s.dtype)
-            p_s.at[j].T[...] = piece
-            if j + 1 < P:
-                p = p - piece.astype(F32)
-        plgpu.commit_smem()
+        m_new, alpha, l = kernel.softmax_block(
+            s,
+            m,
+            l,
+            p_s,
+            i=i,
+            lo=lo,
+            first_row=first_row,
+            lens_N=lens_N,
+            colscale_N=colscale_N,
+            sc_c=sc_c if fp8 else None,
+            layout=plgpu.Layout.TCGEN05,
+            rows_bcast=rows_bcast,
+            cols_bcast=cols_bcast,
+        )
         _mma_chunks([(c_blk.at[:, pl.ds(k * CHUNK, CHUNK)], pv_mmas(k)) for k in range(tiles)], conv_s, done)
         pl.when(i + stages < n)(functools.partial(issue, i + stages, slot))  # the block's last reader is done
         acc = tuple(
@@ -246,15 +240,13 @@ def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg
 
     scales0 = load_scales(0) if fp8 else ()
     acc, m, l, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, scales0))
-    l_N = l.sum(axis=0)
-    seen = l_N > 0
-    if fp8:
-        l_N = l_N * P_SCALE  # o's share; the lse below adds log2 P_SCALE back
-    inv_l = cols_bcast(jnp.where(seen, 1.0 / jnp.where(seen, l_N, 1.0), 0.0))
-    for k, a in enumerate(acc):
-        o_ref.at[b, g, sp, pl.ds(k * CHUNK, CHUNK)][...] = a * inv_l
-    log2_l = jnp.log2(jnp.where(seen, l_N, 1.0)) - (math.log2(P_SCALE) if fp8 else 0.0)
-    lse_ref.at[b, g, sp][...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
+
+    def store_o(inv_N):
+        inv_l = cols_bcast(inv_N)
+        for k, a in enumerate(acc):
+            o_ref.at[b, g, sp, pl.ds(k * CHUNK, CHUNK)][...] = a * inv_l
+
+    kernel.store_normalised(l, m, lse_ref.at[b, g, sp], fp8=fp8, store_o=store_o)
 
 
 _STATIC = ("scale", "launch", "interpret")
