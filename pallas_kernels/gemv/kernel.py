@@ -210,8 +210,8 @@ def finish(parts, ws_ND, written, out_dtypes, B, x_stream="N"):
         N = w.shape[0]  # the partials' rows past N are padding (the sum's slice costs nothing: one fusion)
         if w_dtype != F32:  # [1, 64 ("M") or B ("N", or staged), N] in x's dtype
             outs.append(p[0, :B])
-        elif x_stream == "M":  # token-major
-            outs.append(p.sum(0)[:B, :N].astype(dtype))
+        elif x_stream == "M":  # token-major: no transpose, so the sum can join its consumer's fusion
+            outs.append(sum_splits(p)[:B, :N].astype(dtype))
         elif B == 1:  # column 0: no transpose, so the sum can join its consumer's fusion
             outs.append(sum_splits(p)[None, :N, 0].astype(dtype))
         else:
@@ -222,10 +222,10 @@ def finish(parts, ws_ND, written, out_dtypes, B, x_stream="N"):
 def sum_splits(p_S___):
     """The S partials summed by chained adds, not a reduce over axis 0: elementwise adds are a loop fusion that
     XLA fuses into the output's consumer (the router's sigmoid, the shared experts' GLU), where a reduce is a
-    kernel of its own. Batch 1 only: there it removed ~2 kernels a MoE layer (the 12-layer rank slice on an
+    kernel of its own. On N, batch 1 only: there it removed ~2 kernels a MoE layer (the 12-layer rank slice on an
     H100, 2026-12-05: FFN 256 -> 168 us); at batch 64 the [N, B] -> [B, N] transpose fused into the shared
-    experts' GLU made it one slow 16 us kernel (FFN 275 -> 465 us), so wider batches keep the reduce, whose
-    fusion transposes through SMEM."""
+    experts' GLU made it one slow 16 us kernel (FFN 275 -> 465 us), so wider batches on N keep the reduce, whose
+    fusion transposes through SMEM. Token-major partials ("M") need no transpose and take the adds at any batch."""
     return functools.reduce(jnp.add, (p_S___[s] for s in range(p_S___.shape[0])))
 
 
