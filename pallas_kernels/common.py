@@ -1,13 +1,15 @@
 """Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
 once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does), its
-RMSNorm, a rounding XLA:GPU keeps (round_to) and SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
-kernels)."""
+RMSNorm, a rounding XLA:GPU keeps (round_to), SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
+kernels), a cluster's barrier with its fences (cluster_sync) and partial sums added in order (sum_in_order)."""
 
 import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu.helpers import inline_ptx  # jax's own; not exported in 0.11.2
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 logger = logging.getLogger("k3jax.backends")
 
@@ -82,3 +84,28 @@ def situ_glu(g, u, beta1: float, beta2: float | None):
     situ = beta1 * jnp.tanh(gf / beta1) * jax.nn.sigmoid(gf)
     cap = uf if beta2 is None else beta2 * jnp.tanh(uf / beta2)
     return (situ * cap).astype(g.dtype)
+
+
+def cluster_sync(bar, fences):
+    """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
+
+    The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
+    only; so all threads sync first (bar.sync inside commit_smem), then fence at cluster scope, and fence
+    again after the wait before reading. Every CTA waits, not only the reader: a CTA must not exit while a
+    peer's arrive may still target its SMEM barrier. Interpret mode (fences=False) has no caches to order and
+    cannot run inline PTX."""
+    plgpu.commit_smem()
+    if fences:
+        inline_ptx("fence.acq_rel.cluster;")
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    if fences:
+        inline_ptx("fence.acq_rel.cluster;")
+
+
+def sum_in_order(load, n):
+    """load(0) + ... + load(n - 1), in that order (a K split's partial sums, as the GEMV glue adds them)."""
+    acc = load(0)
+    for p in range(1, n):
+        acc = acc + load(p)
+    return acc

@@ -226,9 +226,9 @@ def test_cluster_split_needs_its_barrier(monkeypatch):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    from pallas_kernels.kda_decode import kernel
+    from pallas_kernels import common
 
-    monkeypatch.setattr(kernel, "cluster_sync", lambda bar, fences: None)
+    monkeypatch.setattr(common, "cluster_sync", lambda bar, fences: None)
     x = make_inputs(rng(), 1, 2, 128, jnp.float32)
     want = reference.kda_decode(*args_of(x))
     with abstract_gpu("sm90"):

@@ -26,9 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.pallas.mosaic_gpu.helpers import inline_ptx as _inline_ptx  # jax's own; not exported in 0.11.2
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
 
 F32 = jnp.float32
 CONV_TAPS = 4
@@ -190,7 +191,7 @@ def _body(
             return (gate_ref.at[b, h] if i == 3 and qkv_ref.shape[1] == 3 else qkv_ref.at[b, i, h])[...]
 
     def resolve(v):  # the partials summed (in the GEMV glue's order) and rounded once, as the model's GEMMs
-        return _sum_parts(lambda p: v[p], len(v)).astype(dtype) if isinstance(v, tuple) else v
+        return common.sum_in_order(lambda p: v[p], len(v)).astype(dtype) if isinstance(v, tuple) else v
 
     gate_K, onw_K = projected(3), onw_ref[...]  # the norm's inputs: issued now, used at the end
     active_b = None if active_ref is None else active_ref[b]  # compared only after the TMA issue: a use waits
@@ -287,7 +288,7 @@ def _body(
                 plgpu.barrier_arrive(xchg_bar)
                 plgpu.barrier_wait(xchg_bar)
             else:
-                cluster_sync(xchg_bar, on_gpu)
+                common.cluster_sync(xchg_bar, on_gpu)
             if late_conv:
                 pl.when(s == 0)(write_conv)  # every warpgroup's prologue read the window before the barrier
             o_src = vec_all.at[0, 5] if warpgroups > 1 else vec_smem.at[5] if gather == "dsmem" else o_xchg_ref.at[b, h]
@@ -295,31 +296,6 @@ def _body(
     if tma_scratch:
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the store's reads
-
-
-def cluster_sync(bar, fences):
-    """Every CTA's writes before this (GMEM, or peer SMEM) are visible to every CTA of the cluster after it.
-
-    The ClusterBarrier arrives (one thread per warpgroup) on every peer's mbarrier, which orders at CTA scope
-    only; so all threads sync first (bar.sync inside commit_smem), then fence at cluster scope, and fence
-    again after the wait before reading. Every CTA waits, not only the reader: a CTA must not exit while a
-    peer's arrive may still target its SMEM barrier. Interpret mode (fences=False) has no caches to order and
-    cannot run inline PTX."""
-    plgpu.commit_smem()
-    if fences:
-        _inline_ptx("fence.acq_rel.cluster;")
-    plgpu.barrier_arrive(bar)
-    plgpu.barrier_wait(bar)
-    if fences:
-        _inline_ptx("fence.acq_rel.cluster;")
-
-
-def _sum_parts(load, n):
-    """load(0) + ... + load(n - 1), in that order (the GEMV glue's order: one fp32 sum per output)."""
-    acc = load(0)
-    for p in range(1, n):
-        acc = acc + load(p)
-    return acc
 
 
 def _fa_of(fa_ref, b, from_gemv, dtype, fa_smem=None):
@@ -332,10 +308,10 @@ def _fa_of(fa_ref, b, from_gemv, dtype, fa_smem=None):
         S = fa_ref.shape[0]
         if fa_smem is not None:
             at = (lambda p: fa_ref.at[p, b]) if from_gemv == "TN" else (lambda p: fa_ref.at[p, :, b])
-            fa_smem[...] = _sum_parts(lambda p: plgpu.load(at(p)), S).astype(dtype).astype(F32)
+            fa_smem[...] = common.sum_in_order(lambda p: plgpu.load(at(p)), S).astype(dtype).astype(F32)
             return lambda r: fa_smem[r]
         at = (lambda p, r: fa_ref[p, b, r]) if from_gemv == "TN" else (lambda p, r: fa_ref[p, r, b])
-        return lambda r: _sum_parts(lambda p: at(p, r), S).astype(dtype).astype(F32)
+        return lambda r: common.sum_in_order(lambda p: at(p, r), S).astype(dtype).astype(F32)
     return lambda r: fa_ref[b, r].astype(F32)
 
 

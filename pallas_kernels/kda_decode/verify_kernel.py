@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.kda_decode import kernel
 from pallas_kernels.kda_decode.kernel import CONV_TAPS, F32, LANE_PARAMS, SWIZZLED, sigmoid
 
@@ -215,7 +216,7 @@ def _verify_body(*refs, tile_layout, v_chunk, eps, dtype, v_split=1, gather="gme
                 delta_ref.at[b, t, h][...] = vec_smem.at[t, _DELTA][...]
 
     if split:
-        kernel.cluster_sync(xchg_bar, fences)
+        common.cluster_sync(xchg_bar, fences)
         pl.when(s == 0)(norm_rows)
     else:
         norm_rows()
