@@ -146,10 +146,14 @@ def test_grouping_of_one_token_gives_each_choice_its_own_group(rng):
 
 
 def test_split_groups_cuts_each_group_into_tile_sized_pieces(rng):
+    """split_groups' table: each group's pieces of at most N rows in row order, the groups in expert order, the
+    pairs' rows those of the whole groups."""
     T, k, E, N = int(rng.integers(9, 40)), 4, 16, 8
     sel, _ = make_routing(rng, T, k, E, unchosen=int(rng.integers(0, 6)))  # one expert every token chose
     g = grouping.group_by_expert(jnp.asarray(sel), E)
-    got = np.asarray(jax.jit(grouping.split_groups, static_argnums=(1, 2, 3, 4))(g.slots_3S, T, k, E, N))
+    split = jax.device_get(jax.jit(grouping.group_by_expert, static_argnums=(1, 2))(jnp.asarray(sel), E, N))
+    np.testing.assert_array_equal(split.row_P, g.row_P)
+    got = split.slots_3S
     assert got.shape == (3, grouping.num_pieces(T, k, E, N))
     want = [
         (e, first + j, min(N, size - j))
@@ -159,7 +163,7 @@ def test_split_groups_cuts_each_group_into_tile_sized_pieces(rng):
     ]
     n = len(want)
     np.testing.assert_array_equal(got[:, :n].T, want)
-    np.testing.assert_array_equal(got[2, n:], 0)  # idle
+    np.testing.assert_array_equal(got[:, n:], 0)  # idle
     assert max(size for _, _, size in want) <= N < T  # the shared expert's group was cut
 
 

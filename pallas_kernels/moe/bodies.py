@@ -54,16 +54,12 @@ def is_direct(T: int, launch: Launch) -> bool:
 
 
 def group(sel_Tk, num_experts: int, launch: Launch) -> grouping.Groups:
-    """The pairs grouped by expert, the slot table cut into tile-sized pieces where the launch says so; direct
-    (is_direct): each pair its own slot, at row p (grouping.pair_slots, align 1)."""
-    T, k = sel_Tk.shape
-    if is_direct(T, launch):
+    """The pairs grouped by expert, the slot table in tile-sized pieces where the launch says so (split_groups);
+    direct (is_direct): each pair its own slot, at row p (grouping.pair_slots, align 1)."""
+    if is_direct(sel_Tk.shape[0], launch):
         return grouping.pair_slots(sel_Tk, align=1)
-    groups = grouping.group_by_expert(sel_Tk, num_experts)
-    if not launch.split_groups:
-        return groups
-    pieces = grouping.split_groups(groups.slots_3S, T, k, num_experts, launch.tokens_per_tile)
-    return grouping.Groups(row_P=groups.row_P, slots_3S=pieces)
+    piece_rows = launch.tokens_per_tile if launch.split_groups else None
+    return grouping.group_by_expert(sel_Tk, num_experts, piece_rows)
 
 
 def direct_k(sel_Tk, launch: Launch) -> int:

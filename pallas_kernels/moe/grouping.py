@@ -4,19 +4,22 @@ rows their token tiles read.
 Pair p = t k + j is token t's j-th choice, expert e_p. The groups keep token order and are laid out in an
 aligned pair order of R rows: each group starts on a multiple of ALIGN (the kernels' token tiles are TMA boxes
 of an (8, 64)-tiled SMEM layout, and a box that started off an 8-row boundary loaded zeros past the first tile
-boundary on the H200: bench/results/moe_layer.md's first run; "aligned group tables"). In XLA, three
-compare-sum fusions, no sort, cumsum or scatter (the sort-and-cumsum form took ~14 kernels, ~25 us, at every T):
+boundary on the H200: bench/results/moe_layer.md's first run; "aligned group tables"). In XLA, compare-sum
+fusions in pair and expert space, no sort, cumsum or scatter (the sort-and-cumsum form took ~14 kernels, ~25 us,
+at every T; the pair-space form that followed, 11 kernels, ~18 us at T = 64 in the H200 rank slice):
 
-1. before_p = #{q < p : e_q = e_p} (p's rank in its group), size_p = #{q : e_q = e_p};
-2. over the pairs that lead their group (before = 0): slot_p = #{leading q : e_q < e_p} (the chosen experts in
-   ascending order) and the group's first row, the sum of the ALIGN-rounded sizes of the groups below it;
-   row_p = first row + before_p;
-3. the slot table [3, S] (expert, first row, size), compacted from the leading pairs; S = min(E, T k) static
-   slots, those past the chosen experts size 0 (their CTAs exit).
+1. before_p = #{q < p : e_q = e_p} (p's rank in its group, [P, P] compares) and size_e = #{p : e_p = e}
+   ([E, P]);
+2. over the experts in ascending order ([E, E]): each group's first row, the sum of the ALIGN-rounded sizes of
+   the groups below it, and its first piece, the sum of the pieces below it (a piece: at most piece_rows rows,
+   one token tile; without split_groups a whole group); row_p = first row of e_p + before_p;
+3. the slot table [3, U] (expert, first row, rows) of the pieces in expert order ([U, E]); U static: the
+   number of slots, min(E, T k), or split_groups' bound on its pieces; the entries past the chosen experts'
+   pieces are (0, 0, 0): their CTAs exit.
 
-[P, P] compares (P = T k): 256 at T = 1, 1 M at T = 64, 67 M at T = 512, each one fused pass. One token
-(T = 1) needs none of it: its k choices are k different experts (top-k), each its own group of one; a repeated
-id would only make its expert's bytes read twice, never a wrong sum.
+[P, P] compares (P = T k): 1 M at T = 64, 67 M at T = 512, each one fused pass; [E, P] and [E, E] ~1 M, [U, E] up
+to ~1.2 M x 3. One token (T = 1) needs none of it: its k choices are k different experts (top-k), each its own
+group of one; a repeated id would only make its expert's bytes read twice, never a wrong sum.
 
 pair_rows then copies each token's row to its pairs' rows (a small TMA kernel, one CTA per token): only the
 T k real rows are written, the padding rows between groups are left as they are (no kernel stores an output of
@@ -65,48 +68,38 @@ def pair_slots(sel_Tk, align: int = ALIGN) -> Groups:
     return Groups(row_P=row, slots_3S=jnp.stack([e, row, jnp.ones_like(e)]))
 
 
-def group_by_expert(sel_Tk, num_experts: int) -> Groups:
-    T, k = sel_Tk.shape
-    S = num_slots(T, k, num_experts)
-    e = sel_Tk.reshape(-1).astype(I32)
-    if T == 1 and k <= num_experts:
-        return pair_slots(sel_Tk)
-    p = jnp.arange(T * k, dtype=I32)
-    same = e[:, None] == e[None, :]  # [p, q]
-    before, size = _count(same & (p[None, :] < p[:, None])), _count(same)
-    lead = before == 0
-    below = lead[None, :] & (e[None, :] < e[:, None])  # [p, q]: q leads a group of a smaller expert
-    padded = (size + ALIGN - 1) // ALIGN * ALIGN
-    slot, first_row = _count(below), _count(below, padded[None, :])
-    hit = lead[None, :] & (slot[None, :] == jnp.arange(S, dtype=I32)[:, None])  # [s, p]
-    slots = jnp.stack([_count(hit, v[None, :]) for v in (e, first_row, size)])
-    return Groups(row_P=first_row + before, slots_3S=slots)
-
-
 def num_pieces(T: int, k: int, E: int, n_tokens: int) -> int:
-    """Entries of split_groups' table: at most every group's ceil(size / n_tokens), sum(size) = T k."""
+    """Entries of a table of pieces of at most n_tokens rows: at most every group's ceil(size / n_tokens),
+    sum(size) = T k."""
     P, S = T * k, num_slots(T, k, E)
     return min(P, (P + (n_tokens - 1) * S) // n_tokens)
 
 
-def split_groups(slots_3S, T: int, k: int, E: int, n_tokens: int):
-    """The slot table with each group cut into pieces of at most n_tokens rows, one token tile each: a group
-    larger than a tile (a popular expert) then runs on as many CTAs side by side, not tile after tile in one
-    CTA. [3, U] (U = num_pieces), the pieces of a group in row order, idle entries size 0. A group never has
-    more than T rows (a token's choices are different experts), so for T <= n_tokens it is the table itself."""
-    if T <= n_tokens:
-        return slots_3S
-    e, first, size = slots_3S
-    n = (size + n_tokens - 1) // n_tokens  # pieces per slot
-    g = jnp.arange(size.shape[0], dtype=I32)
-    ends = _count(g[None, :] <= g[:, None], n[None, :])  # [g, g']: the pieces up to and including slot g
-    u = jnp.arange(num_pieces(T, k, E, n_tokens), dtype=I32)
-    slot = _count(ends[None, :] <= u[:, None])  # [u, g]: the slot piece u belongs to (S: none)
-    j = u - jnp.take(ends - n, slot, mode="clip")  # its index within the group
-    rows = jnp.take(size, slot, mode="fill", fill_value=0) - j * n_tokens
-    return jnp.stack(
-        [jnp.take(e, slot, mode="clip"), jnp.take(first, slot, mode="clip") + j * n_tokens, jnp.clip(rows, 0, n_tokens)]
-    )
+def group_by_expert(sel_Tk, num_experts: int, piece_rows: int | None = None) -> Groups:
+    """The pairs grouped by expert (the module's steps). piece_rows (split_groups): each group cut into pieces of
+    at most that many rows, one token tile each, so a group larger than a tile (a popular expert) runs on as many
+    CTAs side by side, not tile after tile in one CTA: the table is then [3, num_pieces], the pieces of a group in
+    row order. A group never has more than T rows (a token's choices are different experts), so for
+    T <= piece_rows the pieces are the groups and the table the slots [3, num_slots]."""
+    T, k = sel_Tk.shape
+    e = sel_Tk.reshape(-1).astype(I32)
+    if T == 1 and k <= num_experts:
+        return pair_slots(sel_Tk)
+    p = jnp.arange(T * k, dtype=I32)
+    before = _count((e[:, None] == e[None, :]) & (p[None, :] < p[:, None]))
+    ex = jnp.arange(num_experts, dtype=I32)
+    size = _count(ex[:, None] == e[None, :])  # [E]
+    split = piece_rows is not None and T > piece_rows
+    n = piece_rows if split else T  # a piece's most rows: without split_groups a group is one piece
+    pieces = (size + n - 1) // n
+    padded = (size + ALIGN - 1) // ALIGN * ALIGN
+    below = ex[None, :] < ex[:, None]  # [e, e']: e' is a smaller expert
+    first_row, first_piece = (_count(below, v[None, :]) for v in (padded, pieces))
+    U = num_pieces(T, k, num_experts, n) if split else num_slots(T, k, num_experts)
+    j = jnp.arange(U, dtype=I32)[:, None] - first_piece[None, :]  # [u, e]: u's index among e's pieces
+    owns = (j >= 0) & (j < pieces[None, :])
+    entry = jnp.stack([jnp.broadcast_to(ex, j.shape), first_row + j * n, jnp.clip(size - j * n, 0, n)])
+    return Groups(row_P=first_row[e] + before, slots_3S=jnp.sum(jnp.where(owns, entry, 0), axis=-1, dtype=I32))
 
 
 def pair_rows(x_TL, groups: Groups, k: int, num_experts: int, *, interpret=None):
