@@ -28,12 +28,13 @@
 #                                 write_rows: both off in tuning.json until these pass), then the 12-layer slice at
 #                                 b1 / b64 with --trace, both off and both on (--tuning) -> rank_slice_switches_{off,on}.*
 #   switch_tests nvidia-h200      only those GPU tests (~1-2 min)
-#   next         nvidia-h200      what waits for its first GPU run, results straight into $OUT (~9.5 min): the GPU
-#                                 tests of the in-place writes and of the K split's cluster GLU; the cluster GLU beside
-#                                 the tuned launch at T 1, 2, 8, L2-cold -> moe_glu_cluster.*; the 12-layer slice, B 1
-#                                 and 64, with the in-place writes on where their tests passed -> rank_slice_next_on.*;
-#                                 again with the cluster GLU at T <= 8 and moe_in / mla_in token-major ("M") at B 33-64
-#                                 (each touches one batch: b1 / b64) -> rank_slice_next_more.*
+#   next         nvidia-h200      what waits for its first GPU run, results straight into $OUT (~9.5 min, the most
+#                                 wanted first): the GPU tests of the in-place writes and of the K split's cluster GLU;
+#                                 the 12-layer slice, B 1 and 64, with the in-place writes on where their tests passed
+#                                 -> rank_slice_next_on.*; again with the cluster GLU at T <= 8 and moe_in / mla_in
+#                                 token-major ("M") at B 33-64 (each touches one batch: b1 / b64)
+#                                 -> rank_slice_next_more.*; the cluster GLU beside the tuned launch at T 1, 2, 8,
+#                                 L2-cold -> moe_glu_cluster.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -144,13 +145,11 @@ case "${1:-}" in
     ;;
   next)  # each step's files go straight to $OUT: a call cut at its limit keeps what finished
     work=$OUT && mkdir -p "$OUT"
-    step tests 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       python3 -m pytest -p no:cacheprovider -m "gpu and not gpu2" -n 8 -q -rf tests/test_kda_decode.py \
       tests/test_mla_write_rows.py "tests/test_moe_kernel.py::test_fused_glu_on_gpu_matches_numpy"
     on=(--tuning kda_decode.sm90.state_in_place=true --tuning mla_decode.sm90.write_rows=true)
     grep -q "FAILED tests/test_kda_decode\|FAILED tests/test_mla_write\|^rc=124" "$work/tests.log" && on=()
-    step moe_glu_cluster 90 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant glu7:fused_glu=1 --name moe_glu_cluster
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
     step rank_slice_next_on 170 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
       --backends latency_specialized --budget-s 135 --out "$work" --tag _next_on ${on[@]+"${on[@]}"}
@@ -165,6 +164,8 @@ l[0]['fused_glu'] = True; print(json.dumps(l))")
       --tuning "gemv.sm90.mla_in_launch=[{\"max_batch\": 16, \"split_k\": 1, $g \"N\"},
         {\"min_batch\": 17, \"max_batch\": 32, \"split_k\": 2, $g \"N\"},
         {\"min_batch\": 33, \"max_batch\": 64, \"split_k\": 2, $g \"M\"}]"
+    step moe_glu_cluster 90 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
+      --kernel-variant glu7:fused_glu=1 --name moe_glu_cluster
     exit 0
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
