@@ -306,9 +306,9 @@ def _up_body(
     split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k); or,
     glu = (beta1, beta2), h [R + pad, I] bf16: SiTU-GLU of their bf16 roundings, its 64 columns of block b in
     K_ORDER (k_order: how the tile's rows are permuted, _store_columns). glu with a K split (direct_k only: one
-    tile a CTA): the split's CTAs are a cluster (axis kk) that hands its sums [64, N] to CTA 0 through xchg
-    [S, I/64, splits, 2, 64, N] (an output nobody reads) behind one cluster barrier; CTA 0 adds them in split
-    order and writes h."""
+    tile a CTA): the split's CTAs are a cluster (axis kk) that hands the pair's column of its sums [64] to CTA 0
+    through xchg [S, I/64, splits, 2, 64] (an output nobody reads) behind one cluster barrier; CTA 0 adds them
+    in split order and writes h."""
     if glu and splits > 1:
         xchg_ref, out_smem, *a_smem, bar = refs
     else:
@@ -357,17 +357,17 @@ def _up_body(
                 take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
             store = functools.partial(_store_columns, take=take, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            if glu and splits > 1:
+            if glu and splits > 1:  # the pair's column of each sum to the cluster's first CTA
                 xchg = xchg_ref.at[s, b]
-                xchg.at[kk, 0][...] = g
-                xchg.at[kk, 1][...] = u
+                store(g, out_smem, lambda t: xchg.at[kk, 0])
+                store(u, out_smem, lambda t: xchg.at[kk, 1])
                 common.cluster_sync(bar, fences=k_order == "gpu")
 
                 @pl.when(kk == 0)
                 def _():
-                    load = functools.partial(plgpu.load, layout=plgpu.Layout.WGMMA, optimized=False)
-                    g, u = (common.sum_in_order(lambda j, w=w: load(xchg.at[j, w]), splits) for w in (0, 1))
-                    h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
+                    g, u = (common.sum_in_order(lambda j, w=w: load_row(xchg.at[j, w]), splits) for w in (0, 1))
+                    h = bodies.glu_in_kernel(g, u, *glu).astype(F32)  # [64]: the pair's rows of block b
+                    h = plgpu.layout_cast(lax.broadcast_in_dim(h, (ROWS, n_tokens), [0]), plgpu.Layout.WGMMA)
                     store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
 
             elif glu:
@@ -448,7 +448,7 @@ def gate_up(
     elif splits == 1:
         out = jax.ShapeDtypeStruct((R + pad, I), BF16)
     else:  # h, and the cluster's exchange of its sums (read by its CTA 0 only)
-        out = (jax.ShapeDtypeStruct((R + pad, I), BF16), jax.ShapeDtypeStruct((S, I // ROWS, splits, 2, ROWS, N), F32))
+        out = (jax.ShapeDtypeStruct((R + pad, I), BF16), jax.ShapeDtypeStruct((S, I // ROWS, splits, 2, ROWS), F32))
         scratch.append(plgpu.ClusterBarrier(collective_axes=("kk",), num_arrivals=1))
         grid = dict(grid=(S, I // ROWS), grid_names=("s", "b"), cluster=(splits,), cluster_names=("kk",))
     body = functools.partial(
