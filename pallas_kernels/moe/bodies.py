@@ -22,7 +22,7 @@ class Launch:
     down_steps: int  # ... in the down kernel
     up_splits: int = 1  # CTAs sharing one gate/up tile's K (a divisor of its L / 512 steps)
     down_row_blocks: int = 1  # W2 row blocks (the body's MMA M) one down CTA streams (a divisor of L / M)
-    split_groups: bool = False  # a group larger than a tile on as many CTAs (grouping.split_groups)
+    split_groups: bool = False  # a group larger than a tile on as many CTAs (group_by_expert piece_rows)
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
     fused_glu: bool = False  # SiTU-GLU in the gate/up kernel, which writes h (no partials); with up_splits > 1
