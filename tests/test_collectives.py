@@ -277,21 +277,34 @@ def test_fallback_mix_norm_matches_numpy(rng, backend, prefix, n_blocks):
 
 @pytest.mark.skipif(N_GPUS > 0, reason="interpret-mode test, CPU only")
 @pytest.mark.parametrize(
-    "prefix, n_blocks, online", [(True, 3, True), (True, 3, False), (False, 1, True), (False, 0, True)]
+    "prefix, n_blocks, attnres, q",
+    [
+        (True, 3, "online", 3),
+        (True, 3, "two_pass", 2),
+        (False, 1, "online", 4),
+        (False, 0, "online", 3),
+        (True, 3, "batched", 8),
+        (False, 1, "batched", 4),
+        (True, 8, "batched", 4),
+        (False, 2, "batched", 3),  # 3 lane rows: no group of 4, the online form runs
+    ],
 )
-def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, attnres, q, arch):
     """The kernel's epilogue maths in interpret mode (one rank: no exchange, which interpret mode cannot run),
-    AttnRes in one pass (online softmax, the default) and in two."""
+    AttnRes in one pass (online softmax), in two, and with the scores' sums batched (the sources from SMEM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from kernel_testbase import abstract_gpu
 
     from pallas_kernels.collectives import mix_norm
 
-    b, q = int(rng.integers(1, 4)), int(rng.integers(2, 5))
+    b = int(rng.integers(1, 4))
     x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 1, b, q * 128, n_blocks, prefix)
-    tile = lambda a: None if a is None else jnp.asarray(a).reshape(*a.shape[:-1], q, 128)  # noqa: E731
-    with abstract_gpu("sm90"):
+    t = mix_norm.tile_shape(q * 128)
+    assert t == ((q // 4, 4, 128) if q % 4 == 0 else (q, 1, 128))
+    tile = lambda a: None if a is None else jnp.asarray(a).reshape(*a.shape[:-1], *t)  # noqa: E731
+    with abstract_gpu(arch):
         new, normed = mix_norm.mix_norm(
             tile(x[0]),
             tile(p),
@@ -302,7 +315,7 @@ def test_mix_norm_kernel_interpret_one_rank(rng, prefix, n_blocks, online):
             axis_name="tp",
             n=1,
             interpret=plgpu.InterpretGPUParams(detect_races=True),
-            online=online,
+            attnres=attnres,
         )
     assert not get_races().races_found
     ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
@@ -374,24 +387,31 @@ def _lower_for_cuda(monkeypatch, n, per_rank, shapes, dtype):
 
 @pytest.mark.skipif(N_GPUS > 0, reason="lowering test on CPU")
 @pytest.mark.parametrize(
-    "n, b, prefix, n_blocks, dtype",
+    "n, b, prefix, n_blocks, dtype, attnres",
     [
-        (2, 1, True, 8, jnp.bfloat16),
-        (2, 64, False, 1, jnp.bfloat16),
-        (4, 8, False, 0, jnp.bfloat16),
-        (2, 3, True, 2, jnp.float32),
+        (2, 1, True, 8, jnp.bfloat16, None),
+        (2, 64, False, 1, jnp.bfloat16, None),
+        (4, 8, False, 0, jnp.bfloat16, None),
+        (2, 3, True, 2, jnp.float32, None),
+        (2, 1, True, 8, jnp.bfloat16, "batched"),
+        (2, 64, False, 1, jnp.bfloat16, "batched"),
+        (2, 3, True, 2, jnp.float32, "batched"),
     ],
 )
-def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks, dtype):
+def test_mix_norm_lowers_for_cuda_in_shard_map(monkeypatch, n, b, prefix, n_blocks, dtype, attnres):
     """api -> the exchange kernel inside shard_map, lowered for CUDA; float32 is what the TP2 float32 GPU model
-    test runs."""
+    test runs; attnres: the collectives tuning's mix_norm_attnres (None: tuning.json's)."""
     d = 7168 if dtype == jnp.bfloat16 else 512
+    policy = SPECIALIZED
+    if attnres:
+        table = dict(XLA.table("collectives"), mix_norm_attnres=attnres)
+        policy = SPECIALIZED.replace(tuning=Tuning.from_files(collectives=table))
 
     def per_rank(v, *rest):
         rest = [a[0] for a in rest]
         pv = rest.pop(0) if prefix else None
         bv = [rest.pop(0) for _ in range(n_blocks)]
-        new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", policy=SPECIALIZED)
+        new, normed = api.all_reduce_mix_norm(v[0], pv, bv, *rest, 1e-5, "tp", policy=policy)
         return new[None], normed[None]
 
     # x, prefix, each block, weights
@@ -532,6 +552,26 @@ def test_pallas_back_to_back_stress(rng):
         _assert_sum_close(ys[:, i], xs[:, i], jnp.bfloat16)
         _assert_fused_close(new[0, i], normed[0, i], *_np_add_rmsnorm(xc[:, i], res[0, i], w[0], 1e-5))
     _assert_ranks_identical(new, normed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_GPUS < 1, reason="needs a GPU")
+@pytest.mark.parametrize("attnres", ["two_pass", "online", "batched"])
+@pytest.mark.parametrize("b, prefix, n_blocks", [(1, True, 8), (64, True, 4), (8, False, 1)])
+def test_mix_norm_one_device_on_gpu(rng, attnres, b, prefix, n_blocks):
+    """The boundary kernel without its exchange (one device: TP1 and the rank slice's stub) at K3's hidden width,
+    each AttnRes form (the collectives tuning's mix_norm_attnres), against the float64 oracle."""
+    x, p, blocks, (rn, rp, w) = _mix_inputs(rng, 1, b, 7168, n_blocks, prefix)
+    table = dict(XLA.table("collectives"), mix_norm_single_device=True, mix_norm_attnres=attnres)
+    policy = SPECIALIZED.replace(tuning=Tuning.from_files(collectives=table))
+    log = DispatchLog()
+    with recording(log):
+        new, normed = jax.jit(
+            lambda *a: api.all_reduce_mix_norm(a[0], a[1], tuple(a[2]), *a[3:], 1e-5, None, policy=policy)
+        )(x[0], p, blocks, rn, rp, w)
+    assert log.ops["all_reduce_mix_norm"]["impl"] == "pallas", log.ops
+    ref_new, ref_normed = _np_mix_norm(x, p, blocks, rn, rp, w, 1e-5)
+    _assert_mix_close(np.asarray(new), np.asarray(normed), ref_new, ref_normed)
 
 
 @gpu2

@@ -193,7 +193,9 @@ def plan_mix_norm(x_shape, x_dtype, prefix_shape, block_shapes, n, platform, tun
 
         n_blocks = len(block_shapes)
         size = jnp.dtype(x_dtype).itemsize  # AttnRes's weights taken as the activations' dtype
-        smem = mix_norm.smem_bytes(d // LANES, LANES, n_blocks, prefix_shape is not None, size, q_itemsize=size)
+        smem = mix_norm.smem_bytes(
+            d // LANES, LANES, n_blocks, prefix_shape is not None, size, size, t.get("mix_norm_attnres")
+        )
         if smem > MIX_SMEM_BUDGET:
             reason = f"{n_blocks} blocks of {d} x {jnp.dtype(x_dtype).name} need {smem} B of SMEM per CTA"
     if reason:
@@ -225,23 +227,25 @@ def all_reduce_mix_norm(
     def kernel(plan):
         from pallas_kernels.collectives import mix_norm
 
-        q, shape, dtype = plan.block_rows, x_partial.shape, x_partial.dtype
-        tile = lambda a: None if a is None else a.reshape(*a.shape[: a.ndim - len(shape)], -1, q, LANES)  # noqa: E731
+        shape, dtype = x_partial.shape, x_partial.dtype
+        t = mix_norm.tile_shape(shape[-1])  # a token row as (R, G, 128)
+        tile = lambda a: None if a is None else a.reshape(*a.shape[: a.ndim - len(shape)], -1, *t)  # noqa: E731
         # a named scope: a profile attributes any XLA kernel of the operands' preparation to the boundary by its
         # label (bench/rank_slice.py; the reshapes are bitcasts, the casts no-ops for a bf16 model's weights)
         with jax.named_scope("mix_norm"):
             # AttnRes's q = res_norm x res_proj is formed in the kernel (no XLA product before each boundary)
             q_dtype = jnp.result_type(res_norm_w, res_proj_w) if blocks else None
-            factors = tuple(f.astype(q_dtype).reshape(q, LANES) for f in (res_norm_w, res_proj_w)) if blocks else None
+            factors = tuple(f.astype(q_dtype).reshape(t) for f in (res_norm_w, res_proj_w)) if blocks else None
             new, normed = mix_norm.mix_norm(
                 tile(x_partial),
                 tile(prefix),
                 [tile(b) for b in blocks],
                 factors,
-                norm_w.astype(dtype).reshape(q, LANES),
+                norm_w.astype(dtype).reshape(t),
                 eps,
                 axis_name=axis_name,
                 n=n(),
+                attnres=policy.table("collectives").get("mix_norm_attnres"),
             )
         return new.reshape(shape), normed.reshape(shape)
 
