@@ -56,6 +56,8 @@
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
 #   mla_profile  nvidia-h200      where a 64-position block's time goes in the MLA kernel (in-kernel trace of its
 #                                 phases), TP16, B 1 and 64, 8K (~1 min) -> mla_profile.json
+#   mix_norm     nvidia-h200      the layer-boundary kernel alone, one GPU: its GPU test, then each AttnRes form
+#                                 (two_pass, online, batched) vs XLA, B 1 / 8 / 64, 1 / 4 / 8 blocks (~3 min) -> mix_norm.*
 #   moe_layer    nvidia-h200      the routed experts alone: kernel vs XLA packed, TP16 / TP8, T 1-512 -> moe_layer.*
 #   moe_next     nvidia-h200      the routed experts L2-cold, under skewed routing, and with split_groups (~7 min)
 #                                 -> moe_layer_cold.*, moe_layer_skewed.*, moe_layer_skewed_split.*
@@ -209,6 +211,10 @@ l[0]['fused_glu'] = True; print(json.dumps(l))")
   mla)
     step pytest_mla 250 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -m gpu -rf
     step bench_mla 290 python3 bench/mla_layer.py "$work" --deadline-s 260
+    ;;
+  mix_norm)  # its GPU test first: a form that fails it is still timed, but its row means nothing
+    step tests 120 python3 -m pytest -p no:cacheprovider -q -rf "tests/test_collectives.py::test_mix_norm_one_device_on_gpu"
+    step bench_mix_norm 200 python3 bench/mix_norm.py --out "$work"
     ;;
   mla_profile)  # the in-kernel trace comes back through a host callback: a CPU device beside the GPU
     step mla_profile 150 env JAX_PLATFORMS=cuda,cpu python3 bench/mla_layer.py "$work" --profile
