@@ -69,6 +69,8 @@
 #                                 -> moe_fused_glu.*
 #   moe_small    nvidia-h200      the routed experts at T = 1, 2, 8 (TP16, L2-cold): the tuned launch beside the down
 #                                 CTAs' W2 row blocks and stages varied (~3 min) -> moe_small.*
+#   moe_ncu      nvidia-h200      ncu's launch, occupancy, throughput, scheduler and warp-state sections of every
+#                                 kernel of one routed-experts call, TP16, T = 1 and 64 (~3 min; logs only)
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
@@ -250,6 +252,14 @@ l[0]['fused_glu'] = True; print(json.dumps(l))")
     step moe_small 250 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
       --kernel-variant rb1:down_row_blocks=1 --kernel-variant rb4:down_row_blocks=4 \
       --kernel-variant rb7:down_row_blocks=7 --kernel-variant rb4ds4:down_row_blocks=4,down_steps=4 --name moe_small
+    ;;
+  moe_ncu)  # what bounds the routed-experts kernels per SM (lever 1c): registers, SMEM, CTAs and warps resident,
+    # issue-slot use and stall reasons, T = 1 (direct form) and T = 64 (grouped), TP16; every kernel of one call
+    for t in 1 64; do
+      step "ncu_T$t" 240 ncu --clock-control none --target-processes all --launch-count 60 --csv --page details \
+        --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
+        --section WarpStateStats python3 bench/moe_layer.py --once "16,$t"
+    done
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
