@@ -242,6 +242,20 @@ def test_plan_mix_norm():
         assert api.plan_mix_norm(**args).algorithm == "xla", kw
 
 
+def test_pick_attnres_reads_rules_by_blocks():
+    """The tuning's mix_norm_attnres: one form for every block count, or rules whose first covering N picks it;
+    batched only where the tile has its group of 4; an unknown form is refused, naming the choices."""
+    from pallas_kernels.collectives import mix_norm
+
+    rules = [{"max_blocks": 4, "form": "two_pass"}, {"form": "batched"}]
+    assert [mix_norm.pick_attnres(n, rules, 4) for n in (1, 4, 5, 8)] == ["two_pass"] * 2 + ["batched"] * 2
+    assert mix_norm.pick_attnres(8, rules, 1) == "online"
+    assert [mix_norm.pick_attnres(n, None, 4) for n in (1, 2)] == ["two_pass", "online"]
+    assert mix_norm.pick_attnres(3, [{"max_blocks": 2, "form": "batched"}], 4) == "online"  # no rule: the default
+    with pytest.raises(ValueError, match="two_pass"):
+        mix_norm.pick_attnres(2, "fast", 4)
+
+
 def _single_device_tuning(on):
     """The collectives tuning with mix_norm_single_device set (the boundary kernel at n == 1, no exchange)."""
     return Tuning.from_files(collectives=dict(XLA.table("collectives"), mix_norm_single_device=on))

@@ -110,7 +110,10 @@ def _attnres_batched(sources_smem, qf_smem, eps, dtype):
     registers and over C in its warp's lanes (shuffles, no barrier), so its two sums come out as [4] values, one
     a warp; the M of them are stacked into [M, 4] (stacked) and summed over the warps in one reduction. Then the
     softmax in every thread, and the mix reads the sources again from SMEM. The scores do not depend on each
-    other (only the softmax needs all of them), so nothing orders their loads and shuffles either."""
+    other (only the softmax needs all of them), so nothing orders their loads and shuffles either. Measured
+    (H100, bench/results/mix_norm_h100.md): ~0.64 us a block against online's ~0.86, two_pass's ~0.66 up to four
+    blocks (and far more past five): the reductions were not most of a block's cost. So the tuning runs two_pass
+    up to four blocks and this form from five."""
     M, R, G, C = sources_smem.shape
     cols = plgpu.Layout.TILED(plgpu.Tiling(((G, C), (C // 32,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
     stacked = plgpu.Layout.TILED(
@@ -143,10 +146,12 @@ def _attnres_batched(sources_smem, qf_smem, eps, dtype):
     return h.astype(dtype).astype(F32)
 
 
-def pick_attnres(N: int, attnres: str | None, group: int) -> str:
-    """The AttnRes form for N stored blocks: attnres where given (the collectives tuning's mix_norm_attnres),
-    else online from two blocks (two passes are faster at one block, level at four, far slower at eight:
-    bench/results/mix_norm_profile.json); batched needs the tile's group of 4 (tile_shape)."""
+def pick_attnres(N: int, attnres, group: int) -> str:
+    """The AttnRes form for N stored blocks. attnres (the collectives tuning's mix_norm_attnres): a form, or rules
+    [{"max_blocks": M (absent: any), "form": ...}, ...] whose first with N <= M picks it; None: online from two
+    blocks, two_pass at one. Batched needs the tile's group of 4 (tile_shape): online stands in for it."""
+    if isinstance(attnres, (list, tuple)):
+        attnres = next((r["form"] for r in attnres if N <= r.get("max_blocks", N)), None)
     if attnres is None:
         attnres = "online" if N > 1 else "two_pass"
     if attnres not in ATTNRES:
@@ -194,7 +199,8 @@ def mix_norm(
     needs it: bf16 x bf16 is exact in fp32, the same bits as XLA's product).
     attnres: the form of AttnRes (pick_attnres): "two_pass" (two unrolled passes), "online" (one pass, an online
     softmax: _attnres_online) or "batched" (the scores' sums in one cross-warp reduction, P' staged in SMEM
-    beside the blocks: _attnres_batched); None: online from two blocks.
+    beside the blocks: _attnres_batched), or rules by the number of blocks (pick_attnres); None: online from two
+    blocks.
     profile_dir: write Mosaic GPU's in-kernel trace of the named phases there."""
     B, *tile = x_B.shape
     dtype = x_B.dtype
