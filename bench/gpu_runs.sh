@@ -28,13 +28,6 @@
 #                                 write_rows: both off in tuning.json until these pass), then the 12-layer slice at
 #                                 b1 / b64 with --trace, both off and both on (--tuning) -> rank_slice_switches_{off,on}.*
 #   switch_tests nvidia-h200      only those GPU tests (~1-2 min)
-#   next         nvidia-h200      what waits for its first GPU run, results straight into $OUT (~9.5 min, the most
-#                                 wanted first): the GPU tests of the in-place writes and of the K split's cluster GLU;
-#                                 the 12-layer slice, B 1 and 64, with the in-place writes on where their tests passed
-#                                 -> rank_slice_next_on.*; again with the cluster GLU at T <= 8 and moe_in / mla_in
-#                                 token-major ("M") at B 33-64 (each touches one batch: b1 / b64)
-#                                 -> rank_slice_next_more.*; the cluster GLU beside the tuned launch at T 1, 2, 8,
-#                                 L2-cold -> moe_glu_cluster.*
 #   rank_slice_spec nvidia-h200   the rank slice with --speculative 7, 12 layers, B 1 and 8, both backends: the decode
 #                                 step and the DSpark round (verify, commit, drafter; tok/s at acceptance length 6)
 #                                 -> rank_slice_spec.*
@@ -69,8 +62,8 @@
 #                                 -> moe_fused_glu.*
 #   moe_small    nvidia-h200      the routed experts at T = 1, 2, 8 (TP16, L2-cold): the tuned launch beside the down
 #                                 CTAs' W2 row blocks and stages varied (~3 min) -> moe_small.*
-#   moe_ncu      nvidia-h200      ncu's launch, occupancy, throughput, scheduler and warp-state sections of every
-#                                 kernel of one routed-experts call, TP16, T = 1 and 64 (~3 min; logs only)
+#   moe_ncu      nvidia-h200      ncu's launch, occupancy, scheduler and warp-state sections of the Mosaic kernels
+#                                 of one routed-experts call, TP16, T = 1 (up to ~8 min; the log only)
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
@@ -146,32 +139,6 @@ case "${1:-}" in
       step "rank_slice_switches_$side" 180 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
         --backends latency_specialized --trace --budget-s 150 --out "$work" --tag "_switches_$side" ${flags[@]+"${flags[@]}"}
     done
-    ;;
-  next)  # each step's files go straight to $OUT: a call cut at its limit keeps what finished
-    work=$OUT && mkdir -p "$OUT"
-    step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-      python3 -m pytest -p no:cacheprovider -m "gpu and not gpu2" -n 8 -q -rf tests/test_kda_decode.py \
-      tests/test_mla_write_rows.py "tests/test_moe_kernel.py::test_fused_glu_on_gpu_matches_numpy" \
-      "tests/test_collectives.py::test_mix_norm_one_device_on_gpu"
-    on=(--tuning kda_decode.sm90.state_in_place=true --tuning mla_decode.sm90.write_rows=true)
-    grep -q "FAILED tests/test_kda_decode\|FAILED tests/test_mla_write\|^rc=124" "$work/tests.log" && on=()
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-    step rank_slice_next_on 170 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
-      --backends latency_specialized --budget-s 135 --out "$work" --tag _next_on ${on[@]+"${on[@]}"}
-    glu=$(python3 -c "import json; l = json.load(open('pallas_kernels/moe/tuning.json'))['sm90']['launch']
-l[0]['fused_glu'] = True; print(json.dumps(l))")
-    g='"block_k": 128, "steps": 6, "x_stream":'
-    step rank_slice_next_more 130 python3 bench/rank_slice.py --layers 12 --batches 1,64 \
-      --backends latency_specialized --budget-s 100 --out "$work" --tag _next_more ${on[@]+"${on[@]}"} \
-      --tuning "moe.sm90.launch=$glu" \
-      --tuning "gemv.sm90.moe_in_launch=[{\"max_batch\": 32, \"split_k\": 4, $g \"N\"},
-        {\"min_batch\": 33, \"max_batch\": 64, \"split_k\": 4, $g \"M\"}]" \
-      --tuning "gemv.sm90.mla_in_launch=[{\"max_batch\": 16, \"split_k\": 1, $g \"N\"},
-        {\"min_batch\": 17, \"max_batch\": 32, \"split_k\": 2, $g \"N\"},
-        {\"min_batch\": 33, \"max_batch\": 64, \"split_k\": 2, $g \"M\"}]"
-    step moe_glu_cluster 90 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant glu7:fused_glu=1 --name moe_glu_cluster
-    exit 0
     ;;
   rank_slice_spec)  # the budget leaves the step's limit room for the last measurement and the exit
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
@@ -254,12 +221,11 @@ l[0]['fused_glu'] = True; print(json.dumps(l))")
       --kernel-variant rb7:down_row_blocks=7 --kernel-variant rb4ds4:down_row_blocks=4,down_steps=4 --name moe_small
     ;;
   moe_ncu)  # what bounds the routed-experts kernels per SM (lever 1c): registers, SMEM, CTAs and warps resident,
-    # issue-slot use and stall reasons, T = 1 (direct form) and T = 64 (grouped), TP16; every kernel of one call
-    for t in 1 64; do
-      step "ncu_T$t" 240 ncu --clock-control none --target-processes all --launch-count 60 --csv --page details \
-        --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
-        --section WarpStateStats python3 bench/moe_layer.py --once "16,$t"
-    done
+    # issue-slot use and stall reasons, T = 1 (the direct form), TP16: the Mosaic kernels of one call only, no
+    # autotuning (under ncu every XLA autotuning launch is profiled too: 230 s were not enough with it)
+    step ncu_T1 500 env XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none --target-processes all \
+      --kernel-name regex:mosaic --csv --page details --section LaunchStats --section Occupancy \
+      --section SchedulerStats --section WarpStateStats python3 bench/moe_layer.py --once 16,1
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"

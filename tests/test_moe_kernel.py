@@ -277,18 +277,16 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 
 
 @cpu_only
-@pytest.mark.parametrize("T, direct, splits", [(12, False, 1), (5, True, 1), (5, True, 2)])
-def test_kernel_interpret_fused_glu_matches_numpy(T, direct, splits):
+@pytest.mark.parametrize("T, direct", [(12, False), (5, True)])
+def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
     """fused_glu in interpret mode (A through SMEM, race-checked): the unfused run's fp32 sums, the fused h (in
-    K_ORDER) and down sums against float64 (check_fused_glu), grouped (a group of 12 in tiles of 8) and direct,
-    and direct with the K split in two (a cluster of two CTAs whose first sums both partials); the bf16 path
-    through the api's entry against the reference and float64 NumPy too."""
+    K_ORDER) and down sums against float64 (check_fused_glu), grouped (a group of 12 in tiles of 8) and direct;
+    the bf16 path through the api's entry against the reference and float64 NumPy too."""
     r = rng()
     E, I, L, k = 10, 192, 1024, 4
     np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
-    launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=splits, direct=direct)
-    entry = {**TUNING["sm90"]["launch"][0], "direct": direct, "fused_glu": True, "up_splits": splits}
-    tuning = {"sm90": {"launch": [entry]}}
+    launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, direct=direct)
+    tuning = {"sm90": {"launch": [{**TUNING["sm90"]["launch"][0], "direct": direct, "fused_glu": True}]}}
     with abstract_gpu("sm90"):
         check_fused_glu(
             lambda lc: _grouped_fp32(ex, z, sel, lc), launch, lambda *out: _check_sums(np_ex, z, sel, *out, k)
@@ -309,8 +307,8 @@ def test_kernel_interpret_fused_glu_matches_numpy(T, direct, splits):
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
     tuning.json's launch for T, mma_overlap and direct flipped where T is even and fused_glu flipped at TP8 where
-    one CTA or (direct) a K split's cluster sums a row's K: both Mosaic GPU kernels lower, the inline decode and
-    the K-ordered h store with them (A from registers)."""
+    one CTA sums a row's K: both Mosaic GPU kernels lower, the inline decode and the K-ordered h store with them (A
+    from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
@@ -318,7 +316,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
         entry["mma_overlap"] = not entry.get("mma_overlap", False)
         entry["direct"] = not entry.get("direct", False)  # T = 8: the direct form
     for entry in tuning["sm90"]["launch"] if I == 384 else ():
-        if entry.get("up_splits", 1) == 1 or entry.get("direct", False):  # a K split's cluster: direct only
+        if entry.get("up_splits", 1) == 1:
             entry["fused_glu"] = not entry.get("fused_glu", False)
 
     def f(ex, z, sel, w):
@@ -350,8 +348,7 @@ def test_kernel_refuses_what_it_cannot_run(bad):
         launch = sm90.Launch(12, 2, 2)
     elif bad == "splits":  # L = 512: one K step of W1 / W3, not split in 2
         launch = sm90.Launch(8, 2, 2, up_splits=2)
-    elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum: a split's cluster sums
-        # it in the direct form only (one tile a CTA), and this launch groups
+    elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
         ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
         launch = sm90.Launch(8, 2, 2, up_splits=2, fused_glu=True)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
@@ -469,21 +466,16 @@ def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize(
-    "I, T, direct, splits",
-    [(192, 5, True, 1), (384, 12, False, 1), (192, 64, False, 1), (192, 1, True, 7), (384, 8, True, 7)],
-)
-def test_fused_glu_on_gpu_matches_numpy(I, T, direct, splits):
+@pytest.mark.parametrize("I, T, direct", [(192, 5, True), (384, 12, False), (192, 64, False)])
+def test_fused_glu_on_gpu_matches_numpy(I, T, direct):
     """fused_glu on the GPU at real shapes (A from registers, the inline K-ordered store of h, Mosaic's tanh
-    and exp), one CTA a row's K or (direct) the K split in 7 as a cluster whose first CTA sums the partials
-    (exchanged through GMEM behind the cluster barrier and its fences): the fused h and down sums against the
-    unfused run's fp32 sums and float64 (check_fused_glu)."""
+    and exp): the fused h and down sums against the unfused run's fp32 sums and float64 (check_fused_glu)."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
     z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
     launch = dataclasses.replace(
-        sm90.pick_launch(policy_lib.default_tuning().get("moe"), T), up_splits=splits, direct=direct, fused_glu=False
+        sm90.pick_launch(policy_lib.default_tuning().get("moe"), T), up_splits=1, direct=direct, fused_glu=False
     )
     np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
 

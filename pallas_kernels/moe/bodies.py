@@ -25,8 +25,7 @@ class Launch:
     split_groups: bool = False  # a group larger than a tile on as many CTAs (group_by_expert piece_rows)
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
-    fused_glu: bool = False  # SiTU-GLU in the gate/up kernel, which writes h (no partials); with up_splits > 1
-    # (sm90, direct form) the split's CTAs are a cluster whose first CTA sums their partials
+    fused_glu: bool = False  # up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
@@ -129,11 +128,10 @@ def expert_shapes(experts):
     return E, I, 2 * L2
 
 
-def check_shapes(experts, z_TL, sel_Tk, launch: Launch, *, down_rows: int, split_glu: bool = False):
+def check_shapes(experts, z_TL, sel_Tk, launch: Launch, *, down_rows: int):
     """NotImplementedError for inputs neither body takes: dense experts, non-bf16 activations, shapes that do not
     match, a latent width the K steps, the K split or the W2 row blocks of down_rows do not tile, the GLU in the
-    gate/up kernel of a split K (split_glu: the body sums a split's partials in a cluster, in the direct form
-    only: one tile a CTA)."""
+    gate/up kernel of a split K."""
     if "w1_codes" not in experts:
         raise NotImplementedError("dense (bf16) experts: the kernel reads MXFP4 codes + scales")
     if z_TL.dtype != jnp.bfloat16:
@@ -149,11 +147,8 @@ def check_shapes(experts, z_TL, sel_Tk, launch: Launch, *, down_rows: int, split
             raise NotImplementedError(f"{name}_codes {experts[name + '_codes'].shape}: expected {shape}")
     if (L // 2) % UP_BLOCK:
         raise NotImplementedError(f"latent width {L}: W1/W3 stream in {UP_BLOCK}-byte K steps (L % 512 == 0)")
-    if launch.fused_glu and launch.up_splits != 1 and not (split_glu and is_direct(T, launch)):
-        raise NotImplementedError(
-            f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum"
-            + (" (a split's cluster sums it in the direct form only)" if split_glu else "")
-        )
+    if launch.fused_glu and launch.up_splits != 1:
+        raise NotImplementedError(f"fused_glu with up_splits {launch.up_splits}: the GLU needs a row's whole K sum")
     if ((L // 2) // UP_BLOCK) % launch.up_splits:
         raise NotImplementedError(f"up_splits {launch.up_splits} does not divide the {L // 2 // UP_BLOCK} K steps")
     if I % W1_ROWS:

@@ -9,9 +9,7 @@ once and skip the experts nobody chose, with XLA around them for the grouping, t
    [splits, 2 (W1, W3), R, I]. Splitting K gives the small steps (T <= 8: 16-118 experts) enough CTAs.
 3. XLA: the splits summed, h = SiTU-GLU(bf16(W1 z), bf16(W3 z)) rounded to bf16 (the spec's roundings), its
    columns put in the K order -> [R, I]. One small fusion (R x I x 4 bytes per split, against each expert's
-   1.1 MB at TP16). With launch fused_glu the gate/up kernel does this itself and writes h: with one split in
-   its epilogue, with a K split (the direct form) in the first CTA of the split's cluster, which sums the
-   others' partials handed over through GMEM behind one cluster barrier.
+   1.1 MB at TP16). With one split (launch fused_glu) the gate/up kernel does this itself and writes h.
 4. down kernel, grid (slot, group of 64-row blocks of L): the group's W2 row blocks streamed, each over K = I
    whole, their scales read by ld.global (a W2 scale row is I/32 = 6-12 bytes: no TMA view has 16-byte
    strides); out y [R, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
@@ -44,7 +42,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
 from pallas_kernels.moe import bodies, grouping, mxfp4, reference
 from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
 
@@ -235,7 +232,7 @@ def down_stages(launch: Launch, I: int, other_bytes: int) -> int:
 
 def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = False):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
-    bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS, split_glu=True)
+    bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
@@ -299,23 +296,16 @@ def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens, k_order=None):
 
 
 def _up_body(
-    table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, *refs, n_tokens, steps, splits, direct_k, overlap, glu, k_order
+    table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, out_smem, *a_smem, n_tokens, steps, direct_k, overlap, glu, k_order
 ):
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
     split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k); or,
-    glu = (beta1, beta2), h [R + pad, I] bf16: SiTU-GLU of their bf16 roundings, its 64 columns of block b in
-    K_ORDER (k_order: how the tile's rows are permuted, _store_columns). glu with a K split (direct_k only: one
-    tile a CTA): the split's CTAs are a cluster (axis kk) that hands the pair's column of its sums [64] to CTA 0
-    through xchg [S, I/64, splits, 2, 64] (an output nobody reads) behind one cluster barrier; CTA 0 adds them
-    in split order and writes h."""
-    if glu and splits > 1:
-        xchg_ref, out_smem, *a_smem, bar = refs
-    else:
-        out_smem, *a_smem = refs
+    glu = (beta1, beta2) (one split), h [R + pad, I] bf16: SiTU-GLU of their bf16 roundings, its 64 columns of
+    block b in K_ORDER (k_order: how the tile's rows are permuted, _store_columns)."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = bodies.slot(table_ref, s, direct_k)
-    n_k = w1c.shape[-1] // UP_BLOCK // splits  # K steps per split
+    n_k = w1c.shape[-1] // UP_BLOCK // (1 if glu else out_ref.shape[0])  # K steps per split
     k0 = kk * n_k
     a_smem = a_smem[0] if a_smem else None
 
@@ -357,20 +347,7 @@ def _up_body(
                 take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
             store = functools.partial(_store_columns, take=take, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            if glu and splits > 1:  # the pair's column of each sum to the cluster's first CTA
-                xchg = xchg_ref.at[s, b]
-                store(g, out_smem, lambda t: xchg.at[kk, 0])
-                store(u, out_smem, lambda t: xchg.at[kk, 1])
-                common.cluster_sync(bar, fences=k_order == "gpu")
-
-                @pl.when(kk == 0)
-                def _():
-                    g, u = (common.sum_in_order(lambda j, w=w: load_row(xchg.at[j, w]), splits) for w in (0, 1))
-                    h = bodies.glu_in_kernel(g, u, *glu).astype(F32)  # [64]: the pair's rows of block b
-                    h = plgpu.layout_cast(lax.broadcast_in_dim(h, (ROWS, n_tokens), [0]), plgpu.Layout.WGMMA)
-                    store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
-
-            elif glu:
+            if glu:
                 h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
                 store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
             else:
@@ -435,35 +412,31 @@ def gate_up(
 ):
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row;
     with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 in K_ORDER itself (the pad rows are
-    not written: the down kernel reads them into token columns it never stores; with a K split the split's
-    CTAs run as a cluster, _up_body). table / x: the kernels' slot table (bodies.slot_table) and token rows
-    (bodies.token_rows); direct_k: bodies.direct_k."""
+    not written: the down kernel reads them into token columns it never stores). table / x: the kernels' slot
+    table (bodies.slot_table) and token rows (bodies.token_rows); direct_k: bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
-    scratch = [plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else [])
-    grid = dict(grid=(S, I // ROWS, splits), grid_names=("s", "b", "kk"))
-    if not glu:
-        out = jax.ShapeDtypeStruct((splits, 2, R, I), F32)
-    elif splits == 1:
-        out = jax.ShapeDtypeStruct((R + pad, I), BF16)
-    else:  # h, and the cluster's exchange of its sums (read by its CTA 0 only)
-        out = (jax.ShapeDtypeStruct((R + pad, I), BF16), jax.ShapeDtypeStruct((S, I // ROWS, splits, 2, ROWS), F32))
-        scratch.append(plgpu.ClusterBarrier(collective_axes=("kk",), num_arrivals=1))
-        grid = dict(grid=(S, I // ROWS), grid_names=("s", "b"), cluster=(splits,), cluster_names=("kk",))
+    out = jax.ShapeDtypeStruct((R + pad, I), BF16) if glu else jax.ShapeDtypeStruct((splits, 2, R, I), F32)
     body = functools.partial(
         _up_body,
         n_tokens=N,
         steps=launch.up_steps,
-        splits=splits,
         direct_k=direct_k,
         overlap=launch.mma_overlap,
         glu=glu,
         k_order="gpu" if interpret is None else "interpret",
     )
-    kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, **grid, compiler_params=_LANE, interpret=interpret)
-    out = kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
-    return out[0] if glu and splits > 1 else out
+    kernel = plgpu.kernel(
+        body,
+        out_type=out,
+        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
+        grid=(S, I // ROWS, splits),
+        grid_names=("s", "b", "kk"),
+        compiler_params=_LANE,
+        interpret=interpret,
+    )
+    return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
 
 def down(
