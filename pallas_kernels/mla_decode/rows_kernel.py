@@ -47,7 +47,7 @@ def check_supported(kv_BTC, kv_norm_w_R, entry):
 
 
 def _body(pos_ref, valid_ref, kv_ref, w_ref, rows_ref, *scales_ref, R, eps):
-    """Token t of sequence b: pos, valid [B, T] int32, kv [B, T, C], the norm weight [1, R] fp32; rows [B, S, C]
+    """Token t of sequence b: pos, valid [B, T] int32, kv [B, T, C], the norm weight [1, R]; rows [B, S, C]
     (and fp8's scales [B, S, 2]) written in place at row pos[b, t]."""
     b, t = lax.axis_index("b"), lax.axis_index("t")
     S, C = rows_ref.shape[1:]
@@ -102,7 +102,7 @@ def write_rows(kv_BTC, kv_norm_w_R, entry, pos_BT, valid_BT, *, eps, interpret=N
         pos_BT.astype(jnp.int32),
         valid_BT.astype(jnp.int32),
         kv_BTC,
-        kv_norm_w_R.astype(F32)[None],
+        kv_norm_w_R[None],  # in its dtype (a bitcast): an fp32 copy was an XLA kernel of its own a layer
         refs["rows"],
         *([refs["scales"]] if "scales" in refs else []),
     )
