@@ -365,7 +365,8 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
 
 # ---------------------------------------------------------------------------------------- refusals, the api
 @pytest.mark.parametrize(
-    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu"]
+    "bad",
+    ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu", "warpgroups"],
 )
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
@@ -386,6 +387,8 @@ def test_kernel_refuses_what_it_cannot_run(bad):
     elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
         ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
         launch = sm90.Launch(8, 2, 2, up_splits=2, fused_glu=True)
+    elif bad == "warpgroups":  # two warpgroups: the direct form only (this launch groups the pairs)
+        launch = sm90.Launch(8, 1, 2, up_warpgroups=2)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
             abstract_experts(E, I, 3584),

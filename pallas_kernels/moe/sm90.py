@@ -33,6 +33,7 @@ moves and the bf16x2 multiplies Pallas cannot express); interpret mode, which ca
 A, decodes the same tile with mxfp4.e2m1_bf16 into a swizzled SMEM tile (a_in_smem), in the same K order.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -237,15 +238,22 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
-    if launch.up_warpgroups not in (1, 2):
-        raise NotImplementedError(f"up_warpgroups {launch.up_warpgroups}: 1 or 2")
-    if launch.up_warpgroups == 2 and (not bodies.is_direct(z_TL.shape[0], launch) or launch.fused_glu):
-        raise NotImplementedError("up_warpgroups 2: the direct form's gate/up only (one K step a CTA, no fused GLU)")
-    if launch.up_warpgroups == 2 and (L // 2) // UP_BLOCK != launch.up_splits:
-        raise NotImplementedError(f"up_warpgroups 2: one K step a CTA (up_splits {(L // 2) // UP_BLOCK})")
+    _check_warpgroups(launch, bodies.is_direct(z_TL.shape[0], launch), L)
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
+
+
+def _check_warpgroups(launch: Launch, direct: bool, L: int):
+    """up_warpgroups: 1, or 2 for the direct form's gate/up with one K step a CTA and no fused GLU
+    (_up_body_wg2); NotImplementedError otherwise."""
+    if launch.up_warpgroups not in (1, 2):
+        raise NotImplementedError(f"up_warpgroups {launch.up_warpgroups}: 1 or 2")
+    steps = (L // 2) // UP_BLOCK
+    if launch.up_warpgroups == 2 and (not direct or launch.fused_glu or launch.up_splits != steps):
+        raise NotImplementedError(
+            f"up_warpgroups 2: the direct form's gate/up only, one K step a CTA (up_splits {steps}), no fused GLU"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
@@ -496,9 +504,8 @@ def gate_up(
     )
     scratch = [plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else [])
     threads = {}
-    if launch.up_warpgroups == 2:  # direct, one K step a CTA (check_supported)
-        if not direct_k or glu or splits != (L // 2) // UP_BLOCK:
-            raise NotImplementedError("up_warpgroups 2: the direct form's gate/up, one K step a CTA, no fused GLU")
+    _check_warpgroups(dataclasses.replace(launch, fused_glu=bool(glu)), bool(direct_k), L)
+    if launch.up_warpgroups == 2:
         body = functools.partial(_up_body_wg2, n_tokens=N, direct_k=direct_k, overlap=launch.mma_overlap)
         scratch = [
             plgpu.SMEM((2, ROWS, UP_BLOCK), jnp.uint8, transforms=tiled(128, 1)),
