@@ -277,39 +277,6 @@ def test_kernel_interpret_fp32_sums_match_numpy():
 
 
 @cpu_only
-def test_kernel_interpret_two_warpgroups_match_one():
-    """up_warpgroups 2 (the direct form's gate/up with W1's tile on one warpgroup and W3's on another, race-checked
-    in interpret mode): the same fp32 partials, bit for bit, as one warpgroup doing both, and the sums to fp32
-    accuracy against float64; and the bf16 path through the api's entry against the reference and NumPy."""
-    r = rng()
-    T, E, I, L, k = 5, 10, 192, 1024, 4
-    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
-    one = sm90.Launch(tokens_per_tile=8, up_steps=1, down_steps=2, up_splits=2, direct=True)
-    with abstract_gpu("sm90"):
-        groups, part1, h1, y1 = _grouped_fp32(ex, z, sel, one)
-        _, part2, h2, y2 = _grouped_fp32(ex, z, sel, dataclasses.replace(one, up_warpgroups=2))
-    assert not races_found()
-    np.testing.assert_array_equal(np.asarray(part2), np.asarray(part1))
-    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
-    _check_sums(np_ex, z, sel, groups, part2, h2, y2, k)
-    entry = {**TUNING["sm90"]["launch"][0], "direct": True, "up_splits": 2, "up_warpgroups": 2}
-    with abstract_gpu("sm90"):
-        got = sm90.routed_experts(
-            ex,
-            z,
-            jnp.asarray(sel),
-            jnp.asarray(w),
-            **BETA,
-            tuning={"sm90": {"launch": [entry]}},
-            interpret=interpret_params(),
-        )
-    assert not races_found()
-    check_against_reference_and_numpy(
-        got, reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA), np_ex, z, sel, w
-    )
-
-
-@cpu_only
 @pytest.mark.parametrize("T, direct", [(12, False), (5, True)])
 def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
     """fused_glu in interpret mode (A through SMEM, race-checked): the unfused run's fp32 sums, the fused h (in
@@ -340,8 +307,8 @@ def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
     tuning.json's launch for T, mma_overlap and direct flipped where T is even and fused_glu flipped at TP8 where
-    one CTA sums a row's K, up_warpgroups 2 at T = 1: both Mosaic GPU kernels lower, the inline decode and the
-    K-ordered h store with them (A from registers)."""
+    one CTA sums a row's K: both Mosaic GPU kernels lower, the inline decode and the K-ordered h store with them (A
+    from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
@@ -351,8 +318,6 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     for entry in tuning["sm90"]["launch"] if I == 384 else ():
         if entry.get("up_splits", 1) == 1:
             entry["fused_glu"] = not entry.get("fused_glu", False)
-    if T % 2:  # T = 1: the direct form's gate/up on two warpgroups
-        tuning["sm90"]["launch"][0]["up_warpgroups"] = 2
 
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
@@ -365,8 +330,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
 
 # ---------------------------------------------------------------------------------------- refusals, the api
 @pytest.mark.parametrize(
-    "bad",
-    ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu", "warpgroups"],
+    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu"]
 )
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
@@ -387,8 +351,6 @@ def test_kernel_refuses_what_it_cannot_run(bad):
     elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
         ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
         launch = sm90.Launch(8, 2, 2, up_splits=2, fused_glu=True)
-    elif bad == "warpgroups":  # two warpgroups: the direct form only (this launch groups the pairs)
-        launch = sm90.Launch(8, 1, 2, up_warpgroups=2)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
             abstract_experts(E, I, 3584),
@@ -484,18 +446,12 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize(
-    "fields",
-    [{}, {"mma_overlap": True}, {"direct": True}, {"direct": True, "up_warpgroups": 2}],
-    ids=["tuned", "overlap", "direct", "two_wg"],
-)
+@pytest.mark.parametrize("fields", [{}, {"mma_overlap": True}, {"direct": True}], ids=["tuned", "overlap", "direct"])
 @pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 8), (192, 12)])
 def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
     """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8) and with
-    mma_overlap / direct / the direct gate/up on two warpgroups set: the gate/up sums W1 z / W3 z, h and the
-    down kernel's W2 h for every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
-    if fields.get("up_warpgroups") and T > 8:
-        pytest.skip("two warpgroups: the direct form's gate/up only (T <= 8)")
+    mma_overlap / direct set: the gate/up sums W1 z / W3 z, h and the down kernel's W2 h for
+    every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)

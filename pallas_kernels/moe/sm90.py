@@ -33,7 +33,6 @@ moves and the bf16x2 multiplies Pallas cannot express); interpret mode, which ca
 A, decodes the same tile with mxfp4.e2m1_bf16 into a swizzled SMEM tile (a_in_smem), in the same K order.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -103,7 +102,7 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
         i32 = ir.IntegerType.get_signless(32)
         i8 = ir.IntegerType.get_signless(8)
         c = lambda v: utils.c(v, i32)  # noqa: E731
-        tid = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c(127))  # in its warpgroup
+        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
         lane = arith.andi(tid, c(31))
         col = arith.andi(lane, c(3))  # WGMMA's c: the lane's column pair
         row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
@@ -238,22 +237,9 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     N = launch.tokens_per_tile
     if N % 8 or not 8 <= N <= MAX_TOKENS_PER_TILE:
         raise NotImplementedError(f"tokens_per_tile {N}: a multiple of 8 in [8, {MAX_TOKENS_PER_TILE}]")
-    _check_warpgroups(launch, bodies.is_direct(z_TL.shape[0], launch), L)
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
-
-
-def _check_warpgroups(launch: Launch, direct: bool, L: int):
-    """up_warpgroups: 1, or 2 for the direct form's gate/up with one K step a CTA and no fused GLU
-    (_up_body_wg2); NotImplementedError otherwise."""
-    if launch.up_warpgroups not in (1, 2):
-        raise NotImplementedError(f"up_warpgroups {launch.up_warpgroups}: 1 or 2")
-    steps = (L // 2) // UP_BLOCK
-    if launch.up_warpgroups == 2 and (not direct or launch.fused_glu or launch.up_splits != steps):
-        raise NotImplementedError(
-            f"up_warpgroups 2: the direct form's gate/up only, one K step a CTA (up_splits {steps}), no fused GLU"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
@@ -369,66 +355,6 @@ def _up_body(
                 store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols])
 
 
-def _up_body_wg2(
-    table_ref,
-    w1c,
-    w3c,
-    w1s,
-    w3s,
-    x_ref,
-    out_ref,
-    codes,
-    scales,
-    x_smem,
-    out_smem,
-    bars,
-    x_bar,
-    *a_smem,
-    n_tokens,
-    direct_k,
-    overlap,
-):
-    """_up_body's direct form (one pair a slot, one K step a CTA: the K split) on two warpgroups: W1's tile on
-    warpgroup 0, W3's on 1, each its own codes and scales (TMA into codes / scales [2, ...]) and accumulator,
-    both reading the z tile warpgroup 0 loads; each writes its own partial (out [splits, 2, R, I] at [kk, wg]).
-    The CTA's decode, the kernel's cost at T <= 8, runs on twice the warps (bench/NOTES.md lever 1c)."""
-    s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
-    wg = lax.axis_index("wg")
-    e, row0, _ = bodies.slot(table_ref, s, direct_k)
-    k_cols = pl.ds(kk * UP_BLOCK, UP_BLOCK)
-    rows = pl.ds(b * ROWS, ROWS)
-    for w, (c_ref, s_ref) in enumerate(((w1c, w1s), (w3c, w3s))):
-
-        @pl.when(wg == w)
-        def _(c_ref=c_ref, s_ref=s_ref, w=w):
-            plgpu.copy_gmem_to_smem(c_ref.at[e, rows, k_cols], codes.at[w], bars.at[w])
-            plgpu.copy_gmem_to_smem(
-                s_ref.at[e, rows, pl.ds(kk * (UP_BLOCK // 16), UP_BLOCK // 16)], scales.at[w], bars.at[w]
-            )
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kk * 2 * UP_BLOCK, 2 * UP_BLOCK)], x_smem, x_bar)
-
-    plgpu.barrier_wait(bars.at[wg])
-    plgpu.barrier_wait(x_bar)
-    a = a_smem[0].at[wg] if a_smem else None
-
-    def mma(acc):
-        _mma_tile(acc, codes.at[wg], lambda g: load_row(scales.at[wg, :, g]), x_smem, a, overlap=overlap)
-        plgpu.wgmma_wait(0)
-        return acc[...]
-
-    y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
-    _store_columns(
-        y,
-        out_smem.at[wg],
-        lambda t: out_ref.at[kk, wg, row0, rows],
-        take=lambda t: t == s // direct_k,
-        n_tokens=n_tokens,
-    )
-
-
 def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, direct_k):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
@@ -487,8 +413,7 @@ def gate_up(
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row;
     with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 in K_ORDER itself (the pad rows are
     not written: the down kernel reads them into token columns it never stores). table / x: the kernels' slot
-    table (bodies.slot_table) and token rows (bodies.token_rows); direct_k: bodies.direct_k. launch.up_warpgroups
-    2: the direct form on two warpgroups a CTA (_up_body_wg2)."""
+    table (bodies.slot_table) and token rows (bodies.token_rows); direct_k: bodies.direct_k."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N, splits = launch.tokens_per_tile, launch.up_splits
@@ -502,29 +427,14 @@ def gate_up(
         glu=glu,
         k_order="gpu" if interpret is None else "interpret",
     )
-    scratch = [plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else [])
-    threads = {}
-    _check_warpgroups(dataclasses.replace(launch, fused_glu=bool(glu)), bool(direct_k), L)
-    if launch.up_warpgroups == 2:
-        body = functools.partial(_up_body_wg2, n_tokens=N, direct_k=direct_k, overlap=launch.mma_overlap)
-        scratch = [
-            plgpu.SMEM((2, ROWS, UP_BLOCK), jnp.uint8, transforms=tiled(128, 1)),
-            plgpu.SMEM((2, ROWS, UP_BLOCK // 16), jnp.uint8),
-            plgpu.SMEM((N, 2 * UP_BLOCK), BF16, transforms=tiled(128)),
-            plgpu.SMEM((2, ROWS, N), F32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # warpgroup w's codes + scales
-            plgpu.Barrier(num_arrivals=1),  # z's tile
-        ] + ([plgpu.SMEM((2, ROWS, CHUNK), BF16, transforms=tiled(128))] if a_in_smem else [])
-        threads = dict(num_threads=2, thread_name="wg")
     kernel = plgpu.kernel(
         body,
         out_type=out,
-        scratch_types=scratch,
+        scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, I // ROWS, splits),
         grid_names=("s", "b", "kk"),
         compiler_params=_LANE,
         interpret=interpret,
-        **threads,
     )
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
 
