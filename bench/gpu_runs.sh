@@ -60,8 +60,9 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
-#   moe_small    nvidia-h200      the routed experts at T = 1, 2, 8 (TP16, L2-cold): the tuned launch beside the down
-#                                 CTAs' W2 row blocks and stages varied (~3 min) -> moe_small.*
+#   moe_small    nvidia-h200      down_glu's GPU tests, then the routed experts at T = 1, 2, 8 (TP16, L2-cold): the
+#                                 tuned launch beside down_glu (the down kernel forms h; 2 and 4 W2 row blocks a CTA)
+#                                 (~3 min) -> moe_small.*
 #   moe_ncu      nvidia-h200      ncu's launch, occupancy, scheduler and warp-state sections of the Mosaic kernels
 #                                 of one routed-experts call, TP16, T = 1 (up to ~8 min; the log only)
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
@@ -214,11 +215,11 @@ case "${1:-}" in
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
       --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
     ;;
-  moe_small)  # the T <= 8 launch's free fields (tuning only, no code): the down CTAs' W2 row blocks and stages
-    # (the gate/up K unsplit with the GLU fused lost on an H100: results/moe_small_h100.md)
-    step moe_small 250 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant rb1:down_row_blocks=1 --kernel-variant rb4:down_row_blocks=4 \
-      --kernel-variant rb7:down_row_blocks=7 --kernel-variant rb4ds4:down_row_blocks=4,down_steps=4 --name moe_small
+  moe_small)  # the T <= 8 launch: down_glu (the down kernel forms its pair's h; the W2 row blocks and stages
+    # alone: moe_wg2_h100.md; the gate/up K unsplit with the GLU fused lost: moe_small_h100.md)
+    step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu -k down_glu -rf
+    step moe_small 150 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
+      --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 --name moe_small
     ;;
   moe_ncu)  # what bounds the routed-experts kernels per SM (lever 1c): registers, SMEM, CTAs and warps resident,
     # issue-slot use and stall reasons, T = 1 (the direct form), TP16: the Mosaic kernels of one call only, no
