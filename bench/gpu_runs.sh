@@ -47,6 +47,9 @@
 #                                 kernel (--sweep), B 1, 64, 8, 32 (~3 min) -> gemv_moe_out.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
 #   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
+#   mla_ncu      nvidia-h200      ncu's SMEM counters (bank conflicts of the loads and stores, wavefronts, shared
+#                                 instructions) and warp states of one MLA kernel call, TP16, B 64, 8K: is the
+#                                 fp8 -> f16 conversion (mla_profile's ~45% of a block) bank-conflicted (~2 min; the log)
 #   mla_profile  nvidia-h200      where a 64-position block's time goes in the MLA kernel (in-kernel trace of its
 #                                 phases), TP16, B 1 and 64, 8K (~1 min) -> mla_profile.json
 #   mix_norm     nvidia-h200      the layer-boundary kernel alone, one GPU: its GPU test, then each AttnRes form
@@ -188,6 +191,14 @@ case "${1:-}" in
     ;;
   mla_profile)  # the in-kernel trace comes back through a host callback: a CPU device beside the GPU
     step mla_profile 150 env JAX_PLATFORMS=cuda,cpu python3 bench/mla_layer.py "$work" --profile
+    ;;
+  mla_ncu)  # the Mosaic kernel only (the cache's generation and the compile run unprofiled), no autotuning
+    shared=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+    shared=$shared,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
+    shared=$shared,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed.sum
+    step ncu_mla 300 env XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none --target-processes all \
+      --kernel-name regex:mosaic --launch-count 1 --csv --page details --metrics "$shared" \
+      --section WarpStateStats python3 bench/mla_layer.py "$work" --once 64
     ;;
   mla_variants)
     step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200

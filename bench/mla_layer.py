@@ -9,6 +9,8 @@ batch 1 / 8 / 64, context 1K / 8K / 32K, the fp8 latent cache (k3jax.cache's def
   PYTHONPATH=. JAX_PLATFORMS=cuda,cpu python3 bench/mla_layer.py OUT_DIR --profile   (where a block's time goes:
       the kernel alone at TP16, B = 1 and 64, 8K, fp8, its in-kernel trace of each block's phases (wait for the
       TMA, convert fp8 -> f16, qk, softmax, pv) -> OUT_DIR/mla_profile.json, ~1 min)
+  PYTHONPATH=. JAX_PLATFORMS=cuda python3 bench/mla_layer.py OUT_DIR --once B   (one call of the kernel alone,
+      TP16, 8K, fp8, equal lengths, for a profiler: bench/gpu_runs.sh mla_ncu)
   (GPU; writes OUT_DIR/mla_layer.{json,md}; --quick: B = 1 and 64 at 8K only; --cache bf16: the bf16 cache,
   written as mla_layer_bf16.{json,md}; rows not started by the deadline are skipped and listed)
 
@@ -243,6 +245,24 @@ def main_profile(out_dir, batches=(1, 64), S=8192, H=6):
         del entry
 
 
+def main_once(B, S=8192, H=6):
+    """The Mosaic kernel alone, called once after its compile, at one TP16 rank's heads (what ncu profiles)."""
+    key_cache, key_q = jax.random.split(jax.random.key(3))
+    entry = make_cache(key_cache, B, S, "fp8")
+    kq1, kq2 = jax.random.split(key_q)
+    q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
+    q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
+    lens = jnp.full((B, 1), S, jnp.int32)
+    launch = sm90.launch_for(q_lat, q_pe, entry, sm90.TUNING)
+    f = (
+        jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch))
+        .lower(q_lat, q_pe, entry["rows"], entry["scales"], lens)
+        .compile()
+    )
+    jax.block_until_ready(f(q_lat, q_pe, entry["rows"], entry["scales"], lens))
+    print(json.dumps(dict(B=B, ctx=S, H=H, launch=dict(vars(launch)))), flush=True)
+
+
 def _f(v, fmt="{:.2f}"):
     return fmt.format(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v)[:40])
 
@@ -298,5 +318,7 @@ if __name__ == "__main__":
         main_variants(out, deadline_s=deadline)
     elif "--profile" in args:
         main_profile(out)
+    elif "--once" in args:
+        main_once(int(args[args.index("--once") + 1]))
     else:
         main(out, quick="--quick" in args, cache=cache, deadline_s=deadline)
