@@ -156,10 +156,10 @@ VARIANTS = {  # tuning changes against tuning.json's entry
     "tuned": {},
     "acc add": dict(acc="add", max_cols=16),
     "qk_regs": dict(qk_regs=True),
-    "fp8 stages 2": dict(stages={"fp8": 2, "bf16": 2}),
-    "min_split_blocks 1": dict(min_split_blocks=1),
+    "wide convert": dict(wide_convert=True),  # the fp8 conversion 8 elements a vector (load_fp8_tile)
+    "fp8 stages 3": dict(stages={"fp8": 3, "bf16": 2}),  # the launch before the twenty-ninth session
+    "min_split_blocks 2": dict(min_split_blocks=2, max_splits=64),  # likewise: 1 x 8K as 64 CTAs of 2 blocks
     "min_split_blocks 4": dict(min_split_blocks=4),
-    "one block a split": dict(min_split_blocks=1, max_splits=128),  # 1 x 8K: 128 CTAs of one block
     "ctas 192": dict(ctas=192),  # 64 x 8K: 3 splits, 1.45 waves (the launch before whole waves)
     "ctas 264": dict(ctas=264),
 }

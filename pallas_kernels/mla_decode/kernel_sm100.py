@@ -129,7 +129,7 @@ def _mma_chunks(chunks, conv_s, done):
         a = conv_s.at[slot, :, pl.ds(0, raw.shape[1])]
         for k0 in range(0, raw.shape[1], 64):  # 64 columns at a time: registers stay few
             cols = pl.ds(k0, 64)
-            a.at[:, cols][...] = raw.at[:, cols][...].astype(F16)
+            a.at[:, cols][...] = kernel.load_fp8_tile(raw.at[:, cols]).astype(F16)
         plgpu.commit_smem()  # the tensor core (async proxy) reads what every thread wrote
         mmas(a)
         plgpu.tcgen05_commit_arrive(done.at[slot])
