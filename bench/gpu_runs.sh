@@ -46,7 +46,8 @@
 #   gemv_moe_out nvidia-h200      the MoE finish at TP16 / TP8: XLA vs the moe_out_launch table and every candidate
 #                                 kernel (--sweep), B 1, 64, 8, 32 (~3 min) -> gemv_moe_out.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
-#   mla_variants nvidia-h200      the MLA kernel's launch variants at 8K (~3 min)
+#   mla_variants nvidia-h200      the MLA GPU tests of the batch-1 launch and wide_convert, then the kernel's launch
+#                                 variants at 8K (~4 min) -> mla_variants.json
 #   mla_ncu      nvidia-h200      ncu's SMEM counters (bank conflicts of the loads and stores, wavefronts, shared
 #                                 instructions) and warp states of one MLA kernel call, TP16, B 64, 8K: is the
 #                                 fp8 -> f16 conversion (mla_profile's ~45% of a block) bank-conflicted (~2 min; the log)
@@ -200,7 +201,9 @@ case "${1:-}" in
       --kernel-name regex:mosaic --launch-count 1 --csv --page details --metrics "$shared" \
       --section WarpStateStats python3 bench/mla_layer.py "$work" --once 64
     ;;
-  mla_variants)
+  mla_variants)  # the GPU tests of the batch-1 launch (a split a block) and of wide_convert first
+    step pytest_mla 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
+      tests/test_mla_decode.py -m gpu -n 4 -k "1-1-6-8192 or wide" -rf
     step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200
     ;;
   moe_layer)
