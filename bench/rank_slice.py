@@ -73,11 +73,13 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 @dataclass(frozen=True)
 class StubComm(Comm):
     """Acts as one rank of a `tp`-way group, but every collective is a local op with the real output shape.
-    all_reduce -> identity; all_gather -> the local block tiled tp times (a local write of the gathered size);
+    all_reduce -> identity; all_gather -> the local block tiled tp times (a local write of the gathered size),
+    the MoE's routing block as a balanced router's (balanced_routing_piece) where experts_local is set;
     local_slice -> the first block; embed -> local lookup of clipped ids. `log` records (op, what, shape,
     dtype) of every collective traced, for the projection's collective term."""
 
     tp: int = 16
+    experts_local: int = 0  # the routed experts a rank scores: > 0 makes the routing gather balanced
     log: list = field(default_factory=list, compare=False, hash=False)
 
     @property
@@ -100,7 +102,10 @@ class StubComm(Comm):
 
     def all_gather(self, x, axis: int, what: str = "all_gather"):
         self._note("all_gather", what, x)
-        return jnp.concatenate([x] * self.tp, axis=axis % x.ndim)
+        pieces = [x] * self.tp
+        if what == "routing" and self.experts_local:
+            pieces = [balanced_routing_piece(x, self.experts_local, r) for r in range(self.tp)]
+        return jnp.concatenate(pieces, axis=axis % x.ndim)
 
     def local_slice(self, x, axis: int, size: int):
         return jax.lax.slice_in_dim(x, 0, size, axis=axis)
@@ -109,6 +114,19 @@ class StubComm(Comm):
         rows = table_VD[jnp.clip(tokens, 0, table_VD.shape[0] - 1)]
         self._note("all_reduce", "embed", rows)
         return rows
+
+
+def balanced_routing_piece(piece_TX, e_local: int, rank: int):
+    """Rank `rank`'s piece of the MoE's routing block [T, E_l scores | E_l biased scores | L_l of z]
+    (layers/moe.gather_routing), as a trained, balanced router's would look: the local piece with a fixed
+    N(0, 1) offset per (token, expert) added to the biased scores, which pick the experts (the weights come from
+    the unbiased ones). Tiled as it is, every token's k choices were one local expert's copies, and the random
+    weights' hidden states left few local winners: at batch 64 the step read 96-128 distinct experts of the ~613
+    that uniform routing (the floor's) reads (bench/NOTES.md, twenty-ninth session). With the offsets the
+    choices are ~uniform, a different set per token; the offsets are constants of the step (the same every
+    step, no kernel of their own: XLA adds them inside the stub's concatenate)."""
+    noise = np.random.default_rng(rank).standard_normal((piece_TX.shape[0], e_local))
+    return piece_TX.at[:, e_local : 2 * e_local].add(jnp.asarray(noise, piece_TX.dtype))
 
 
 # ---- one rank's parameters and decode state ------------------------------------------------------------------
@@ -868,7 +886,7 @@ def by_op(rows) -> dict:
 
 def collective_calls(cfg: K3Config, tp: int, backend: str, batch: int, context: int) -> list:
     """The collectives one decode step issues (traced abstractly, nothing runs)."""
-    comm = StubComm("tp", DecodePolicy(backend), tp=tp)
+    comm = StubComm("tp", DecodePolicy(backend), tp=tp, experts_local=cfg.num_experts // tp)
     step = make_step(cfg, comm)
     cache = jax.eval_shape(lambda: new_cache(cfg, tp, batch, context))
     jax.eval_shape(step, abstract_local_params(cfg, tp), jax.ShapeDtypeStruct((batch,), jnp.int32), cache)
@@ -938,7 +956,7 @@ def run(args, log=print) -> dict:
     # device; batch 1 and 64 first, so a budget cut loses the middle of the sweep
     def compile_one(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp, experts_local=c.num_experts // tp)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         t = time.perf_counter()
         shapes = (abstract_local_params(c, tp), jax.ShapeDtypeStruct((B,), jnp.int32), cache)
@@ -1078,7 +1096,7 @@ def submit_spec(args, base_cfg: K3Config, keys, pool) -> dict:
 
     def compile_spec(n, backend, B):
         c = truncate(base_cfg, n)
-        comm = StubComm("tp", decode_policy(args, backend), tp=tp)
+        comm = StubComm("tp", decode_policy(args, backend), tp=tp, experts_local=c.num_experts // tp)
         cache = jax.eval_shape(lambda: new_cache(c, tp, B, ctx))
         key = jax.eval_shape(lambda: jax.random.key(0))
         t = time.perf_counter()

@@ -121,6 +121,26 @@ def test_stub_comm_is_local_and_shape_preserving(rng):
     assert dict(spec.counts) == {"b": 1} and spec.log == [("all_reduce", "b", (3, 5), "float32")]
 
 
+def test_stub_comm_routing_gather_stands_for_a_balanced_router(rng):
+    """The routing block the stub gathers (rank pieces [T, E_l scores | E_l biased | L_l z]) picks ~uniform
+    expert sets, a different one per token, even where every token's local scores are the same (what tiling
+    the local piece gave: each token's k choices one local expert's copies); the unbiased scores and z are the
+    local piece's in every rank's piece."""
+    tp, E_l, L_l, T, k = 8, 16, 4, 64, 8
+    comm = rs.StubComm("tp", "xla", tp=tp, experts_local=E_l)
+    row = rng.random(2 * E_l + L_l).astype(np.float32)
+    block = np.asarray(comm.all_gather(jnp.asarray(np.tile(row, (T, 1))), -1, "routing"))
+    pieces = block.reshape(T, tp, 2 * E_l + L_l)
+    np.testing.assert_array_equal(pieces[..., :E_l], np.broadcast_to(row[:E_l], (T, tp, E_l)))
+    np.testing.assert_array_equal(pieces[..., 2 * E_l :], np.broadcast_to(row[2 * E_l :], (T, tp, L_l)))
+    chosen = np.argsort(-pieces[..., E_l : 2 * E_l].reshape(T, tp * E_l), axis=-1)[:, :k]
+    E = tp * E_l
+    uniform = E * (1 - (1 - k / E) ** T)  # distinct experts of T uniform draws of k
+    assert len(np.unique(chosen)) >= 0.9 * uniform
+    assert len({tuple(sorted(c)) for c in chosen}) == T
+    assert comm.counts["routing"] == 1
+
+
 def test_stub_comm_collectives_do_not_depend_on_the_backend():
     """The projection's collective term comes from StubComm's log: a boundary fused into one launch under
     latency_specialized logs the same all-reduce the xla backend's join does."""
