@@ -67,6 +67,9 @@
 #   moe_small    nvidia-h200      down_glu's GPU tests, then the routed experts at T = 1, 2, 8 (TP16, L2-cold): the
 #                                 tuned launch beside down_glu (the down kernel forms h; 2 and 4 W2 row blocks a CTA)
 #                                 (~3 min) -> moe_small.*
+#   moe_profile  nvidia-h200      the routed-experts kernels' in-kernel traces (each CTA's mma / store spans and when
+#                                 they run), TP16, T = 1 and 64, as tuned and with down_glu at T = 1 (~2 min)
+#                                 -> moe_profile_tp16_t{1,64}.json
 #   moe_ncu      nvidia-h200      ncu's launch, occupancy, scheduler and warp-state sections of the Mosaic kernels
 #                                 of one routed-experts call, TP16, T = 1 (up to ~8 min; the log only)
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
@@ -234,6 +237,11 @@ case "${1:-}" in
     step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu -k down_glu -rf
     step moe_small 150 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
       --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 --name moe_small
+    ;;
+  moe_profile)  # the trace comes back through a host callback: a CPU device beside the GPU
+    step moe_profile_t1 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,1 \
+      --kernel-variant dglu:down_glu=1
+    step moe_profile_t64 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,64
     ;;
   moe_ncu)  # what bounds the routed-experts kernels per SM (lever 1c): registers, SMEM, CTAs and warps resident,
     # issue-slot use and stall reasons, T = 1 (the direct form), TP16: the Mosaic kernels of one call only, no

@@ -7,6 +7,9 @@ the HBM time of reading every distinct selected expert's bytes once (1.10 MB per
       [--impls packed,gather] [--name moe_layer] [--routing uniform|skewed] [--cold] [--split-groups]
       [--kernel-variant NAME:field=int,... (a kernel column with those launch fields, repeatable)] [--once TP,T]
   (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
+  PYTHONPATH=. JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py OUT_DIR --profile TP,T [--kernel-variant ...]
+      (each kernel's in-kernel trace as tuned (and per variant), L2-warm: its CTAs' phases (mma: a step's decode
+      and WGMMAs; store; down_glu's glu and wait) and when they run -> OUT_DIR/moe_profile_tpTP_tT.json)
 
 Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
 I = 3072 / tp; z random bf16 [T, L]; the routing a top-16 of random scores per token (so the distinct experts
@@ -176,6 +179,34 @@ def run_once(tp, T):
     jax.block_until_ready(jax.jit(lambda *a: api.routed_experts(*a, **BETA, policy=pol))(ex, z, sel, w))
 
 
+def run_profile(out_dir, tp, T, kernel_variants=()):
+    """The two kernels' in-kernel traces at TP tp and T tokens (bench.kernel_trace): each phase's mean span, and
+    when the phases run (a CTA's first span begins after its launch and its first loads), as tuned and per
+    kernel variant -> OUT_DIR/moe_profile_tp{tp}_t{T}.json."""
+    from bench.kernel_trace import phases, timeline
+    from pallas_kernels.moe import sm90
+
+    ex = experts(jax.random.key(tp), I_TP1 // tp)
+    z, sel, _ = inputs(jax.random.key(1000 + T), T)
+    tuning = kernel_policy().tuning.get("moe")
+    rows = []
+    for name, fields in (("tuned", {}), *kernel_variants):
+        launch = sm90.pick_launch({"sm90": {**tuning["sm90"], "launch": [
+            {**e, **fields} for e in tuning["sm90"]["launch"]]}}, T)  # fmt: skip
+        tdir = os.path.join(out_dir, f"moe trace {name} TP{tp} T{T}")
+        for n in ("gate_up", "down"):
+            os.makedirs(os.path.join(tdir, n), exist_ok=True)
+        f = jax.jit(lambda *a, launch=launch, tdir=tdir: sm90.grouped(*a, **BETA, launch=launch, profile_dir=tdir))
+        jax.block_until_ready(f(ex, z, sel))
+        row = dict(variant=name, tp=tp, T=T, launch=dict(vars(launch)))
+        for n in ("gate_up", "down"):
+            row[n] = dict(phases=phases(os.path.join(tdir, n)), timeline=timeline(os.path.join(tdir, n)))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows)
+    pathlib.Path(out_dir, f"moe_profile_tp{tp}_t{T}.json").write_text(json.dumps(out, indent=1))
+
+
 def _cell(row, v):
     t = row.get(f"{v}_us")
     if not isinstance(t, float):
@@ -222,8 +253,12 @@ if __name__ == "__main__":
         help="NAME:field=int,...: a kernel column with these launch fields on every sm90 entry (repeatable)",
     )
     ap.add_argument("--once", type=ints, default=None, help="TP,T: one kernel call, nothing timed (for ncu)")
+    ap.add_argument("--profile", type=ints, default=None, help="TP,T: the kernels' in-kernel traces")
     a = ap.parse_args()
     if a.once:
         run_once(*a.once)
+        sys.exit(0)
+    if a.profile:
+        run_profile(a.out_dir, *a.profile, kernel_variants=a.kernel_variant)
         sys.exit(0)
     main(a.out_dir, a.tps, a.tokens, a.impls, a.name, a.routing, a.cold, a.split_groups, a.kernel_variant)

@@ -121,6 +121,34 @@ def test_stub_comm_is_local_and_shape_preserving(rng):
     assert dict(spec.counts) == {"b": 1} and spec.log == [("all_reduce", "b", (3, 5), "float32")]
 
 
+def test_kernel_trace_phases_and_timeline(tmp_path, rng):
+    """bench.kernel_trace on a Chrome trace as Mosaic GPU writes one (a begin / end pair per named scope per
+    warpgroup): each phase's mean span, and when the phases begin and end relative to the first span."""
+    from bench import kernel_trace
+
+    events, spans = [{"ph": "M", "name": "process_name"}], {"mma": [], "store": []}
+    for pid in range(3):
+        for tid in range(2):
+            t = rng.uniform(10, 20)
+            for name, d in (("mma", rng.uniform(0.5, 2)), ("store", rng.uniform(0.1, 0.5))):
+                events += [
+                    dict(ph="B", pid=pid, tid=tid, name=name, ts=t),
+                    dict(ph="E", pid=pid, tid=tid, name=name, ts=t + d),
+                ]
+                spans[name].append((t, t + d))
+                t += d
+    (tmp_path / "1-trace.json").write_text(json.dumps({"traceEvents": events}))
+    got, line = kernel_trace.phases(tmp_path), kernel_trace.timeline(tmp_path)
+    t0 = min(b for b, _ in spans["mma"])
+    for name, v in spans.items():
+        d = [e - b for b, e in v]
+        assert got[name]["count"] == 6 and np.isclose(got[name]["mean_us"], np.mean(d))
+        assert np.isclose(line[name]["first_begin_us"], min(b for b, _ in v) - t0)
+        assert np.isclose(line[name]["mean_begin_us"], np.mean([b for b, _ in v]) - t0)
+        assert np.isclose(line[name]["last_end_us"], max(e for _, e in v) - t0)
+    assert np.isclose(line["span_us"], max(e for _, e in spans["store"]) - t0)
+
+
 def test_stub_comm_routing_gather_stands_for_a_balanced_router(rng):
     """The routing block the stub gathers (rank pieces [T, E_l scores | E_l biased | L_l z]) picks ~uniform
     expert sets, a different one per token, even where every token's local scores are the same (what tiling

@@ -56,6 +56,19 @@ SMEM_BYTES = 227 * 1024  # sm90's per-CTA maximum
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+def _params(profile_dir: str = ""):
+    """The kernels' compiler params; profile_dir: write Mosaic GPU's in-kernel trace of each CTA's phases there
+    (jax.named_scope spans; GPU only, with a CPU device beside it: bench/moe_layer.py --profile)."""
+    if not profile_dir:
+        return _LANE
+    return plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        profile_space=256,  # in SMEM: a CTA's few spans
+        profile_dir=profile_dir,
+        profile_bounds_check=True,
+    )
+
+
 def _k_order() -> np.ndarray:
     """K_ORDER[p] = the element of a 64-element block that A's column p holds. Thread lane c of a row holds A
     columns 8G + 2c + i (G = 0..7, i = 0..1: WGMMA's fragment); it loads the block's code words 2c + q
@@ -330,8 +343,9 @@ def _up_body(
                         (acc, c, lambda g, sc=sc: load_row(sc.at[:, g]))
                         for acc, c, sc in ((acc1, c1, s1), (acc3, c3, s3))
                     ]
-                    _mma_tiles(tiles, x, a_smem, overlap=overlap)
-                    plgpu.wgmma_wait(0)  # the stage's buffers are released after the step
+                    with jax.named_scope("mma"):  # a K step's decode and WGMMAs (an in-kernel trace's span)
+                        _mma_tiles(tiles, x, a_smem, overlap=overlap)
+                        plgpu.wgmma_wait(0)  # the stage's buffers are released after the step
 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
                 s_spec = plgpu.BlockSpec((ROWS, UP_BLOCK // 16), lambda k: (b, k0 + k))
@@ -356,13 +370,14 @@ def _up_body(
                 take, row = (lambda t: tile * n_tokens + t < count), (lambda t: row0 + t)
             store = functools.partial(_store_columns, take=take, n_tokens=n_tokens)
             cols = pl.ds(b * ROWS, ROWS)
-            if glu:
-                h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
-                store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
-            else:
-                order = k_order if parts_in_k_order else None
-                store(g, out_smem, lambda t: out_ref.at[kk, 0, row(t), cols], k_order=order)
-                store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols], k_order=order)
+            with jax.named_scope("store"):
+                if glu:
+                    h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
+                    store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
+                else:
+                    order = k_order if parts_in_k_order else None
+                    store(g, out_smem, lambda t: out_ref.at[kk, 0, row(t), cols], k_order=order)
+                    store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols], k_order=order)
 
 
 def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, direct_k):
@@ -391,16 +406,18 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                     plgpu.wgmma_wait(0)
                     return acc[...]
 
-                y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
+                with jax.named_scope("mma"):
+                    y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
                 if y_ref.dtype != F32:
                     y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-                _store_columns(
-                    y,
-                    out_smem,
-                    lambda t: y_ref.at[row0 + t, rows],
-                    take=lambda t: tile * n_tokens + t < count,
-                    n_tokens=n_tokens,
-                )
+                with jax.named_scope("store"):
+                    _store_columns(
+                        y,
+                        out_smem,
+                        lambda t: y_ref.at[row0 + t, rows],
+                        take=lambda t: tile * n_tokens + t < count,
+                        n_tokens=n_tokens,
+                    )
 
             w_spec = plgpu.BlockSpec(
                 (ROWS, block), lambda i: (r * row_blocks + i, 0), transforms=tiled(bodies.codes_swizzle(block), 1)
@@ -429,18 +446,20 @@ def _down_glu_body(
     a_smem = a_smem[0] if a_smem else None
     for i in range(row_blocks):
         plgpu.copy_gmem_to_smem(w2c.at[e, pl.ds((r * row_blocks + i) * ROWS, ROWS)], w2_smem.at[i], bars.at[i])
-    for b in range(I // ROWS):
-        cols = pl.ds(b * ROWS, ROWS)
-        g, u = (sum(load_row(part_ref.at[c, j, s, cols]) for c in range(splits)) for j in (0, 1))
-        h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
-        if on_gpu:
-            _store_h_row_gpu(h, h_smem, b)
-        else:
-            h_smem[:, cols] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, ROWS))
-    plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
+    with jax.named_scope("glu"):
+        for b in range(I // ROWS):
+            cols = pl.ds(b * ROWS, ROWS)
+            g, u = (sum(load_row(part_ref.at[c, j, s, cols]) for c in range(splits)) for j in (0, 1))
+            h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
+            if on_gpu:
+                _store_h_row_gpu(h, h_smem, b)
+            else:
+                h_smem[:, cols] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, ROWS))
+        plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
 
     for i in range(row_blocks):
-        plgpu.barrier_wait(bars.at[i])
+        with jax.named_scope("wait"):
+            plgpu.barrier_wait(bars.at[i])
         rows = pl.ds((r * row_blocks + i) * ROWS, ROWS)
         srows = [load_row(w2s.at[e, rows, g]) for g in range(I // 32)]
 
@@ -449,10 +468,13 @@ def _down_glu_body(
             plgpu.wgmma_wait(0)
             return acc[...]
 
-        y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
+        with jax.named_scope("mma"):
+            y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
         if y_ref.dtype != F32:
             y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-        _store_columns(y, out_smem, lambda t, rows=rows: y_ref.at[s, rows], take=lambda t: t == 0, n_tokens=n_tokens)
+        with jax.named_scope("store"):
+            out = lambda t, rows=rows: y_ref.at[s, rows]  # noqa: E731
+            _store_columns(y, out_smem, out, take=lambda t: t == 0, n_tokens=n_tokens)
 
 
 def _store_h_row_gpu(h_F32, h_smem, block: int):
@@ -486,7 +508,18 @@ def _a_scratch():
 
 
 def gate_up(
-    experts, table, x_RL, *, launch: Launch, rows: int, direct_k=0, interpret=None, a_in_smem=False, glu=None, pad=0
+    experts,
+    table,
+    x_RL,
+    *,
+    launch: Launch,
+    rows: int,
+    direct_k=0,
+    interpret=None,
+    a_in_smem=False,
+    glu=None,
+    pad=0,
+    profile_dir="",
 ):
     """The gate/up kernel -> the fp32 partial sums [splits, 2 (W1, W3), rows, I] of W1 x and W3 x per pair row;
     with glu = (beta1, beta2) (launch fused_glu), h [rows + pad, I] bf16 in K_ORDER itself (the pad rows are
@@ -512,7 +545,7 @@ def gate_up(
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, I // ROWS, splits),
         grid_names=("s", "b", "kk"),
-        compiler_params=_LANE,
+        compiler_params=_params(profile_dir),
         interpret=interpret,
     )
     return kernel(table, experts["w1_codes"], experts["w3_codes"], experts["w1_scales"], experts["w3_scales"], x_RL)
@@ -530,6 +563,7 @@ def down(
     interpret=None,
     a_in_smem=False,
     glu=None,
+    profile_dir="",
 ):
     """The down kernel -> y [rows, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests); h
     may carry rows past them (the direct form's padding). glu = (beta1, beta2) (launch down_glu): h_RI is the
@@ -559,7 +593,7 @@ def down(
             scratch_types=scratch + (_a_scratch() if a_in_smem else []),
             grid=(S, L // ROWS // row_blocks),
             grid_names=("s", "r"),
-            compiler_params=_LANE,
+            compiler_params=_params(profile_dir),
             interpret=interpret,
         )
         return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
@@ -576,7 +610,7 @@ def down(
         scratch_types=[plgpu.SMEM((ROWS, N), F32)] + (_a_scratch() if a_in_smem else []),
         grid=(S, L // ROWS // launch.down_row_blocks),
         grid_names=("s", "r"),
-        compiler_params=_LANE,
+        compiler_params=_params(profile_dir),
         interpret=interpret,
     )
     return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
@@ -597,34 +631,47 @@ def glu(part, *, situ_beta, situ_linear_beta, pad_rows=0):
     return bodies.glu(g, u, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
 
-_STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype")
+_STATIC = ("situ_beta", "situ_linear_beta", "launch", "interpret", "a_in_smem", "out_dtype", "profile_dir")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped(
-    experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, interpret=None, a_in_smem=False, out_dtype=BF16
+    experts,
+    z_TL,
+    sel_Tk,
+    *,
+    situ_beta,
+    situ_linear_beta,
+    launch,
+    interpret=None,
+    a_in_smem=False,
+    out_dtype=BF16,
+    profile_dir="",
 ):
     """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu; down_glu: columns in
-    K_ORDER), h (None: down_glu), y [R, L] in pair order): what tests check."""
+    K_ORDER), h (None: down_glu), y [R, L] in pair order): what tests check. profile_dir: each kernel's in-kernel
+    trace into its subdirectory gate_up / down (which must exist; bench/moe_layer.py --profile)."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
     kw = dict(launch=launch, interpret=interpret, a_in_smem=a_in_smem)
+    up_kw, down_kw = ({"profile_dir": f"{profile_dir}/{n}" if profile_dir else ""} for n in ("gate_up", "down"))
     T, k = sel_Tk.shape
     x = pair_inputs(z_TL, groups, k, E, launch, interpret=interpret)
     table, dk = bodies.slot_table(sel_Tk, groups, launch), bodies.direct_k(sel_Tk, launch)
     rows = bodies.num_rows(T, k, E, launch)
     pad = bodies.pad_rows(rows, dk, launch)
+    beta = (situ_beta, situ_linear_beta)
     if launch.fused_glu:
         part = None
-        h = gate_up(experts, table, x, rows=rows, direct_k=dk, glu=(situ_beta, situ_linear_beta), pad=pad, **kw)
+        h = gate_up(experts, table, x, rows=rows, direct_k=dk, glu=beta, pad=pad, **kw, **up_kw)
     elif launch.down_glu:
-        part, h = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw), None
-        y = down(experts, table, part, rows=rows, out_dtype=out_dtype, glu=(situ_beta, situ_linear_beta), **kw)
+        part, h = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw, **up_kw), None
+        y = down(experts, table, part, rows=rows, out_dtype=out_dtype, glu=beta, **kw, **down_kw)
         return groups, part, h, y
     else:
-        part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw)
+        part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw, **up_kw)
         h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)
-    y = down(experts, table, h, rows=rows, out_dtype=out_dtype, direct_k=dk, **kw)
+    y = down(experts, table, h, rows=rows, out_dtype=out_dtype, direct_k=dk, **kw, **down_kw)
     return groups, part, h, y
 
 
