@@ -6,7 +6,8 @@
 #
 #   group        machine          what it runs -> result files
 #   gpu_tests    nvidia-h200      every one-GPU test (pytest -m "gpu and not gpu2", 8 xdist workers, ~4.5-9 min), or
-#                                 those of the files in TESTS (space-separated)
+#                                 those of the files in TESTS (space-separated), or of PART 1 (the MoE and MLA files)
+#                                 or PART 2 (the others): on an H100 the whole suite ran 96% in 560 s (two calls)
 #   gpu2_tests   nvidia-h200-x2   every 2-GPU test: collectives, fused projection, the TP2 model vs XLA (~4 min)
 #   collectives  nvidia-h200-x2   bench/collectives.py + bench/fused_projection.py -> collectives.*, fused_projection.*
 #   rank_slice   nvidia-h200      the TP16 rank slice, 12 layers, B 1 and 64, both backends (~4 min), and its decode
@@ -93,9 +94,15 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop
 
 case "${1:-}" in
   gpu_tests)
+    case "${PART:-}" in
+      1) part="tests/test_moe_kernel.py tests/test_mla_decode.py tests/test_mla_write_rows.py" ;;
+      2) part="tests/test_backends_gpu.py tests/test_collectives.py tests/test_fused_projection.py tests/test_gemv.py
+         tests/test_kda_decode.py tests/test_kda_verify_kernel.py tests/test_moe_route.py" ;;
+      *) part="" ;;
+    esac
     step pytest_gpu 560 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       python3 -m pytest -p no:cacheprovider \
-      -m "gpu and not gpu2" -n 8 --durations=30 -rf ${TESTS:-}
+      -m "gpu and not gpu2" -n 8 --durations=30 -rf ${TESTS:-$part}
     ;;
   gpu2_tests)
     step pytest_gpu2 350 python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf
