@@ -398,26 +398,17 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
 
             def step(idx, codes, h):
                 rows = pl.ds((r * row_blocks + idx[0]) * ROWS, ROWS)
-                # ld.global of the block's scale rows, all issued before the first decode needs one
-                srows = [load_row(w2s.at[e, rows, g]) for g in range(block // 16)]
-
-                def mma(acc):
-                    _mma_tile(acc, codes, srows.__getitem__, h, a_smem, overlap=overlap)
-                    plgpu.wgmma_wait(0)
-                    return acc[...]
-
-                with jax.named_scope("mma"):
-                    y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
-                if y_ref.dtype != F32:
-                    y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-                with jax.named_scope("store"):
-                    _store_columns(
-                        y,
-                        out_smem,
-                        lambda t: y_ref.at[row0 + t, rows],
-                        take=lambda t: tile * n_tokens + t < count,
-                        n_tokens=n_tokens,
-                    )
+                _down_block(
+                    codes,
+                    lambda g: w2s.at[e, rows, g],
+                    h,
+                    lambda t: y_ref.at[row0 + t, rows],
+                    take=lambda t: tile * n_tokens + t < count,
+                    out_smem=out_smem,
+                    a_smem=a_smem,
+                    n_tokens=n_tokens,
+                    overlap=overlap,
+                )
 
             w_spec = plgpu.BlockSpec(
                 (ROWS, block), lambda i: (r * row_blocks + i, 0), transforms=tiled(bodies.codes_swizzle(block), 1)
@@ -461,20 +452,37 @@ def _down_glu_body(
         with jax.named_scope("wait"):
             plgpu.barrier_wait(bars.at[i])
         rows = pl.ds((r * row_blocks + i) * ROWS, ROWS)
-        srows = [load_row(w2s.at[e, rows, g]) for g in range(I // 32)]
+        _down_block(
+            w2_smem.at[i],
+            lambda g, rows=rows: w2s.at[e, rows, g],
+            h_smem,
+            lambda t, rows=rows: y_ref.at[s, rows],
+            take=lambda t: t == 0,
+            out_smem=out_smem,
+            a_smem=a_smem,
+            n_tokens=n_tokens,
+            overlap=overlap,
+        )
 
-        def mma(acc, i=i, srows=srows):
-            _mma_tile(acc, w2_smem.at[i], srows.__getitem__, h_smem, a_smem, overlap=overlap)
-            plgpu.wgmma_wait(0)
-            return acc[...]
 
-        with jax.named_scope("mma"):
-            y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
-        if y_ref.dtype != F32:
-            y = y.astype(y_ref.dtype).astype(F32)  # rounded once, before the SMEM pass
-        with jax.named_scope("store"):
-            out = lambda t, rows=rows: y_ref.at[s, rows]  # noqa: E731
-            _store_columns(y, out_smem, out, take=lambda t: t == 0, n_tokens=n_tokens)
+def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap):
+    """One 64-row W2 block of the down kernel: its scale rows by ld.global (scale_ref(g): group g's [64], all
+    issued before the first decode needs one), W2 h through the MMA, rounded once to out_row's dtype, and token
+    t's column to out_row(t) where take(t)."""
+    srows = [load_row(scale_ref(g)) for g in range(codes_smem.shape[-1] // 16)]
+
+    def mma(acc):
+        _mma_tile(acc, codes_smem, srows.__getitem__, h_smem, a_smem, overlap=overlap)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    with jax.named_scope("mma"):
+        y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
+    dtype = out_row(0).dtype
+    if dtype != F32:
+        y = y.astype(dtype).astype(F32)  # rounded once, before the SMEM pass
+    with jax.named_scope("store"):
+        _store_columns(y, out_smem, out_row, take=take, n_tokens=n_tokens)
 
 
 def _store_h_row_gpu(h_F32, h_smem, block: int):
