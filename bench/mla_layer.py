@@ -218,14 +218,8 @@ def main_profile(out_dir, batches=(1, 64), S=8192, H=6):
     results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tuning=sm90.TUNING, rows=[])
     key = jax.random.key(2)
     for B in batches:
-        key, k_cache, k_q = jax.random.split(key, 3)
-        entry = make_cache(k_cache, B, S, "fp8")
-        kq1, kq2 = jax.random.split(k_q)
-        q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
-        q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
-        lens = jnp.full((B, 1), S, jnp.int32)
-        launch = sm90.launch_for(q_lat, q_pe, entry, sm90.TUNING)
-        args = (q_lat, q_pe, entry["rows"], entry["scales"], lens)
+        key, k_case = jax.random.split(key)
+        args, launch = _kernel_case(k_case, B, S, H)
         f = jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch))
         tdir = os.path.join(out_dir, f"mla trace B{B} 8K")
         os.makedirs(tdir, exist_ok=True)
@@ -242,24 +236,25 @@ def main_profile(out_dir, batches=(1, 64), S=8192, H=6):
         results["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         pathlib.Path(out_dir, "mla_profile.json").write_text(json.dumps(results, indent=1))
-        del entry
+        del args
+
+
+def _kernel_case(key, B, S, H):
+    """The kernel's arguments at one TP16 rank's heads, equal lengths S, an fp8 cache, one query token, and
+    tuning.json's launch for them -> ((q_lat, q_pe, rows, scales, lens), launch)."""
+    k_cache, kq1, kq2 = jax.random.split(key, 3)
+    entry = make_cache(k_cache, B, S, "fp8")
+    q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
+    q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
+    lens = jnp.full((B, 1), S, jnp.int32)
+    return (q_lat, q_pe, entry["rows"], entry["scales"], lens), sm90.launch_for(q_lat, q_pe, entry, sm90.TUNING)
 
 
 def main_once(B, S=8192, H=6):
     """The Mosaic kernel alone, called once after its compile, at one TP16 rank's heads (what ncu profiles)."""
-    key_cache, key_q = jax.random.split(jax.random.key(3))
-    entry = make_cache(key_cache, B, S, "fp8")
-    kq1, kq2 = jax.random.split(key_q)
-    q_lat = jax.random.normal(kq1, (B, 1, H, R), jnp.float32).astype(jnp.bfloat16)
-    q_pe = (0.5 * jax.random.normal(kq2, (B, 1, H, E), jnp.float32)).astype(jnp.bfloat16)
-    lens = jnp.full((B, 1), S, jnp.int32)
-    launch = sm90.launch_for(q_lat, q_pe, entry, sm90.TUNING)
-    f = (
-        jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch))
-        .lower(q_lat, q_pe, entry["rows"], entry["scales"], lens)
-        .compile()
-    )
-    jax.block_until_ready(f(q_lat, q_pe, entry["rows"], entry["scales"], lens))
+    args, launch = _kernel_case(jax.random.key(3), B, S, H)
+    f = jax.jit(functools.partial(kernel.partials, scale=SCALE, launch=launch)).lower(*args).compile()
+    jax.block_until_ready(f(*args))
     print(json.dumps(dict(B=B, ctx=S, H=H, launch=dict(vars(launch)))), flush=True)
 
 
