@@ -408,6 +408,7 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                     a_smem=a_smem,
                     n_tokens=n_tokens,
                     overlap=overlap,
+                    dtype=y_ref.dtype,
                 )
 
             w_spec = plgpu.BlockSpec(
@@ -462,13 +463,14 @@ def _down_glu_body(
             a_smem=a_smem,
             n_tokens=n_tokens,
             overlap=overlap,
+            dtype=y_ref.dtype,
         )
 
 
-def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap):
+def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap, dtype):
     """One 64-row W2 block of the down kernel: its scale rows by ld.global (scale_ref(g): group g's [64], all
-    issued before the first decode needs one), W2 h through the MMA, rounded once to out_row's dtype, and token
-    t's column to out_row(t) where take(t)."""
+    issued before the first decode needs one), W2 h through the MMA, rounded once to the output's dtype, and
+    token t's column to out_row(t) where take(t)."""
     srows = [load_row(scale_ref(g)) for g in range(codes_smem.shape[-1] // 16)]
 
     def mma(acc):
@@ -478,7 +480,6 @@ def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_sme
 
     with jax.named_scope("mma"):
         y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
-    dtype = out_row(0).dtype
     if dtype != F32:
         y = y.astype(dtype).astype(F32)  # rounded once, before the SMEM pass
     with jax.named_scope("store"):
