@@ -65,9 +65,10 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
-#   moe_small    nvidia-h200      down_glu's GPU tests, then the routed experts at T = 1, 2, 8 (TP16, L2-cold): the
-#                                 tuned launch beside down_glu (the down kernel forms h; 2 and 4 W2 row blocks a CTA)
-#                                 (~3 min) -> moe_small.*
+#   moe_small    nvidia-h200      down_glu's and the decode's GPU tests, then the routed experts at T = 1, 2, 8 (TP16,
+#                                 L2-cold): the tuned launch beside down_glu (the down kernel forms h; 2 and 4 W2 row
+#                                 blocks a CTA), scale_fold (one multiply a weight pair) and both; then scale_fold at
+#                                 T = 64, 512, TP16 / TP8 (~5 min) -> moe_small.*, moe_fold.*
 #   moe_profile  nvidia-h200      the routed-experts kernels' in-kernel traces (each CTA's mma / store spans and when
 #                                 they run), TP16, T = 1 and 64, as tuned and with down_glu at T = 1 (~2 min)
 #                                 -> moe_profile_tp16_t{1,64}.json
@@ -241,9 +242,13 @@ case "${1:-}" in
     ;;
   moe_small)  # the T <= 8 launch: down_glu (the down kernel forms its pair's h; the W2 row blocks and stages
     # alone: moe_wg2_h100.md; the gate/up K unsplit with the GLU fused lost: moe_small_h100.md)
-    step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu -k down_glu -rf
-    step moe_small 150 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 --name moe_small
+    step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu \
+      -k "down_glu or decode_on_gpu" -rf
+    step moe_small 170 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
+      --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 \
+      --kernel-variant fold:scale_fold=1 --kernel-variant dglu_fold:down_glu=1,scale_fold=1 --name moe_small
+    step moe_fold 120 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 64,512 \
+      --kernel-variant fold:scale_fold=1 --name moe_fold
     ;;
   moe_profile)  # the trace comes back through a host callback: a CPU device beside the GPU
     step moe_profile_t1 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,1 \

@@ -5,6 +5,7 @@ than a token tile), CUDA lowering at one TP16 / TP8 / TP1 rank's real shapes, th
 fallback; real shapes on the GPU."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -97,11 +98,13 @@ def test_kernel_decode_interpret_matches_numpy_in_k_order():
 
 
 @gpu_only
-def test_kernel_decode_on_gpu_is_exact_for_every_code_and_scale():
-    """The inline decode on the GPU (32-bit words, two bf16x2 multiplies): every byte under every scale byte
-    0..252, bit for bit the float64 oracle in K_ORDER, the bf16 subnormals (+-0.5 x 2^-127 ...) included."""
-    codes, scales, want = _decode_case(range(0, 253))
-    got = np.asarray(jax.jit(sm90.decode_tiles)(codes, scales), np.float64)
+@pytest.mark.parametrize("fold", [False, True], ids=["two_multiplies", "scale_fold"])
+def test_kernel_decode_on_gpu_is_exact_for_every_code_and_scale(fold):
+    """The inline decode on the GPU (32-bit words, two bf16x2 multiplies; scale_fold: one, for scale bytes
+    <= 128): every byte under every scale byte 0..252 (0..128), bit for bit the float64 oracle in K_ORDER, the
+    bf16 subnormals (+-0.5 x 2^-127 ...) included."""
+    codes, scales, want = _decode_case(range(0, 129 if fold else 253))
+    got = np.asarray(jax.jit(functools.partial(sm90.decode_tiles, fold=fold))(codes, scales), np.float64)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
@@ -354,8 +357,8 @@ def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
     tuning.json's launch for T, mma_overlap and direct flipped where T is even, fused_glu flipped at TP8 where
-    one CTA sums a row's K and down_glu set at TP16 where the form is direct: both Mosaic GPU kernels lower, the
-    inline decode and the K-ordered h stores with them (A from registers)."""
+    one CTA sums a row's K, down_glu set at TP16 where the form is direct and scale_fold flipped at T = 8 and 64:
+    both Mosaic GPU kernels lower, the inline decode and the K-ordered h stores with them (A from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
     tuning = json.loads(json.dumps(policy_lib.default_tuning().get("moe")))  # a copy: parsed tables are shared
@@ -367,6 +370,8 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
             entry["fused_glu"] = not entry.get("fused_glu", False)
     for entry in tuning["sm90"]["launch"] if I == 192 and T <= 8 else ():
         entry["down_glu"] = entry.get("direct", False) and not entry.get("fused_glu", False)  # T <= 8: down_glu
+    for entry in tuning["sm90"]["launch"] if T in (8, 64) else ():
+        entry["scale_fold"] = not entry.get("scale_fold", False)
 
     def f(ex, z, sel, w):
         return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)

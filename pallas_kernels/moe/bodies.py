@@ -27,6 +27,7 @@ class Launch:
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
     fused_glu: bool = False  # up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
     down_glu: bool = False  # sm90, the direct form: the down kernel sums the partials and applies SiTU-GLU
+    scale_fold: bool = False  # sm90: one bf16x2 multiply a weight pair (scale bytes <= 128 only: sm90._decode_gpu)
 
 
 def pick_launch(tuning: dict, arch: str, T: int) -> Launch:

@@ -93,11 +93,13 @@ def permute_k(x):
 # ------------------------------------------------------------------------------------------------ the decode
 
 
-def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
+def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int, fold: bool = False):
     """A [64, 64] bf16 in WGMMA's register layout = chunk `chunk` (32 bytes) of the codes tile [64, Kb] uint8
     (TMA-tiled (8, sw) and swizzled) decoded in K_ORDER, s_lo / s_hi: the chunk's two scale groups per row
     (ROW_LAYOUT uint8). Inline Mosaic GPU: per thread and row, one 8-byte ld.shared of its two words, 4 integer
-    operations and 2 bf16x2 multiplies per register of two weights."""
+    operations and 2 bf16x2 multiplies per register of two weights. fold (launch scale_fold): ONE multiply,
+    by 2^126 x 2^(e - 127) = 2^(e - 1) as one bf16 factor, which exists for scale bytes e <= 128 only (a
+    larger byte decodes to garbage: the caller vouches for its weights)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, llvm
     from jax.experimental.mosaic import gpu as mgpu
@@ -136,8 +138,11 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
                 i32,
                 arith.select(upper, utils.bitcast(hi.registers.flat[h], i8), utils.bitcast(lo.registers.flat[h], i8)),
             )
-            bits = arith.shli(s, c(7))
-            bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c(0)), c(0x40), bits)  # 2^-127: subnormal
+            if fold:  # 2^(e - 1): the biased exponent e + 126, a normal bf16 for e <= 128
+                bits = arith.shli(arith.addi(s, c(126)), c(7))
+            else:
+                bits = arith.shli(s, c(7))
+                bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c(0)), c(0x40), bits)  # 2^-127: subnormal
             scale = arith.ori(bits, arith.shli(bits, c(16)))
             for q, w in enumerate(words):
                 for k in range(4):
@@ -145,7 +150,8 @@ def _decode_gpu(codes_smem, s_lo, s_hi, *, chunk: int):
                     mag = arith.shli(w, c(sh)) if sh >= 0 else arith.shrui(w, c(-sh))
                     sign = arith.shli(w, c(12 - 4 * k)) if k < 3 else w
                     v = arith.ori(arith.andi(mag, c(0x01C001C0)), arith.andi(sign, c(0x80008000)))
-                    v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, c126, result_types=i32)
+                    if not fold:
+                        v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, c126, result_types=i32)
                     v = utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", v, scale, result_types=i32)
                     idx = [0] * regs.ndim
                     idx[1], idx[4] = 4 * q + k, h
@@ -166,16 +172,17 @@ def _decode_interpret(codes_smem, s_lo, s_hi, *, chunk: int):
     return permute_k(mxfp4.e2m1_bf16(nib, exp_term, mag_mask))
 
 
-def decode_tiles(codes_R32, scales_R2, *, interpret=None):
+def decode_tiles(codes_R32, scales_R2, *, interpret=None, fold=False):
     """The decode alone (tests): codes [R, 32] uint8 (one 64-element chunk per row, R % 64 == 0) and their two
-    E8M0 scale groups [R, 2] -> A [R, 64] bf16 in K_ORDER, as the kernels feed it to WGMMA."""
+    E8M0 scale groups [R, 2] -> A [R, 64] bf16 in K_ORDER, as the kernels feed it to WGMMA (fold: _decode_gpu's,
+    on the GPU)."""
     R = codes_R32.shape[0]
 
     def body(codes_ref, scales_ref, out_ref):
         def step(idx, codes):
             rows = pl.ds(idx[0] * ROWS, ROWS)
             lo, hi = (load_row(scales_ref.at[rows, g]) for g in (0, 1))
-            decode = _decode_gpu if interpret is None else _decode_interpret
+            decode = functools.partial(_decode_gpu, fold=fold) if interpret is None else _decode_interpret
             out_ref[rows, :] = decode(codes, lo, hi, chunk=0)
 
         spec = plgpu.BlockSpec((ROWS, CHUNK_BYTES), lambda r: (r, 0), transforms=tiled(CHUNK_BYTES, 1))
@@ -187,7 +194,7 @@ def decode_tiles(codes_R32, scales_R2, *, interpret=None):
     return kernel(codes_R32, scales_R2)
 
 
-def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem, *, overlap=False):
+def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem, *, overlap=False, fold=False):
     """acc [64, N] += W_tile @ x_tile for one K step: codes [64, Kb] uint8, scale_row(g): the step's E8M0 scale
     group g ([64], ROW_LAYOUT; Kb / 16 groups), x [N, 2 Kb] bf16 (in K_ORDER). a_smem: None (A from registers,
     decoded inline) or the [64, 64] SMEM tile A goes through (interpret mode). Without overlap each chunk's
@@ -195,10 +202,10 @@ def _mma_tile(acc_ref, codes_smem, scale_row, x_smem, a_smem, *, overlap=False):
     the step's 64: the gate/up kernel's 225-255 registers a thread became 107-159, faster at T = 1 / 8 by 20%
     (bench/NOTES.md). overlap: the next chunk is decoded while the last WGMMA runs (wgmma_wait(1): two chunks'
     A live), the step's last WGMMA left in flight for the caller's wait."""
-    _mma_tiles([(acc_ref, codes_smem, scale_row)], x_smem, a_smem, overlap=overlap)
+    _mma_tiles([(acc_ref, codes_smem, scale_row)], x_smem, a_smem, overlap=overlap, fold=fold)
 
 
-def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False):
+def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False, fold=False):
     """_mma_tile for several (acc, codes, scale_row) tiles over the same x, their chunks interleaved (W1's chunk
     j, W3's chunk j, W1's chunk j + 1, ...): with overlap, each WGMMA runs while the other tile's chunk is
     decoded. The caller waits for the last WGMMA (wgmma_wait(0)) before it reads an accumulator."""
@@ -208,7 +215,7 @@ def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False):
         for acc_ref, codes_smem, scale_row in tiles:
             lo, hi = scale_row(2 * j), scale_row(2 * j + 1)
             if a_smem is None:
-                a = _decode_gpu(codes_smem, lo, hi, chunk=j)
+                a = _decode_gpu(codes_smem, lo, hi, chunk=j, fold=fold)
             else:
                 a_smem[...] = _decode_interpret(codes_smem, lo, hi, chunk=j)
                 plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
@@ -317,7 +324,7 @@ def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens, k_order=None):
 
 def _up_body(
     table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, out_smem, *a_smem,
-    n_tokens, steps, direct_k, overlap, glu, k_order, parts_in_k_order,
+    n_tokens, steps, direct_k, overlap, fold, glu, k_order, parts_in_k_order,
 ):  # fmt: skip
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
@@ -344,7 +351,7 @@ def _up_body(
                         for acc, c, sc in ((acc1, c1, s1), (acc3, c3, s3))
                     ]
                     with jax.named_scope("mma"):  # a K step's decode and WGMMAs (an in-kernel trace's span)
-                        _mma_tiles(tiles, x, a_smem, overlap=overlap)
+                        _mma_tiles(tiles, x, a_smem, overlap=overlap, fold=fold)
                         plgpu.wgmma_wait(0)  # the stage's buffers are released after the step
 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
@@ -380,7 +387,9 @@ def _up_body(
                     store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols], k_order=order)
 
 
-def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, direct_k):
+def _down_body(
+    table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, fold, direct_k
+):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
     through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
@@ -408,6 +417,7 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
                     a_smem=a_smem,
                     n_tokens=n_tokens,
                     overlap=overlap,
+                    fold=fold,
                     dtype=y_ref.dtype,
                 )
 
@@ -424,7 +434,7 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
 
 def _down_glu_body(
     table_ref, w2c, w2s, part_ref, y_ref, out_smem, w2_smem, h_smem, bars, *a_smem,
-    n_tokens, row_blocks, overlap, glu, on_gpu,
+    n_tokens, row_blocks, overlap, fold, glu, on_gpu,
 ):  # fmt: skip
     """launch down_glu, the direct form (a slot is one pair, at row s): grid (pair s, group r of `row_blocks`
     64-row blocks of L). part [splits, 2, P, I] fp32 (the gate/up partials, columns in K_ORDER) -> y [P, L]. The
@@ -463,18 +473,19 @@ def _down_glu_body(
             a_smem=a_smem,
             n_tokens=n_tokens,
             overlap=overlap,
+            fold=fold,
             dtype=y_ref.dtype,
         )
 
 
-def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap, dtype):
+def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap, fold, dtype):
     """One 64-row W2 block of the down kernel: its scale rows by ld.global (scale_ref(g): group g's [64], all
     issued before the first decode needs one), W2 h through the MMA, rounded once to the output's dtype, and
     token t's column to out_row(t) where take(t)."""
     srows = [load_row(scale_ref(g)) for g in range(codes_smem.shape[-1] // 16)]
 
     def mma(acc):
-        _mma_tile(acc, codes_smem, srows.__getitem__, h_smem, a_smem, overlap=overlap)
+        _mma_tile(acc, codes_smem, srows.__getitem__, h_smem, a_smem, overlap=overlap, fold=fold)
         plgpu.wgmma_wait(0)
         return acc[...]
 
@@ -544,6 +555,7 @@ def gate_up(
         steps=launch.up_steps,
         direct_k=direct_k,
         overlap=launch.mma_overlap,
+        fold=launch.scale_fold,
         glu=glu,
         k_order="gpu" if interpret is None else "interpret",
         parts_in_k_order=launch.down_glu,
@@ -593,6 +605,7 @@ def down(
             n_tokens=N,
             row_blocks=row_blocks,
             overlap=launch.mma_overlap,
+            fold=launch.scale_fold,
             glu=glu,
             on_gpu=interpret is None,
         )
@@ -613,6 +626,7 @@ def down(
             steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
             row_blocks=launch.down_row_blocks,
             overlap=launch.mma_overlap,
+            fold=launch.scale_fold,
             direct_k=direct_k,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
