@@ -34,6 +34,7 @@ E, L, K_TOP, I_TP1 = 896, 3584, 16, 3072
 HBM_TB_S = 4.8  # H200 datasheet
 BETA = dict(situ_beta=4.0, situ_linear_beta=25.0)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+SCALE_BYTES = range(120, 124)  # the experts' scales, 2^-7 .. 2^-4 (the policy's expert_scale_max: the last)
 
 
 def experts(key, I):
@@ -42,7 +43,8 @@ def experts(key, I):
     for i, (name, (out, inp)) in enumerate(dict(w1=(I, L), w3=(I, L), w2=(L, I)).items()):
         kc, ks = jax.random.split(jax.random.fold_in(key, i))
         ex[name + "_codes"] = jax.random.bits(kc, (E, out, inp // 2), jnp.uint8)
-        ex[name + "_scales"] = (120 + jax.random.bits(ks, (E, out, inp // 32), jnp.uint8) % 4).astype(jnp.uint8)
+        lo, n = SCALE_BYTES[0], len(SCALE_BYTES)
+        ex[name + "_scales"] = (lo + jax.random.bits(ks, (E, out, inp // 32), jnp.uint8) % n).astype(jnp.uint8)
     return ex
 
 
@@ -101,7 +103,8 @@ def kernel_policy(split_groups=False, **fields):
         entry.update(fields)
         if split_groups:
             entry["split_groups"] = True
-    return policy_lib.DecodePolicy("latency_specialized", tuning=policy_lib.Tuning.from_files(moe=moe))
+    tuning = policy_lib.Tuning.from_files(moe=moe)
+    return policy_lib.DecodePolicy("latency_specialized", tuning=tuning, expert_scale_max=SCALE_BYTES[-1])
 
 
 def variants(impls, split_groups=False, kernel_variants=()):

@@ -60,10 +60,12 @@ from k3jax import sharding as sh
 from k3jax import speculative as spec_lib
 from k3jax.comm import Comm
 from k3jax.config import K3Config, preset
+from k3jax.layers import moe
 from pallas_kernels.collectives.mix_norm import BOUNDARY_KERNEL, NORM_KERNEL
 from pallas_kernels.policy import MOE_IMPLS, DecodePolicy
 
 HBM_BW = 4.8e12  # H200 datasheet, bytes/s
+INIT_SCALE_MAX = 127  # the generated experts' largest scale byte may not exceed this (decode_policy)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -250,7 +252,9 @@ def decode_policy(args, backend: str) -> DecodePolicy:
     """The run's decode policy for `backend`: --moe-impl, --mix-norm-single-device (on / off) set in the
     collectives table and each --tuning entry, for this run only (tuning.json keeps its defaults), so one checkout
     measures both sides of a switch."""
-    policy = DecodePolicy(backend, args.moe_impl)
+    # init_params draws expert scale bytes around 127 - log2(2.3 sqrt(fan_in)), below 127 at K3's widths (checked
+    # on the generated weights): the bound the experts' kernels read, as the engine's policy reads the loaded one
+    policy = DecodePolicy(backend, args.moe_impl, expert_scale_max=INIT_SCALE_MAX)
     tuning = policy.tuning
     if args.mix_norm_single_device is not None:
         tuning = tuning.with_entries("collectives", mix_norm_single_device=args.mix_norm_single_device == "on")
@@ -974,6 +978,7 @@ def run(args, log=print) -> dict:
     jax.block_until_ready(params)
     bar.close()
     gen_pool.shutdown()
+    assert moe.expert_scale_max(params) <= INIT_SCALE_MAX, "the weights' scales exceed the policy's bound"
     result["weights_gen_s"] = time.perf_counter() - t
     log(f"weights generated in {result['weights_gen_s']:.1f} s (t={time.perf_counter() - t_start:.0f} s)")
 

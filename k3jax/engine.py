@@ -23,6 +23,7 @@ from k3jax import model
 from k3jax import sharding as sh
 from k3jax.comm import Comm
 from k3jax.config import K3Config
+from k3jax.layers import moe as moe_layer
 from k3jax.params import experts_format
 from k3jax.sampling import SamplingParams, sample
 from pallas_kernels import policy as policy_lib
@@ -74,6 +75,8 @@ class Engine:
         elif (self.backend, self.moe_impl) != ("auto", "packed"):
             raise GenerationError("give either policy= or backend= / moe_impl=, not both")
         self.backend, self.moe_impl = self.policy.backend, self.policy.moe_impl
+        if self.policy.kernels and self.policy.expert_scale_max == DecodePolicy.expert_scale_max:
+            self.policy = self.policy.replace(expert_scale_max=moe_layer.expert_scale_max(self.params))
         # what ran, per step kind ("decode": one token per sequence, "extend": prefill chunks and verify blocks),
         # recorded while each step is traced (pallas_kernels.policy.dispatch)
         self.dispatch_logs: dict[str, DispatchLog] = {"decode": DispatchLog(), "extend": DispatchLog()}

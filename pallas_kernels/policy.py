@@ -70,6 +70,10 @@ class DecodePolicy:
     moe_impl: str = "packed"
     fused_projection: bool = False  # the fused row-parallel projection + all-reduce (correct, measured slower)
     tuning: Tuning = dataclasses.field(default_factory=default_tuning)
+    # the routed experts' largest E8M0 scale byte, where the weights were looked at (k3jax.layers.moe's
+    # expert_scale_max; 255: not known): their kernels fold 2^126 into the scale only where every byte allows it
+    # (the moe launch's scale_fold)
+    expert_scale_max: int = 255
 
     def __post_init__(self):
         backend = BACKEND_ALIASES.get(self.backend, self.backend)

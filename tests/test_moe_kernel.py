@@ -435,6 +435,16 @@ def test_launches_cover_the_tokens_they_claim():
         sm90.pick_launch(tuning, served + 1)
 
 
+def test_scale_fold_runs_only_where_every_scale_byte_allows_it():
+    """A launch's scale_fold (one multiply by 2^(e - 1)) is kept for experts whose largest scale byte is <= 128
+    and dropped above it or where the byte is not known (the policy's default 255)."""
+    tuning = {"sm90": {"launch": [dict(TUNING["sm90"]["launch"][0], scale_fold=True)]}}
+    assert sm90.pick_launch(tuning, 5, scale_max=128).scale_fold
+    for scale_max in (129, 254, 255):
+        assert not sm90.pick_launch(tuning, 5, scale_max=scale_max).scale_fold
+    assert not sm90.pick_launch(tuning, 5).scale_fold
+
+
 @pytest.mark.parametrize("impl", ["packed", "gather"])
 def test_api_off_hopper_runs_the_reference_and_says_why(impl):
     """On CPU the kernel refuses (no GPU): the reference in the policy's moe_impl runs, and the log says so."""

@@ -129,3 +129,17 @@ def test_engine_takes_a_policy_or_the_names_not_both(tiny_ckpt):  # noqa: F811
         Engine(cfg, params, policy=SPECIALIZED, backend="latency_specialized")
     with pytest.raises(GenerationError, match="decode backend"):
         Engine(cfg, params, backend="fast")
+
+
+def test_engine_records_the_experts_largest_scale_byte(tiny_ckpt):  # noqa: F811
+    """Under latency_specialized the engine's policy carries the loaded experts' largest E8M0 scale byte (the
+    fact the MXFP4 kernels' scale_fold needs), read from the weights; under auto it stays unknown (255)."""
+    from k3jax import checkpoint
+    from k3jax.engine import Engine
+
+    cfg, params = checkpoint.load(tiny_ckpt.ckpt, dtype=jnp.float32)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    want = max(int(np.max(v)) for path, v in leaves if str(path[-1].key).endswith("_scales"))
+    assert 0 < want < 255
+    assert Engine(cfg, params, backend="latency_specialized").policy.expert_scale_max == want
+    assert Engine(cfg, params, backend="auto").policy.expert_scale_max == 255

@@ -110,6 +110,20 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, comm: Comm = LOCA
     )
 
 
+def expert_scale_max(params) -> int:
+    """The largest E8M0 scale byte of the routed experts' MXFP4 weights in `params` (0 where there are none): the
+    decode policy's expert_scale_max, which lets their kernels fold 2^126 into the scale (every real checkpoint's
+    bytes are far below 128: a byte above it scales a block whose largest weight is 16 or more). One reduction
+    on the device, wherever the weights lie."""
+
+    def is_scales(path):
+        keys = [getattr(k, "key", None) for k in path]
+        return "experts" in keys and str(keys[-1]).endswith("_scales")
+
+    scales = [v for path, v in jax.tree_util.tree_leaves_with_path(params) if is_scales(path)]
+    return int(max((jnp.max(v) for v in scales), default=0))
+
+
 def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL):
     """x is the normed MLP input [T, D] (flatten batch and time first). Returns this rank's partial of the
     output (the trunk all-reduces it; unsharded it is the output).

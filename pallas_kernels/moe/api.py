@@ -54,7 +54,8 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, 
                 f"{z_TL.shape[0]} tokens: the kernel is served from {least} (tuning.json serve_min_tokens), "
                 "XLA's packed path measured faster below"
             )
-        return body.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, tuning=tuning)
+        scale_max = policy.expert_scale_max
+        return body.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, tuning=tuning, scale_max=scale_max)
 
     def ref():
         return reference.routed_experts(experts, z_TL, sel_Tk, w_Tk, **beta, impl=policy.moe_impl)

@@ -27,11 +27,15 @@ class Launch:
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
     fused_glu: bool = False  # up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
     down_glu: bool = False  # sm90, the direct form: the down kernel sums the partials and applies SiTU-GLU
-    scale_fold: bool = False  # sm90: one bf16x2 multiply a weight pair (scale bytes <= 128 only: sm90._decode_gpu)
+    scale_fold: bool = False  # sm90: one bf16x2 multiply a weight pair (scale bytes <= FOLD_MAX_SCALE only)
 
 
-def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
-    """tuning.json's `arch` launch for T tokens: the first entry whose max_tokens covers T."""
+FOLD_MAX_SCALE = 128  # scale_fold's one factor 2^126 x 2^(e - 127) = 2^(e - 1) is a bf16 for e <= 128
+
+
+def pick_launch(tuning: dict, arch: str, T: int, scale_max: int = 255) -> Launch:
+    """tuning.json's `arch` launch for T tokens: the first entry whose max_tokens covers T, scale_fold kept only
+    where the experts' largest scale byte (scale_max: the decode policy's expert_scale_max) allows it."""
     entries = tuning[arch]["launch"]
     entry = next((e for e in entries if T <= e["max_tokens"]), None)
     if entry is None:
@@ -40,7 +44,8 @@ def pick_launch(tuning: dict, arch: str, T: int) -> Launch:
             f"{entries[-1]['max_tokens']})"
         )
     fields = {f.name for f in dataclasses.fields(Launch)}
-    return Launch(**{k: v for k, v in entry.items() if k in fields})
+    launch = Launch(**{k: v for k, v in entry.items() if k in fields})
+    return dataclasses.replace(launch, scale_fold=launch.scale_fold and scale_max <= FOLD_MAX_SCALE)
 
 
 def is_direct(T: int, launch: Launch) -> bool:

@@ -522,8 +522,10 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     return groups, part, h, y
 
 
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, interpret=None):
-    """The api's kernel entry: y [T, L] in z's dtype, or NotImplementedError for what the kernels do not take."""
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, scale_max=255, interpret=None):
+    """The api's kernel entry: y [T, L] in z's dtype, or NotImplementedError for what the kernels do not take.
+    scale_max: unused (sm100 decodes without scale_fold)."""
+    del scale_max
     T, k = sel_Tk.shape
     launch = pick_launch(tuning, T)
     check_supported(experts, z_TL, sel_Tk, launch)

@@ -225,8 +225,8 @@ def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False, fold=False):
 
 
 # ------------------------------------------------------------------------------------------------ the launch
-def pick_launch(tuning: dict, T: int) -> Launch:
-    return bodies.pick_launch(tuning, ARCH, T)
+def pick_launch(tuning: dict, T: int, scale_max: int = 255) -> Launch:
+    return bodies.pick_launch(tuning, ARCH, T, scale_max)
 
 
 def smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> tuple[int, int]:
@@ -698,11 +698,14 @@ def grouped(
     return groups, part, h, y
 
 
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, interpret=None, a_in_smem=None):
+def routed_experts(
+    experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, scale_max=255, interpret=None, a_in_smem=None
+):
     """The api's kernel entry: y [T, L] in z's dtype, or NotImplementedError for what the kernels do not take.
-    a_in_smem: A through SMEM (None: where interpret mode needs it)."""
+    scale_max: the experts' largest scale byte (pick_launch); a_in_smem: A through SMEM (None: where interpret
+    mode needs it)."""
     T, k = sel_Tk.shape
-    launch = pick_launch(tuning, T)
+    launch = pick_launch(tuning, T, scale_max)
     a_in_smem = interpret is not None if a_in_smem is None else a_in_smem
     check_supported(experts, z_TL, sel_Tk, launch, a_in_smem)
     groups, _, _, y = grouped(
