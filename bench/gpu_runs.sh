@@ -243,7 +243,7 @@ case "${1:-}" in
   moe_small)  # the T <= 8 launch: down_glu (the down kernel forms its pair's h; the W2 row blocks and stages
     # alone: moe_wg2_h100.md; the gate/up K unsplit with the GLU fused lost: moe_small_h100.md)
     step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu \
-      -k "down_glu or decode_on_gpu" -rf
+      -k "down_glu or decode_on_gpu or scale_fold" -rf
     step moe_small 170 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
       --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 \
       --kernel-variant fold:scale_fold=1 --kernel-variant dglu_fold:down_glu=1,scale_fold=1 --name moe_small

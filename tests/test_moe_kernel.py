@@ -533,12 +533,17 @@ def test_down_glu_on_gpu_matches_numpy(I, T):
 @gpu_only
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize("fields", [{}, {"mma_overlap": True}, {"direct": True}], ids=["tuned", "overlap", "direct"])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"mma_overlap": True}, {"direct": True}, {"scale_fold": True}],
+    ids=["tuned", "overlap", "direct", "scale_fold"],
+)
 @pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 8), (192, 12)])
 def test_kernel_fp32_sums_on_gpu_match_numpy(I, T, fields):
     """A from registers on the GPU, tuning.json's launch for T (the gate/up K split at T <= 8) and with
-    mma_overlap / direct set: the gate/up sums W1 z / W3 z, h and the down kernel's W2 h for
-    every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64 product."""
+    mma_overlap / direct / scale_fold (the experts' scale bytes are 120..123) set: the gate/up sums W1 z / W3 z,
+    h and the down kernel's W2 h for every pair, at real shapes, within 1e-5 of sum |W| |x| of the float64
+    product."""
     key = jax.random.key(int(rng().integers(1 << 30)))
     E, L, k = 896, 3584, 16
     ex = _device_experts(key, E, I, L)
