@@ -164,7 +164,9 @@ def test_stub_comm_routing_gather_stands_for_a_balanced_router(rng):
     chosen = np.argsort(-pieces[..., E_l : 2 * E_l].reshape(T, tp * E_l), axis=-1)[:, :k]
     E = tp * E_l
     uniform = E * (1 - (1 - k / E) ** T)  # distinct experts of T uniform draws of k
-    assert len(np.unique(chosen)) >= 0.9 * uniform
+    # the local scores (uniform in [0, 1) here) favour some experts under the N(0, 1) offsets, as a trained
+    # router's do: 0.86-1.0 x uniform over 3000 random rows at these sizes
+    assert len(np.unique(chosen)) >= 0.8 * uniform
     assert len({tuple(sorted(c)) for c in chosen}) == T
     assert comm.counts["routing"] == 1
 
