@@ -224,6 +224,11 @@ def _mma_tiles(tiles, x_smem, a_smem, *, overlap=False, fold=False):
             plgpu.wgmma_wait(1 if overlap else 0)
 
 
+def _mma_options(launch: Launch) -> dict:
+    """The launch's options of _mma_tile / _mma_tiles (mma_overlap, scale_fold), which the bodies pass down."""
+    return dict(overlap=launch.mma_overlap, fold=launch.scale_fold)
+
+
 # ------------------------------------------------------------------------------------------------ the launch
 def pick_launch(tuning: dict, T: int, scale_max: int = 255) -> Launch:
     return bodies.pick_launch(tuning, ARCH, T, scale_max)
@@ -324,7 +329,7 @@ def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens, k_order=None):
 
 def _up_body(
     table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, out_smem, *a_smem,
-    n_tokens, steps, direct_k, overlap, fold, glu, k_order, parts_in_k_order,
+    n_tokens, steps, direct_k, mma, glu, k_order, parts_in_k_order,
 ):  # fmt: skip
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
@@ -351,7 +356,7 @@ def _up_body(
                         for acc, c, sc in ((acc1, c1, s1), (acc3, c3, s3))
                     ]
                     with jax.named_scope("mma"):  # a K step's decode and WGMMAs (an in-kernel trace's span)
-                        _mma_tiles(tiles, x, a_smem, overlap=overlap, fold=fold)
+                        _mma_tiles(tiles, x, a_smem, **mma)
                         plgpu.wgmma_wait(0)  # the stage's buffers are released after the step
 
                 w_spec = plgpu.BlockSpec((ROWS, UP_BLOCK), lambda k: (b, k0 + k), transforms=tiled(128, 1))
@@ -387,9 +392,7 @@ def _up_body(
                     store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols], k_order=order)
 
 
-def _down_body(
-    table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, overlap, fold, direct_k
-):
+def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, mma, direct_k):
     """Grid (slot, group r of `row_blocks` 64-row blocks of L). w2c [E, L, I/2] uint8, w2s [E, L, I/32],
     h [R, I] bf16 (in K_ORDER) -> y [R, L]: the group's rows of y for the slot's pairs. The row blocks stream
     through the pipeline, K = I whole in each (a block's 6-12 KB alone made a CTA too short to pay its setup:
@@ -416,8 +419,7 @@ def _down_body(
                     out_smem=out_smem,
                     a_smem=a_smem,
                     n_tokens=n_tokens,
-                    overlap=overlap,
-                    fold=fold,
+                    mma=mma,
                     dtype=y_ref.dtype,
                 )
 
@@ -434,7 +436,7 @@ def _down_body(
 
 def _down_glu_body(
     table_ref, w2c, w2s, part_ref, y_ref, out_smem, w2_smem, h_smem, bars, *a_smem,
-    n_tokens, row_blocks, overlap, fold, glu, on_gpu,
+    n_tokens, row_blocks, mma, glu, on_gpu,
 ):  # fmt: skip
     """launch down_glu, the direct form (a slot is one pair, at row s): grid (pair s, group r of `row_blocks`
     64-row blocks of L). part [splits, 2, P, I] fp32 (the gate/up partials, columns in K_ORDER) -> y [P, L]. The
@@ -472,25 +474,24 @@ def _down_glu_body(
             out_smem=out_smem,
             a_smem=a_smem,
             n_tokens=n_tokens,
-            overlap=overlap,
-            fold=fold,
+            mma=mma,
             dtype=y_ref.dtype,
         )
 
 
-def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, overlap, fold, dtype):
+def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, mma, dtype):
     """One 64-row W2 block of the down kernel: its scale rows by ld.global (scale_ref(g): group g's [64], all
     issued before the first decode needs one), W2 h through the MMA, rounded once to the output's dtype, and
     token t's column to out_row(t) where take(t)."""
     srows = [load_row(scale_ref(g)) for g in range(codes_smem.shape[-1] // 16)]
 
-    def mma(acc):
-        _mma_tile(acc, codes_smem, srows.__getitem__, h_smem, a_smem, overlap=overlap, fold=fold)
+    def product(acc):
+        _mma_tile(acc, codes_smem, srows.__getitem__, h_smem, a_smem, **mma)
         plgpu.wgmma_wait(0)
         return acc[...]
 
     with jax.named_scope("mma"):
-        y = pl.run_scoped(mma, plgpu.ACC((ROWS, n_tokens), F32))
+        y = pl.run_scoped(product, plgpu.ACC((ROWS, n_tokens), F32))
     if dtype != F32:
         y = y.astype(dtype).astype(F32)  # rounded once, before the SMEM pass
     with jax.named_scope("store"):
@@ -554,8 +555,7 @@ def gate_up(
         n_tokens=N,
         steps=launch.up_steps,
         direct_k=direct_k,
-        overlap=launch.mma_overlap,
-        fold=launch.scale_fold,
+        mma=_mma_options(launch),
         glu=glu,
         k_order="gpu" if interpret is None else "interpret",
         parts_in_k_order=launch.down_glu,
@@ -604,8 +604,7 @@ def down(
             _down_glu_body,
             n_tokens=N,
             row_blocks=row_blocks,
-            overlap=launch.mma_overlap,
-            fold=launch.scale_fold,
+            mma=_mma_options(launch),
             glu=glu,
             on_gpu=interpret is None,
         )
@@ -625,8 +624,7 @@ def down(
             n_tokens=N,
             steps=down_stages(launch, I, ROWS * N * 4 + (ROWS * CHUNK * 2 if a_in_smem else 0)),
             row_blocks=launch.down_row_blocks,
-            overlap=launch.mma_overlap,
-            fold=launch.scale_fold,
+            mma=_mma_options(launch),
             direct_k=direct_k,
         ),
         out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
