@@ -75,7 +75,7 @@ class Engine:
         elif (self.backend, self.moe_impl) != ("auto", "packed"):
             raise GenerationError("give either policy= or backend= / moe_impl=, not both")
         self.backend, self.moe_impl = self.policy.backend, self.policy.moe_impl
-        if self.policy.kernels and self.policy.expert_scale_max == DecodePolicy.expert_scale_max:
+        if self.policy.kernels and self.policy.expert_scale_max == policy_lib.SCALE_MAX_UNKNOWN:
             self.policy = self.policy.replace(expert_scale_max=moe_layer.expert_scale_max(self.params))
         # what ran, per step kind ("decode": one token per sequence, "extend": prefill chunks and verify blocks),
         # recorded while each step is traced (pallas_kernels.policy.dispatch)

@@ -22,6 +22,7 @@ BACKENDS = ("auto", "latency_specialized")  # auto = stock XLA everywhere (the d
 BACKEND_ALIASES = {"xla": "auto"}
 MOE_IMPLS = ("packed", "gather")  # how the XLA routed experts read MXFP4: straight from the codes, or a bf16 copy
 TUNED_OPS = ("gemv", "kda_decode", "collectives", "moe", "mla_decode")  # ops with a tuning.json beside their api
+SCALE_MAX_UNKNOWN = 255  # DecodePolicy.expert_scale_max where nobody looked at the weights (E8M0's NaN byte)
 
 
 @functools.cache
@@ -71,9 +72,9 @@ class DecodePolicy:
     fused_projection: bool = False  # the fused row-parallel projection + all-reduce (correct, measured slower)
     tuning: Tuning = dataclasses.field(default_factory=default_tuning)
     # the routed experts' largest E8M0 scale byte, where the weights were looked at (k3jax.layers.moe's
-    # expert_scale_max; 255: not known): their kernels fold 2^126 into the scale only where every byte allows it
-    # (the moe launch's scale_fold)
-    expert_scale_max: int = 255
+    # expert_scale_max; SCALE_MAX_UNKNOWN: not known): their kernels fold 2^126 into the scale only where every
+    # byte allows it (the moe launch's scale_fold)
+    expert_scale_max: int = SCALE_MAX_UNKNOWN
 
     def __post_init__(self):
         backend = BACKEND_ALIASES.get(self.backend, self.backend)

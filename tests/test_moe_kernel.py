@@ -30,7 +30,7 @@ from moe_testbase import (
 )
 
 from pallas_kernels import policy as policy_lib
-from pallas_kernels.moe import api, grouping, mxfp4, reference, sm90
+from pallas_kernels.moe import api, bodies, grouping, mxfp4, reference, sm90
 
 BETA = dict(situ_beta=BETA1, situ_linear_beta=BETA2)
 LAUNCH = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2)
@@ -373,8 +373,8 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     for entry in tuning["sm90"]["launch"] if T in (8, 64) else ():
         entry["scale_fold"] = not entry.get("scale_fold", False)
 
-    def f(ex, z, sel, w):
-        return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning)
+    def f(ex, z, sel, w):  # experts whose scale bytes allow scale_fold
+        return sm90.routed_experts(ex, z, sel, w, **BETA, tuning=tuning, scale_max=bodies.FOLD_MAX_SCALE)
 
     args = (abstract_experts(E, I, L), sds((T, L), jnp.bfloat16), sds((T, k), jnp.int32), sds((T, k), jnp.float32))
     with abstract_gpu("sm90"):

@@ -142,4 +142,4 @@ def test_engine_records_the_experts_largest_scale_byte(tiny_ckpt):  # noqa: F811
     want = max(int(np.max(v)) for path, v in leaves if str(path[-1].key).endswith("_scales"))
     assert 0 < want < 255
     assert Engine(cfg, params, backend="latency_specialized").policy.expert_scale_max == want
-    assert Engine(cfg, params, backend="auto").policy.expert_scale_max == 255
+    assert Engine(cfg, params, backend="auto").policy.expert_scale_max == policy.SCALE_MAX_UNKNOWN

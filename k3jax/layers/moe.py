@@ -17,6 +17,7 @@ from pallas_kernels import moe_route
 from pallas_kernels.gemv import api as gemv_api
 from pallas_kernels.gemv import reference as gemv_ref
 from pallas_kernels.moe import api as moe_api
+from pallas_kernels.policy import SCALE_MAX_UNKNOWN
 
 
 def in_projections(p, x_TD, comm: Comm = LOCAL):
@@ -111,10 +112,10 @@ def routed_experts(experts, z_TL, sel_Tk, w_Tk, cfg: K3Config, comm: Comm = LOCA
 
 
 def expert_scale_max(params) -> int:
-    """The largest E8M0 scale byte of the routed experts' MXFP4 weights in `params` (0 where there are none; 255,
-    "not known", where they are abstract shapes): the decode policy's expert_scale_max, which lets their kernels
-    fold 2^126 into the scale (every real checkpoint's bytes are far below 128: a byte above it scales a block
-    whose largest weight is 16 or more). One reduction on the device, wherever the weights lie."""
+    """The largest E8M0 scale byte of the routed experts' MXFP4 weights in `params` (0 where there are none;
+    SCALE_MAX_UNKNOWN where they are abstract shapes): the decode policy's expert_scale_max, which lets their
+    kernels fold 2^126 into the scale (every real checkpoint's bytes are far below 128: a byte above it scales a
+    block whose largest weight is 16 or more). One reduction on the device, wherever the weights lie."""
 
     def is_scales(path):
         keys = [getattr(k, "key", None) for k in path]
@@ -122,7 +123,7 @@ def expert_scale_max(params) -> int:
 
     scales = [v for path, v in jax.tree_util.tree_leaves_with_path(params) if is_scales(path)]
     if any(isinstance(v, jax.ShapeDtypeStruct) for v in scales):
-        return 255
+        return SCALE_MAX_UNKNOWN
     return int(max((jnp.max(v) for v in scales), default=0))
 
 

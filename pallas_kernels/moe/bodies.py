@@ -9,6 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.moe import grouping
+from pallas_kernels.policy import SCALE_MAX_UNKNOWN
 
 UP_BLOCK = 256  # codes bytes per K step of W1/W3: its scale tile [64, 16] is the TMA's 16-byte minimum
 W1_ROWS = 64  # W1 / W3 rows per gate/up tile (sm100 stacks W1's over W3's into its 128-row MMA)
@@ -33,7 +34,7 @@ class Launch:
 FOLD_MAX_SCALE = 128  # scale_fold's one factor 2^126 x 2^(e - 127) = 2^(e - 1) is a bf16 for e <= 128
 
 
-def pick_launch(tuning: dict, arch: str, T: int, scale_max: int = 255) -> Launch:
+def pick_launch(tuning: dict, arch: str, T: int, scale_max: int = SCALE_MAX_UNKNOWN) -> Launch:
     """tuning.json's `arch` launch for T tokens: the first entry whose max_tokens covers T, scale_fold kept only
     where the experts' largest scale byte (scale_max: the decode policy's expert_scale_max) allows it."""
     entries = tuning[arch]["launch"]

@@ -522,7 +522,7 @@ def grouped(experts, z_TL, sel_Tk, *, situ_beta, situ_linear_beta, launch, inter
     return groups, part, h, y
 
 
-def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, scale_max=255, interpret=None):
+def routed_experts(experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, scale_max=None, interpret=None):
     """The api's kernel entry: y [T, L] in z's dtype, or NotImplementedError for what the kernels do not take.
     scale_max: unused (sm100 decodes without scale_fold)."""
     del scale_max

@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import bodies, grouping, mxfp4, reference
 from pallas_kernels.moe.bodies import ROW_LAYOUT, UP_BLOCK, Launch, expert_shapes, load_row, tiled
+from pallas_kernels.policy import SCALE_MAX_UNKNOWN
 
 ARCH = "sm90"  # its tuning.json section
 F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
@@ -230,7 +231,7 @@ def _mma_options(launch: Launch) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the launch
-def pick_launch(tuning: dict, T: int, scale_max: int = 255) -> Launch:
+def pick_launch(tuning: dict, T: int, scale_max: int = SCALE_MAX_UNKNOWN) -> Launch:
     return bodies.pick_launch(tuning, ARCH, T, scale_max)
 
 
@@ -697,7 +698,17 @@ def grouped(
 
 
 def routed_experts(
-    experts, z_TL, sel_Tk, w_Tk, *, situ_beta, situ_linear_beta, tuning, scale_max=255, interpret=None, a_in_smem=None
+    experts,
+    z_TL,
+    sel_Tk,
+    w_Tk,
+    *,
+    situ_beta,
+    situ_linear_beta,
+    tuning,
+    scale_max=SCALE_MAX_UNKNOWN,
+    interpret=None,
+    a_in_smem=None,
 ):
     """The api's kernel entry: y [T, L] in z's dtype, or NotImplementedError for what the kernels do not take.
     scale_max: the experts' largest scale byte (pick_launch); a_in_smem: A through SMEM (None: where interpret
