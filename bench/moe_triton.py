@@ -12,7 +12,8 @@ The carried source (bench/build/triton_kernels_src, git-ignored, 0.6 MB): triton
 commit 7c56a5e40f7fd928dfd5c72902d5def0097db73a ("[release 3.6] Release Triton to pypi (#9254)"), its
 python/triton_kernels directory as is (the package triton_kernels/, its tests/ and bench/), plus the repo's MIT
 LICENSE; SOURCE names the commit. To make it again from any clone of triton that has the tag (it was taken from
-a fork's copy of the upstream tag): `git archive 7c56a5e4 python/triton_kernels LICENSE | tar -x -C /tmp`, then
+a fork's copy of the upstream tag; github.com/yechenzhi/triton has the commit):
+`git archive 7c56a5e4 python/triton_kernels LICENSE | tar -x -C /tmp`, then
 copy /tmp/python/triton_kernels/. and /tmp/LICENSE into bench/build/triton_kernels_src/. v3.6.0 is the release
 of the H200's installed triton 3.6.0; it has no routing() helper any more (removed after 3.5): routing is its
 topk() + make_ragged_tensor_metadata() + RoutingData / GatherIndx / ScatterIndx, exactly as its
