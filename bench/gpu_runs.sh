@@ -78,22 +78,31 @@
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
 #                                 torch + triton from the machine, the device tool's carry ["bench/build/triton_kernels_src"]
-# One machine kind at a time: a switch restarts the machine.
+# One machine kind at a time: a switch restarts the machine. Several groups run in one call, in order (bash
+# bench/gpu_runs.sh moe_small mla_variants rank_slice), each written to its tar as it ends: a machine idles out ~30 s
+# after a call, so a second call usually pays a new start. Every step is cut to end CALL_S (default 585) seconds
+# after the script starts, which is the device call's limit: what finished comes back, the rest is skipped.
 set -u
 export PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/device_out}
-work=$(mktemp -d)
+ends_at=$(($(date +%s) + ${CALL_S:-585}))
 
-step() {  # step NAME SECONDS CMD...: run with a limit, keep its log, never stop the group
-  local name=$1 limit=$2
+step() {  # step NAME SECONDS CMD...: run with a limit (cut to the call's end), keep its log, never stop the group
+  local name=$1 limit=$2 left=$((ends_at - $(date +%s) - 10))
   shift 2
+  if ((left < 20)); then
+    echo "=== $name skipped: the call's time is spent" | tee "$work/$name.log"
+    return
+  fi
+  ((limit > left)) && limit=$left
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$work/$name.log" 2>&1
   echo "rc=$?" >> "$work/$name.log"
   tail -15 "$work/$name.log"
 }
 
-case "${1:-}" in
+run_group() {  # run_group GROUP: its steps, logs and result files into $work
+case "$1" in
   gpu_tests)
     case "${PART:-}" in
       1) part="tests/test_moe_kernel.py tests/test_mla_decode.py tests/test_mla_write_rows.py" ;;
@@ -147,7 +156,7 @@ case "${1:-}" in
     step pytest_switches 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       python3 -m pytest -p no:cacheprovider -m "gpu and not gpu2" -n 8 -q -rf tests/test_kda_decode.py \
       tests/test_mla_write_rows.py
-    [ "$1" = switch_tests ] && { mkdir -p "$OUT"; tar -czf "$OUT/$1.tar.gz" -C "$work" .; exit 0; }
+    [ "$1" = switch_tests ] && return
     export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
     for side in off on; do
       flags=()
@@ -269,13 +278,23 @@ case "${1:-}" in
     step moe_triton 300 env PYTHONPATH=.:bench/build/triton_kernels_src python3 bench/moe_triton.py "$work" --smoke \
       --deadline-s 270
     ;;
-  *)
-    echo "usage: bash bench/gpu_runs.sh GROUP, one of:" >&2
-    sed -n 's/^#   \([a-z0-9_][a-z0-9_]*\) .*/\1/p' "$0" | grep -v '^group$' | tr '\n' ' ' >&2
-    echo >&2
-    exit 2
-    ;;
 esac
+}
+
+groups=$(sed -n 's/^#   \([a-z0-9_][a-z0-9_]*\) .*/\1/p' "$0" | grep -v '^group$')
+for group in "$@" ""; do  # every name checked before anything runs
+  if [ -z "$group" ]; then
+    [ $# -gt 0 ] && break
+  elif grep -qx "$group" <<< "$groups"; then
+    continue
+  fi
+  echo "usage: bash bench/gpu_runs.sh GROUP [GROUP ...], each one of:" $groups >&2
+  exit 2
+done
 mkdir -p "$OUT"
-tar -czf "$OUT/$1.tar.gz" -C "$work" .
-echo "wrote $OUT/$1.tar.gz"
+for group in "$@"; do
+  work=$(mktemp -d)
+  (run_group "$group")  # a subshell: a group's exports stay its own
+  tar -czf "$OUT/$group.tar.gz" -C "$work" .
+  echo "wrote $OUT/$group.tar.gz"
+done
