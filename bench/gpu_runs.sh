@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The maintained GPU runs, one group per device call (each under 10 minutes), each step under its own time
-# limit so a hang cannot eat the call. On the device machine, from the repo root: bash bench/gpu_runs.sh GROUP
-# Everything lands in $OUT/GROUP.tar.gz (one file: the device tool returns few files); unpack it and copy the
+# The maintained GPU runs, in groups of under 10 minutes (one device call), each step under its own time
+# limit so a hang cannot eat the call. On the device machine, from the repo root: bash bench/gpu_runs.sh GROUP...
+# Each group lands in $OUT/GROUP.tar.gz (one file: the device tool returns few files); unpack it and copy the
 # result files into bench/results (bench/results/README.md says what each one is).
 #
 #   group        machine          what it runs -> result files
