@@ -75,6 +75,8 @@
 #   moe_ncu      nvidia-h200      ncu's launch, occupancy, scheduler and warp-state sections of the Mosaic kernels
 #                                 of one routed-experts call, TP16, T = 1 (up to ~8 min; the log only)
 #   moe_route    nvidia-h200      the router top-k kernel vs lax.top_k, T 1-512 -> moe_route.*
+#   grid_barrier nvidia-h200      the grid-wide barrier's GPU test, then what a barrier costs in one launch (132 / 264
+#                                 CTAs, 0-16 rounds; the persistent levers' premise, ~1 min) -> grid_barrier.*
 #   moe_triton   nvidia-h200      the public MXFP4 MoE at our shapes: triton_kernels v3.6.0's matmul_ogs (vLLM's Hopper
 #                                 path), TP16 / TP8, T 1-512, warm / cold / with its routing / 4 warps -> moe_triton.*;
 #                                 torch + triton from the machine, the device tool's carry ["bench/build/triton_kernels_src"]
@@ -273,6 +275,10 @@ case "$1" in
     ;;
   moe_route)
     step moe_route 240 python3 bench/moe_route.py "$work"
+    ;;
+  grid_barrier)
+    step pytest_grid_barrier 120 python3 -m pytest -q -p no:cacheprovider tests/test_grid_barrier.py -m gpu -rf
+    step grid_barrier 150 python3 bench/grid_barrier.py "$work"
     ;;
   moe_triton)  # the carried source (bench/moe_triton.py's docstring says where it is from); --smoke: one tiny case first
     step moe_triton 300 env PYTHONPATH=.:bench/build/triton_kernels_src python3 bench/moe_triton.py "$work" --smoke \

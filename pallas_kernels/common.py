@@ -1,7 +1,8 @@
 """Small helpers shared by the Pallas kernels and their references: which GPU we are on, logging a fallback
 once, the model's GEMM rule (so a reference computes a projection exactly as the model's XLA path does), its
 RMSNorm, a rounding XLA:GPU keeps (round_to), SiTU-GLU (docs/model.md §3; the routed experts' GLU between their two
-kernels), a cluster's barrier with its fences (cluster_sync) and partial sums added in order (sum_in_order)."""
+kernels), a cluster's barrier with its fences (cluster_sync), a persistent launch's grid-wide one (grid_barrier)
+and partial sums added in order (sum_in_order)."""
 
 import functools
 import logging
@@ -9,6 +10,7 @@ import logging
 import jax
 import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu.helpers import inline_ptx  # jax's own; not exported in 0.11.2
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 logger = logging.getLogger("k3jax.backends")
@@ -101,6 +103,20 @@ def cluster_sync(bar, fences):
     plgpu.barrier_wait(bar)
     if fences:
         inline_ptx("fence.acq_rel.cluster;")
+
+
+def grid_barrier(sem, n_ctas, n):
+    """The n-th (1, 2, ...; static or traced) grid-wide barrier of a persistent launch: every CTA's writes before
+    it are visible to every CTA after it. sem: the launch's global semaphore (pl.get_global(plgpu.SemaphoreType.
+    REGULAR), which XLA zeroes before each launch); each CTA adds 1 and waits until the count reaches n x n_ctas,
+    so the counter only grows and no reset can race a late reader. Each thread fences its own writes first:
+    Pallas's signal is a relaxed red.add from one lane (its fence comes after it). All n_ctas CTAs must be
+    resident at once (a grid the SMs hold whole), or the launch deadlocks; one warpgroup a CTA (the signal's and
+    the wait's barriers are a warpgroup's). GPU only: interpret mode runs no semaphores."""
+    inline_ptx("fence.acq_rel.gpu;")
+    plgpu.commit_smem()  # bar.sync: every thread's fence done before the one lane signals
+    pl.semaphore_signal(sem, 1)
+    plgpu.semaphore_wait(sem, n * n_ctas, decrement=False, memory_scope="gpu")
 
 
 def sum_in_order(load, n):
