@@ -77,7 +77,7 @@ class StubComm(Comm):
     """Acts as one rank of a `tp`-way group, but every collective is a local op with the real output shape.
     all_reduce -> identity; all_gather -> the local block tiled tp times (a local write of the gathered size),
     the MoE's routing block as a balanced router's (balanced_routing_piece) where experts_local is set;
-    local_slice -> the first block; embed -> local lookup of clipped ids. `log` records (op, what, shape,
+    local_start -> the first block; embed -> local lookup of clipped ids. `log` records (op, what, shape,
     dtype) of every collective traced, for the projection's collective term."""
 
     tp: int = 16
@@ -109,8 +109,8 @@ class StubComm(Comm):
             pieces = [balanced_routing_piece(x, self.experts_local, r) for r in range(self.tp)]
         return jnp.concatenate(pieces, axis=axis % x.ndim)
 
-    def local_slice(self, x, axis: int, size: int):
-        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+    def local_start(self, size: int):
+        return jnp.int32(0)  # the first block (traced, as a real rank's)
 
     def embed(self, table_VD, tokens):
         rows = table_VD[jnp.clip(tokens, 0, table_VD.shape[0] - 1)]

@@ -62,12 +62,13 @@ class Comm:
         self.counts[what] += 1
         return jax.lax.all_gather(x, self.axis, axis=axis % x.ndim, tiled=True)
 
-    def local_slice(self, x, axis: int, size: int):
-        """This rank's contiguous block of `size` along `axis` of a replicated array."""
+    def local_start(self, size: int):
+        """Where this rank's contiguous block of `size` starts along an axis of a replicated array (traced), or
+        None unsharded (the whole array is the rank's): a consumer reads its block in place (gemv_sum's
+        x_starts), so no slice kernel runs."""
         if not self.sharded:
-            return x
-        start = jax.lax.axis_index(self.axis) * size
-        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+            return None
+        return jax.lax.axis_index(self.axis) * size
 
     def embed(self, table_VD, tokens):
         """Lookup in a vocab-split table: each rank serves its rows, zeros elsewhere, then one all-reduce."""

@@ -520,6 +520,42 @@ def test_sum_kernel_interpret_matches_numpy(B, N, Ks, block_k, steps, x_stream):
 
 
 @cpu_only
+@pytest.mark.parametrize("rank", [0, 5, 15])
+@pytest.mark.parametrize("B, block_k, x_stream", [(1, 192, "N"), (6, 128, "N"), (13, 192, "M")])
+def test_sum_kernel_reads_a_window_of_x_in_place(rank, B, block_k, x_stream):
+    """latent_up's x as one rank's 224 columns of the replicated [B, 16 x 224] latent (the MoE's finish under
+    TP, x_starts): the same result as the sliced x, bit for bit, though the window's last block reads its
+    neighbour's columns (w's zeros there) or, for the last rank, past x's end; a traced start."""
+    g = rng()
+    xs, ws = _pairs(g, B, 128, (224, 384))
+    wide = (
+        jnp.asarray(g.standard_normal((B, 16 * 224)) * 4, jnp.bfloat16).at[:, rank * 224 : (rank + 1) * 224].set(xs[0])
+    )
+    launch = dict(block_k=block_k, steps=2, x_stream=x_stream)
+    with abstract_gpu("sm90"):
+        kernel.check_sum_supported(xs, ws, **launch)
+        interp = plgpu_interpret()
+        f = jax.jit(
+            lambda wide, x1, ws, r: kernel.gemv_sum(
+                (wide, x1), ws, x_starts=(r * 224, None), interpret=interp, **launch
+            )
+        )
+        got = f(wide, xs[1], ws, jnp.int32(rank))
+        want = kernel.gemv_sum(xs, ws, interpret=interp, **launch)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(reference.gemv_sum((wide, xs[1]), ws, x_starts=(rank * 224, None)), np.float32),
+        np.asarray(reference.gemv_sum(xs, ws), np.float32),
+    )
+
+
+def plgpu_interpret():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams()
+
+
+@cpu_only
 @pytest.mark.parametrize("x_stream", ["N", "M"])
 def test_sum_kernel_rounds_each_product_then_their_sum(x_stream):
     """Whole-number inputs, whose fp32 sums are exact in any order: the kernel equals the model's two roundings
@@ -630,6 +666,22 @@ def test_sum_kernel_lowers_for_cuda_at_moe_out_shapes(tp, B, block_k, steps, x_s
         kernel.check_sum_supported(xs, ws, **launch)
         f = jax.jit(lambda xs, ws: kernel.gemv_sum(xs, ws, **launch))
         lowered = f.trace(xs, ws).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert (lowered.out_info.shape, lowered.out_info.dtype) == ((B, 7168), jnp.bfloat16)
+
+
+@cpu_only
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("B, x_stream", [(1, "N"), (64, "M")])
+def test_sum_kernel_lowers_for_cuda_reading_a_rank_window(tp, B, x_stream):
+    """The MoE finish under tp: latent_up's x a traced window of the whole [B, 3584] latent (x_starts)."""
+    Ks = _moe_out_ks(tp)
+    launch = dict(block_k=192, split_k=1, steps=2, x_stream=x_stream)
+    xs = (jax.ShapeDtypeStruct((B, 3584), jnp.bfloat16), jax.ShapeDtypeStruct((B, Ks[1]), jnp.bfloat16))
+    ws = tuple(jax.ShapeDtypeStruct((7168, K), jnp.bfloat16) for K in Ks)
+    with abstract_gpu("sm90"):
+        f = jax.jit(lambda xs, ws, r: kernel.gemv_sum(xs, ws, x_starts=(r * Ks[0], None), **launch))
+        lowered = f.trace(xs, ws, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     assert (lowered.out_info.shape, lowered.out_info.dtype) == ((B, 7168), jnp.bfloat16)
 

@@ -36,14 +36,17 @@ def in_projections(p, x_TD, comm: Comm = LOCAL):
 
 def finish(p, y_lat_TL, hidden_TS, comm: Comm = LOCAL):
     """latent_up(y_lat) + shared_down(hidden) -> [T, D] in the activation dtype (this rank's partial under tp):
-    each a bf16 GEMM rounded, then a bf16 add (docs/model.md §6 step 5). A decode batch asks for ONE launch of
-    the pairs' GEMV over the two out-major weights (tuning table moe_out_launch), which keeps both roundings;
-    its reference, also the path of wider batches, is the two GEMMs and the add, each under its weight's name."""
+    each a bf16 GEMM rounded, then a bf16 add (docs/model.md §6 step 5). y_lat is the whole normed latent: under
+    tp latent_up is split by its input, and the rank's columns are read where they lie (x_starts: no slice
+    kernel). A decode batch asks for ONE launch of the pairs' GEMV over the two out-major weights (tuning table
+    moe_out_launch), which keeps both roundings; its reference, also the path of wider batches, is the two
+    GEMMs and the add, each under its weight's name."""
     names = ("latent_up", "shared_down")  # the XLA ops' scopes (a profile's labels)
     xs, ws = (y_lat_TL, hidden_TS), tuple(p[n] for n in names)
+    x_starts = (comm.local_start(p["latent_up"].shape[1]), None)
     if y_lat_TL.shape[0] <= gemv_api.MAX_BATCH:
-        return gemv_api.gemv_sum(xs, ws, names=names, policy=comm.policy, table="moe_out_launch")
-    return gemv_ref.gemv_sum(xs, ws, names)
+        return gemv_api.gemv_sum(xs, ws, x_starts=x_starts, names=names, policy=comm.policy, table="moe_out_launch")
+    return gemv_ref.gemv_sum(xs, ws, names, x_starts)
 
 
 def router_logits(p, x_TD):
@@ -149,7 +152,6 @@ def moe(p, x_TD, cfg: K3Config, return_routing: bool = False, comm: Comm = LOCAL
         _, y_lat = join(comm, y_lat, p["latent_norm"], cfg.rms_norm_eps, "latent_sum")
     else:
         y_lat = comm.all_reduce(y_lat, "latent_sum")
-    y_lat = comm.local_slice(y_lat, -1, p["latent_up"].shape[1])
     hidden = situ_glu(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # the shared experts'
     y = finish(p, y_lat, hidden, comm)
     return (y, sel) if return_routing else y

@@ -71,22 +71,27 @@ def gemv(x_BD, ws_ND, *, out_dtypes=None, names=None, policy: DecodePolicy = XLA
     )
 
 
-def run_sum_kernel(xs_BK, ws_NK, table="moe_out_launch", policy: DecodePolicy = XLA):
+def run_sum_kernel(xs_BK, ws_NK, table="moe_out_launch", policy: DecodePolicy = XLA, x_starts=None):
     """The pairs' kernel itself: NotImplementedError where it does not take the call (gemv_sum then runs the
-    reference). The table's entry is picked by the batch and the widest pair's K."""
+    reference). The table's entry is picked by the batch and the widest pair's K. x windows (x_starts) are read
+    in place where the body can (Hopper's X_WINDOWS), else sliced first."""
     arch, kernel = body()
-    launch = pick_launch(xs_BK[0].shape[0], max(x.shape[1] for x in xs_BK), table=table, policy=policy, arch=arch)
-    kernel.check_sum_supported(xs_BK, ws_NK, **launch)
-    return kernel.gemv_sum(tuple(xs_BK), tuple(ws_NK), **launch)
+    windows = reference.x_windows(xs_BK, ws_NK, x_starts)
+    launch = pick_launch(windows[0].shape[0], max(x.shape[1] for x in windows), table=table, policy=policy, arch=arch)
+    kernel.check_sum_supported(windows, ws_NK, **launch)
+    if x_starts and getattr(kernel, "X_WINDOWS", False):
+        return kernel.gemv_sum(tuple(xs_BK), tuple(ws_NK), x_starts=tuple(x_starts), **launch)
+    return kernel.gemv_sum(windows, tuple(ws_NK), **launch)
 
 
-def gemv_sum(xs_BK, ws_NK, *, names=None, policy: DecodePolicy = XLA, table="moe_out_launch"):
+def gemv_sum(xs_BK, ws_NK, *, x_starts=None, names=None, policy: DecodePolicy = XLA, table="moe_out_launch"):
     """Σ_j x_j [B, K_j] @ w_jᵀ for out-major w_j [N, K_j] -> [B, N] in x's dtype: each product rounded to x's
     dtype, then added in order (reference.gemv_sum), in one launch where the policy's table has an entry for the
-    batch. names: the reference's named scope per product."""
+    batch. x_starts: per pair None or where x_j's K_j-wide window starts (reference.x_windows). names: the
+    reference's named scope per product."""
     return policy_lib.dispatch(
         f"gemv_sum {table}",
         policy,
-        lambda: run_sum_kernel(xs_BK, ws_NK, table, policy),
-        lambda: reference.gemv_sum(xs_BK, ws_NK, names),
+        lambda: run_sum_kernel(xs_BK, ws_NK, table, policy, x_starts),
+        lambda: reference.gemv_sum(xs_BK, ws_NK, names, x_starts),
     )

@@ -52,6 +52,7 @@ _SWIZZLE = 128  # bytes: a 64-element bf16 row per swizzle atom
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+X_WINDOWS = True  # gemv_sum reads x windows (x_starts) in place: its x tiles start at the window's column
 X_STREAMS = ("M", "N")  # where the tokens go: WGMMA's M (64-row x tiles) or N (the batch padded to 8s)
 
 
@@ -390,13 +391,15 @@ def check_sum_operands(xs_BK, ws_NK, block_k, split_k, rows):
         raise NotImplementedError(f"K {[x.shape[1] for x in xs_BK]} in one step of {block_k}: the pipeline needs two")
 
 
-def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
-    """refs: the x_j [x_rows(B), K_j], the w_j [N, K_j], the output [B, N], then scratch: on N the fp32 sum
-    [ROWS, T] (a token's column becomes its output row), on M the rounded [T, ROWS] tile a TMA stores."""
+def _sum_body(starts_ref, *refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
+    """refs: the column starts of the x_j's windows [J] int32 (0 where x_j is [B, K_j] itself), the x_j
+    [x_rows(B), >= K_j], the w_j [N, K_j], the output [B, N], then scratch: on N the fp32 sum [ROWS, T] (a
+    token's column becomes its output row), on M the rounded [T, ROWS] tile a TMA stores."""
     J = len(bks)
     xs, ws, (out_ref, staging) = refs[:J], refs[J : 2 * J], refs[2 * J :]
     blk = lax.axis_index("n")
     block = pl.ds(blk * ROWS, ROWS)
+    starts = [starts_ref[j] for j in range(J)]
 
     def scope(*accs):
         def step(_, *tiles):  # each pair's weight tile, then its x tile
@@ -408,10 +411,13 @@ def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
             plgpu.wgmma_wait(J)  # the previous step's WGMMAs are done: their slots may be refilled (delay_release)
 
         specs = []
-        for bk, sw in zip(bks, swizzles, strict=True):  # block k of pair j: columns past K_j are the TMA's zeros
+        for bk, sw, x0 in zip(bks, swizzles, starts, strict=True):
+            # block k of pair j: w's columns past K_j are the TMA's zeros, so x's there (its window's neighbours,
+            # or the TMA's zeros past x) add nothing
             tr = _transforms(sw)
             specs.append(plgpu.BlockSpec((ROWS, bk), lambda k: (blk, k), transforms=tr, delay_release=1))
-            specs.append(plgpu.BlockSpec((T, bk), lambda k: (0, k), transforms=tr, delay_release=1))
+            x_at = lambda k, x0=x0, bk=bk: (0, x0 + k * bk)  # noqa: E731 (an element offset: the window's start)
+            specs.append(plgpu.BlockSpec((T, pl.Element(bk)), x_at, transforms=tr, delay_release=1))
         gmem = [r for pair in zip(ws, xs, strict=True) for r in pair]
         plgpu.emit_pipeline(step, grid=(n_steps,), max_concurrent_steps=steps, in_specs=specs)(*gmem)
         plgpu.wgmma_wait(0)
@@ -437,14 +443,18 @@ def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def gemv_sum(xs_BK, ws_NK, *, block_k=192, split_k=1, steps=4, x_stream="N", interpret=None):
+def gemv_sum(xs_BK, ws_NK, *, x_starts=None, block_k=192, split_k=1, steps=4, x_stream="N", interpret=None):
     """Σ_j x_j [B, K_j] @ w_jᵀ (w_j out-major [N, K_j], bf16) -> [B, N] in x's dtype, in one launch: each pair's
     product an fp32 sum rounded to x's dtype, the rounded products added in order with bf16 adds
-    (reference.gemv_sum). split_k must be 1 (check_sum_supported)."""
+    (reference.gemv_sum). x_starts (reference.x_windows): per pair None (x_j is [B, K_j]) or the column where
+    x_j's K_j-wide window starts (traced; a multiple of 8, the TMA's 16 bytes), which the kernel's x tiles
+    read from (a rank's slice of a replicated activation with no slice kernel). split_k must be 1
+    (check_sum_supported)."""
     del split_k  # one split: the table's field, checked by check_sum_supported
     B, N = xs_BK[0].shape[0], ws_NK[0].shape[0]
     T = tokens(B, x_stream)
-    n, bks, swizzles = pair_blocks([x.shape[1] for x in xs_BK], block_k)
+    n, bks, swizzles = pair_blocks([w.shape[1] for w in ws_NK], block_k)
+    starts = jnp.stack([jnp.asarray(0 if x0 is None else x0, jnp.int32) for x0 in (x_starts or (None,) * len(xs_BK))])
     # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     xs_TK = tuple(jnp.pad(x, ((0, x_rows(B) - B), (0, 0))) for x in xs_BK)
     dtype = xs_BK[0].dtype
@@ -460,4 +470,4 @@ def gemv_sum(xs_BK, ws_NK, *, block_k=192, split_k=1, steps=4, x_stream="N", int
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(*xs_TK, *ws_NK)
+    return kernel(starts, *xs_TK, *ws_NK)

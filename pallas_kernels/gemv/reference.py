@@ -38,12 +38,24 @@ def gemv(x_BD, ws_ND, out_dtypes=None, names=None):
     return tuple(outs)
 
 
-def gemv_sum(xs_BK, ws_NK, names=None):
+def x_windows(xs_BK, ws_NK, x_starts=None):
+    """The x_j gemv_sum multiplies: x_j itself where x_starts[j] is None (or no x_starts), else its K_j columns
+    from x_starts[j] on (K_j = w_j's; a traced start: a rank's slice of a replicated activation, e.g.
+    axis_index x K_j)."""
+    starts = x_starts or (None,) * len(xs_BK)
+    return tuple(
+        x if x0 is None else jax.lax.dynamic_slice_in_dim(x, x0, w.shape[1], axis=1)
+        for x, w, x0 in zip(xs_BK, ws_NK, starts, strict=True)
+    )
+
+
+def gemv_sum(xs_BK, ws_NK, names=None, x_starts=None):
     """Σ_j x_j [B, K_j] @ w_jᵀ (w_j out-major [N, K_j]) -> [B, N] in x's dtype, as the model writes a sum of
     projections (docs/model.md §6 step 5, the MoE's y_rout + y_sh): each product the GEMM rule (an fp32 sum
     rounded to x's dtype), then the rounded products added in order in x's dtype. names: a jax.named_scope per
-    product (its HLO op name, which a profile attributes kernels by)."""
+    product (its HLO op name, which a profile attributes kernels by). x_starts: x_windows'."""
     y = None
+    xs_BK = x_windows(xs_BK, ws_NK, x_starts)
     for x, w, name in zip(xs_BK, ws_NK, names or (None,) * len(ws_NK), strict=True):
         with jax.named_scope(name) if name else contextlib.nullcontext():
             p = dot("bk,nk->bn", x, w.astype(x.dtype)).astype(x.dtype)
