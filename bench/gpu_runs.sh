@@ -47,7 +47,7 @@
 #   gemv_moe_out nvidia-h200      the MoE finish at TP16 / TP8: XLA vs the moe_out_launch table and every candidate
 #                                 kernel (--sweep), B 1, 64, 8, 32 (~3 min) -> gemv_moe_out.json
 #   mla          nvidia-h200      the MLA decode attention kernel: its GPU tests, then vs XLA (bench/mla_layer.py) -> mla_layer.*
-#   mla_variants nvidia-h200      the MLA GPU tests of the batch-1 launch and wide_convert, then the kernel's launch
+#   mla_variants nvidia-h200      the MLA GPU tests of the batch-1 launch, then the kernel's launch
 #                                 variants at 8K (~4 min) -> mla_variants.json
 #   mla_ncu      nvidia-h200      ncu's SMEM counters (bank conflicts of the loads and stores, wavefronts, shared
 #                                 instructions) and warp states of one MLA kernel call, TP16, B 64, 8K: is the
@@ -65,12 +65,11 @@
 #   moe_fused_glu nvidia-h200     the routed experts' GPU tests, then the kernel as tuned (fused_glu: SiTU-GLU
 #                                 in the gate/up kernel) beside it off, TP16 / TP8, T 16-512 (~6 min)
 #                                 -> moe_fused_glu.*
-#   moe_small    nvidia-h200      down_glu's and the decode's GPU tests, then the routed experts at T = 1, 2, 8 (TP16,
-#                                 L2-cold): the tuned launch beside down_glu (the down kernel forms h; 2 and 4 W2 row
-#                                 blocks a CTA), scale_fold (one multiply a weight pair) and both; then scale_fold at
-#                                 T = 64, 512, TP16 / TP8 (~5 min) -> moe_small.*, moe_fold.*
+#   moe_small    nvidia-h200      the decode's GPU tests (scale_fold's among them), then the routed experts at T = 1,
+#                                 2, 8 (TP16, L2-cold) as tuned beside scale_fold off; then the same at T = 64, 512,
+#                                 TP16 / TP8 (~4 min) -> moe_small.*, moe_fold.*
 #   moe_profile  nvidia-h200      the routed-experts kernels' in-kernel traces (each CTA's mma / store spans and when
-#                                 they run), TP16, T = 1 and 64, as tuned and with down_glu at T = 1 (~2 min)
+#                                 they run), TP16, T = 1 and 64, as tuned (~2 min)
 #                                 -> moe_profile_tp16_t{1,64}.json
 #   moe_ncu      nvidia-h200      ncu's launch, occupancy, scheduler and warp-state sections of the Mosaic kernels
 #                                 of one routed-experts call, TP16, T = 1 (up to ~8 min; the log only)
@@ -223,9 +222,9 @@ case "$1" in
       --kernel-name regex:mosaic --launch-count 1 --csv --page details --metrics "$shared" \
       --section WarpStateStats python3 bench/mla_layer.py "$work" --once 64
     ;;
-  mla_variants)  # the GPU tests of the batch-1 launch (a split a block) and of wide_convert first
+  mla_variants)  # the GPU tests of the batch-1 launch (a split a block) first
     step pytest_mla 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
-      tests/test_mla_decode.py -m gpu -n 4 -k "1-1-6-8192 or wide" -rf
+      tests/test_mla_decode.py -m gpu -n 4 -k "1-1-6-8192" -rf
     step bench_mla_variants 240 python3 bench/mla_layer.py "$work" --variants --deadline-s 200
     ;;
   moe_layer)
@@ -251,19 +250,17 @@ case "$1" in
     step moe_fused_glu 300 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 16,32,64,128,512 \
       --kernel-variant noglu:fused_glu=0 --name moe_fused_glu
     ;;
-  moe_small)  # the T <= 8 launch: down_glu (the down kernel forms its pair's h; the W2 row blocks and stages
-    # alone: moe_wg2_h100.md; the gate/up K unsplit with the GLU fused lost: moe_small_h100.md)
-    step pytest_down_glu 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu \
-      -k "down_glu or decode_on_gpu or scale_fold" -rf
+  moe_small)  # scale_fold on (the W2 row blocks and stages alone: moe_wg2_h100.md; the gate/up K unsplit with the
+    # GLU fused lost: moe_small_h100.md; the GLU in the down kernel lost: moe_small_fold_h100.md)
+    step pytest_decode 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py -m gpu \
+      -k "decode_on_gpu or scale_fold" -rf
     step moe_small 170 python3 bench/moe_layer.py "$work" --tps 16 --impls "" --cold --tokens 1,2,8 \
-      --kernel-variant dglu:down_glu=1 --kernel-variant dglu4:down_glu=1,down_row_blocks=4 \
-      --kernel-variant fold:scale_fold=1 --kernel-variant dglu_fold:down_glu=1,scale_fold=1 --name moe_small
+      --kernel-variant nofold:scale_fold=0 --name moe_small
     step moe_fold 120 python3 bench/moe_layer.py "$work" --tps 16,8 --impls "" --tokens 64,512 \
-      --kernel-variant fold:scale_fold=1 --name moe_fold
+      --kernel-variant nofold:scale_fold=0 --name moe_fold
     ;;
   moe_profile)  # the trace comes back through a host callback: a CPU device beside the GPU
-    step moe_profile_t1 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,1 \
-      --kernel-variant dglu:down_glu=1
+    step moe_profile_t1 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,1
     step moe_profile_t64 100 env JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py "$work" --profile 16,64
     ;;
   moe_ncu)  # what bounds the routed-experts kernels per SM (lever 1c): registers, SMEM, CTAs and warps resident,

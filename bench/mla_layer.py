@@ -156,7 +156,6 @@ VARIANTS = {  # tuning changes against tuning.json's entry
     "tuned": {},
     "acc add": dict(acc="add", max_cols=16),
     "qk_regs": dict(qk_regs=True),
-    "wide convert": dict(wide_convert=True),  # the fp8 conversion 8 elements a vector (load_fp8_tile)
     "fp8 stages 3": dict(stages={"fp8": 3, "bf16": 2}),  # the launch before the twenty-ninth session
     "min_split_blocks 2": dict(min_split_blocks=2, max_splits=64),  # likewise: 1 x 8K as 64 CTAs of 2 blocks
     "min_split_blocks 4": dict(min_split_blocks=4),

@@ -9,7 +9,7 @@ the HBM time of reading every distinct selected expert's bytes once (1.10 MB per
   (GPU; writes OUT_DIR/NAME.{json,md}, OUT_DIR defaults to bench/results)
   PYTHONPATH=. JAX_PLATFORMS=cuda,cpu python3 bench/moe_layer.py OUT_DIR --profile TP,T [--kernel-variant ...]
       (each kernel's in-kernel trace as tuned (and per variant), L2-warm: its CTAs' phases (mma: a step's decode
-      and WGMMAs; store; down_glu's glu and wait) and when they run -> OUT_DIR/moe_profile_tpTP_tT.json)
+      and WGMMAs; store) and when they run -> OUT_DIR/moe_profile_tpTP_tT.json)
 
 Inputs: E = 896 random MXFP4 experts made on the device (uniform codes, scales 2^-7..2^-4), L = 3584,
 I = 3072 / tp; z random bf16 [T, L]; the routing a top-16 of random scores per token (so the distinct experts

@@ -21,7 +21,6 @@ from moe_testbase import (
     check_against_reference_and_numpy,
     check_fused_glu,
     check_sums,
-    dequant,
     inputs,
     interpret_params,
     make_experts,
@@ -266,52 +265,6 @@ def _check_sums(np_ex, z, sel, groups, part, h_RI, y, k):
     check_sums(np_ex, z, sel, groups, g, u, h_natural, y, k)
 
 
-def _unorder(x_K):
-    """Columns in K_ORDER (within each 64-column block) -> natural order, as float64."""
-    x = np.asarray(x_K, np.float64)
-    return x.reshape(*x.shape[:-1], -1, sm90.CHUNK)[..., np.argsort(sm90.K_ORDER)].reshape(x.shape)
-
-
-def _check_down_glu(grouped, launch, np_ex, z, sel, k):
-    """launch with down_glu (each down CTA forms its pair's h from the gate/up partials) against the same launch
-    without it (grouped(launch) -> (groups, part, h, y)): the partials equal (down_glu's columns in K_ORDER), the
-    unfused run's sums against float64 (_check_sums), and down_glu's y = W2 h against float64 with the unfused
-    h: the kernel's h is within one bf16 ulp of it per element (Mosaic's tanh / exp against XLA's; the splits
-    summed in their order), so y within 2^-7 sum |W2| |h| on top of fp32's 1e-5."""
-    groups, part, h, y = grouped(dataclasses.replace(launch, down_glu=False))
-    _, part_k, no_h, y_glu = grouped(dataclasses.replace(launch, down_glu=True))
-    assert no_h is None and y_glu.shape == y.shape
-    np.testing.assert_array_equal(_unorder(part_k), np.asarray(part, np.float64))
-    _check_sums(np_ex, z, sel, groups, part, h, y, k)
-    h_nat, y_glu = _unorder(h), np.asarray(y_glu, np.float64)
-    for pair, pos in enumerate(np.asarray(groups.row_P)):
-        W2 = dequant(np_ex, "w2", sel[pair // k, pair % k])
-        bound = (2**-7 + 1e-5) * (np.abs(W2) @ np.abs(h_nat[pos]))
-        assert np.all(np.abs(y_glu[pos] - W2 @ h_nat[pos]) <= bound), pos
-
-
-@cpu_only
-@pytest.mark.parametrize("T", [1, 5])
-def test_kernel_interpret_down_glu_matches_numpy(T):
-    """down_glu in interpret mode (the direct form, the gate/up K split over 2 CTAs, two W2 row blocks a down CTA,
-    race-checked): _check_down_glu, and the bf16 path through the api's entry against the reference and
-    float64 NumPy."""
-    r = rng()
-    E, I, L, k = 12, 192, 1024, 4
-    np_ex, ex, z, sel, w = inputs(r, T, E, I, L, k)
-    launch = sm90.Launch(tokens_per_tile=8, up_steps=2, down_steps=2, up_splits=2, down_row_blocks=2, direct=True)
-    entry = {**TUNING["sm90"]["launch"][0], "direct": True, "up_splits": 2, "down_row_blocks": 2, "down_glu": True}
-    with abstract_gpu("sm90"):
-        _check_down_glu(lambda lc: _grouped_fp32(ex, z, sel, lc), launch, np_ex, z, sel, k)
-        got = sm90.routed_experts(
-            ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA, tuning={"sm90": {"launch": [entry]}},
-            interpret=interpret_params(),
-        )  # fmt: skip
-    assert not races_found()
-    want = reference.routed_experts(ex, z, jnp.asarray(sel), jnp.asarray(w), **BETA)
-    check_against_reference_and_numpy(got, want, np_ex, z, sel, w)
-
-
 @cpu_only
 def test_kernel_interpret_fp32_sums_match_numpy():
     """The two kernels' GEMMs to fp32 accuracy in interpret mode, the gate/up K split over 2 CTAs."""
@@ -357,7 +310,7 @@ def test_kernel_interpret_fused_glu_matches_numpy(T, direct):
 def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     """One rank's experts (E = 896, L = 3584, k = 16; I = 192 / 384 / 3072 at TP16 / TP8 / TP1) with
     tuning.json's launch for T, mma_overlap and direct flipped where T is even, fused_glu flipped at TP8 where
-    one CTA sums a row's K, down_glu set at TP16 where the form is direct and scale_fold flipped at T = 8 and 64:
+    one CTA sums a row's K and scale_fold flipped at T = 8 and 64 (weights that allow it):
     both Mosaic GPU kernels lower, the inline decode and the K-ordered h stores with them (A from registers)."""
     E, L, k = 896, 3584, 16
     sds = jax.ShapeDtypeStruct
@@ -368,8 +321,6 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
     for entry in tuning["sm90"]["launch"] if I == 384 else ():
         if entry.get("up_splits", 1) == 1:
             entry["fused_glu"] = not entry.get("fused_glu", False)
-    for entry in tuning["sm90"]["launch"] if I == 192 and T <= 8 else ():
-        entry["down_glu"] = entry.get("direct", False) and not entry.get("fused_glu", False)  # T <= 8: down_glu
     for entry in tuning["sm90"]["launch"] if T in (8, 64) else ():
         entry["scale_fold"] = not entry.get("scale_fold", False)
 
@@ -384,7 +335,7 @@ def test_kernels_lower_for_cuda_at_real_shapes(T, I):
 
 # ---------------------------------------------------------------------------------------- refusals, the api
 @pytest.mark.parametrize(
-    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu", "down_glu"]
+    "bad", ["dense", "fp32", "tokens", "latent", "intermediate", "tile", "smem", "splits", "fused_glu"]
 )
 def test_kernel_refuses_what_it_cannot_run(bad):
     E, I, L, T = 8, 64, 512, 3
@@ -405,9 +356,6 @@ def test_kernel_refuses_what_it_cannot_run(bad):
     elif bad == "fused_glu":  # the GLU in the gate/up kernel needs each row's whole K sum in one CTA
         ex, z = abstract_experts(E, I, 1024), jax.ShapeDtypeStruct((T, 1024), jnp.bfloat16)
         launch = sm90.Launch(8, 2, 2, up_splits=2, fused_glu=True)
-    elif bad == "down_glu":  # the down kernel forms h only in the direct form (T <= tokens_per_tile)
-        z, sel = jax.ShapeDtypeStruct((9, L), jnp.bfloat16), jax.ShapeDtypeStruct((9, 4), jnp.int32)
-        launch = sm90.Launch(8, 2, 2, direct=True, down_glu=True)
     elif bad == "smem":  # 7 stages of two [64, 256] code tiles, their scales, a [64, 512] bf16 x tile: 702 KB
         ex, z, launch = (
             abstract_experts(E, I, 3584),
@@ -508,26 +456,6 @@ def test_kernel_on_gpu_matches_the_reference_at_real_shapes(T, I):
         # (0.0033 vs 0.0023 against float32 at every T, bench/results/moe_gpu_tests_h200.log)
         if impl == "packed":  # the default XLA path ("gather" rounds even less than the spec: 0.0017 vs 0.0033)
             assert rel_rms(got, f32) <= 1.5 * rel_rms(want, f32) + 1e-4, (rel_rms(got, f32), rel_rms(want, f32))
-
-
-@gpu_only
-@pytest.mark.gpu
-@pytest.mark.usefixtures("one_heavy_gpu_test_at_a_time")
-@pytest.mark.parametrize("I, T", [(192, 1), (192, 3), (384, 8)])
-def test_down_glu_on_gpu_matches_numpy(I, T):
-    """down_glu on the GPU at real shapes (A from registers, the inline store of h's row, Mosaic's tanh and exp),
-    tuning.json's launch for T (the direct form, its K split): _check_down_glu."""
-    key = jax.random.key(int(rng().integers(1 << 30)))
-    E, L, k = 896, 3584, 16
-    ex = _device_experts(key, E, I, L)
-    z, sel, _ = _device_routing(jax.random.fold_in(key, 7), T, E, k)
-    launch = dataclasses.replace(sm90.pick_launch(policy_lib.default_tuning().get("moe"), T), direct=True)
-    np_ex = {n: (np.asarray(ex[n + "_codes"]), np.asarray(ex[n + "_scales"])) for n in ("w1", "w3", "w2")}
-
-    def grouped(lc):
-        return sm90.grouped(ex, z, sel, **BETA, launch=lc, out_dtype=jnp.float32)
-
-    _check_down_glu(grouped, launch, np_ex, z, np.asarray(sel), k)
 
 
 @gpu_only

@@ -76,7 +76,6 @@ class Launch:
     stages: int  # TMA slots in flight
     acc: str  # "state" | "add"
     qk_regs: bool = False  # fp8: the scores' MMA takes each converted chunk from registers (see _body)
-    wide_convert: bool = False  # fp8: the conversion's SMEM accesses 8 elements wide (load_fp8_tile)
 
 
 def _transforms(dtype, minor, gmem_minor=None):
@@ -92,9 +91,9 @@ def _transforms(dtype, minor, gmem_minor=None):
 
 def load_fp8_tile(ref):
     """An fp8 tile of SMEM ([64 k, 64]) in registers for its conversion, 8 consecutive elements a thread: one 8-byte
-    ld.shared, and their f16 values one 16-byte st.shared. The default layout (WGMMA's, for an MMA operand) holds
-    2 a thread: 2-byte loads and 4-byte stores, 4x the SMEM instructions, in the conversion that was ~45% of a
-    block (bench/results/mla_profile_h100.json)."""
+    ld.shared, and their f16 values one 16-byte st.shared, where the default layout (WGMMA's, for an MMA operand)
+    holds 2 a thread. The sm100 body's conversion; on Hopper it measured slower than the default layout
+    (bench/results/mla_variants_s31_h100.json: 64 x 8K 144.1 vs 135.5 us) and was removed there."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=True)
 
 
@@ -245,9 +244,7 @@ def store_normalised(l, m, lse_ref, *, fp8, store_o):
     lse_ref[...] = jnp.where(seen, (m + log2_l) * LN2, -jnp.inf)
 
 
-def _body(
-    lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode, qk_regs, wide
-):
+def _body(lens_ref, colscale_ref, q_ref, rows_ref, *refs, fp8, P, R, E, N, T, Hg, stages, splits, acc_mode, qk_regs):
     """lens [B, T] int32: the rows token t sees (clipped to 0 .. S here); colscale [B, G, N] fp32: a column's
     scores factor (softmax scale x log2 e / its query's power-of-two scaling); q [B, G, P, N, C] pieces in the
     MMA type; rows [B, S, C]; (fp8: scales [B, S, 2]); out: o [B, G, splits, R, N] fp32 normalised, lse
@@ -301,11 +298,10 @@ def _body(
             c_src, e_src = c_s.at[slot], e_s.at[slot]
 
         def convert():  # e4m3 -> f16 (exact), 64 columns at a time (registers stay few)
-            load = load_fp8_tile if wide else (lambda ref: ref[...])
             for k0 in range(0, R, 64):
                 cols = pl.ds(k0, 64)
-                cb_s.at[:, cols][...] = load(c_s.at[slot, :, cols]).astype(F16)
-            eb_s[...] = load(e_s.at[slot]).astype(F16)
+                cb_s.at[:, cols][...] = c_s.at[slot, :, cols][...].astype(F16)
+            eb_s[...] = e_s.at[slot][...].astype(F16)
 
         def qk(acc_c, acc_e):
             for j in range(P):
@@ -413,7 +409,6 @@ def pick_launch(tuning: dict, B, T, H, R, E, S, row_dtype, compute_dtype) -> Lau
         stages=stages_for(cols_for(Hg)),
         acc=tuning["acc"],
         qk_regs=bool(tuning.get("qk_regs", False)),
-        wide_convert=bool(tuning.get("wide_convert", False)),
     )
 
 
@@ -514,7 +509,6 @@ def partials_from_pieces(
         splits=splits,
         acc_mode=acc_mode,
         qk_regs=launch.qk_regs and interpret is None,  # interpret mode takes no MMA operand in registers
-        wide=launch.wide_convert,
     )
     kernel = plgpu.kernel(
         body,

@@ -27,7 +27,6 @@ class Launch:
     mma_overlap: bool = False  # sm90: a chunk's decode overlaps the previous chunk's WGMMA (wgmma_wait(1))
     direct: bool = False  # up to tokens_per_tile tokens: no grouping, every pair its own slot (is_direct)
     fused_glu: bool = False  # up_splits 1: SiTU-GLU in the gate/up kernel, which writes h (no partials)
-    down_glu: bool = False  # sm90, the direct form: the down kernel sums the partials and applies SiTU-GLU
     scale_fold: bool = False  # sm90: one bf16x2 multiply a weight pair (scale bytes <= FOLD_MAX_SCALE only)
 
 

@@ -296,8 +296,6 @@ def smem_bytes(launch: Launch, I: int, L: int) -> tuple[int, int]:
 def check_supported(experts, z_TL, sel_Tk, launch: Launch):
     """NotImplementedError for what the kernels do not take (the api then runs the reference)."""
     bodies.check_shapes(experts, z_TL, sel_Tk, launch, down_rows=ROWS)
-    if launch.down_glu:
-        raise NotImplementedError("down_glu: sm90's direct form only (sm100 keeps the GLU between its kernels)")
     _, I, L = expert_shapes(experts)
     N = launch.tokens_per_tile
     lo = MIN_TOKENS_PER_TILE

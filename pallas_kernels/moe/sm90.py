@@ -9,8 +9,7 @@ once and skip the experts nobody chose, with XLA around them for the grouping, t
    [splits, 2 (W1, W3), R, I]. Splitting K gives the small steps (T <= 8: 16-118 experts) enough CTAs.
 3. XLA: the splits summed, h = SiTU-GLU(bf16(W1 z), bf16(W3 z)) rounded to bf16 (the spec's roundings), its
    columns put in the K order -> [R, I]. One small fusion (R x I x 4 bytes per split, against each expert's
-   1.1 MB at TP16). With one split (launch fused_glu) the gate/up kernel does this itself and writes h; in
-   the direct form with a K split (launch down_glu) each down CTA does it for its pair (no fusion, no h).
+   1.1 MB at TP16). With one split (launch fused_glu) the gate/up kernel does this itself and writes h.
 4. down kernel, grid (slot, group of 64-row blocks of L): the group's W2 row blocks streamed, each over K = I
    whole, their scales read by ld.global (a W2 scale row is I/32 = 6-12 bytes: no TMA view has 16-byte
    strides); out y [R, L] in pair order, bf16 (the spec's rounding after the expert GEMM).
@@ -243,8 +242,6 @@ def smem_bytes(launch: Launch, I: int, L: int, a_in_smem: bool = False) -> tuple
     up = up_stages * (2 * ROWS * UP_BLOCK + 2 * ROWS * UP_BLOCK // 16 + N * UP_BLOCK * 2 * 2)
     out = ROWS * N * 4
     a = ROWS * CHUNK * 2 if a_in_smem else 0
-    if launch.down_glu:  # every W2 row block of the CTA in flight at once, beside the one h tile
-        return up + out + a, launch.down_row_blocks * ROWS * I // 2 + N * I * 2 + out + a
     return up + out + a, down_stages(launch, I, out + a) * _down_stage_bytes(launch, I) + out + a
 
 
@@ -269,10 +266,6 @@ def check_supported(experts, z_TL, sel_Tk, launch: Launch, a_in_smem: bool = Fal
     for what, b in zip(("gate/up", "down"), smem_bytes(launch, I, L, a_in_smem), strict=True):
         if b > SMEM_BYTES:
             raise NotImplementedError(f"{what} kernel: {launch} needs {b} bytes of SMEM (> {SMEM_BYTES})")
-    if launch.down_glu and (launch.fused_glu or not bodies.is_direct(z_TL.shape[0], launch)):
-        raise NotImplementedError(
-            f"down_glu at T = {z_TL.shape[0]}: the direct form's (direct, T <= tokens_per_tile), without fused_glu"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
@@ -330,14 +323,13 @@ def _store_columns(acc_F32, out_smem, out_row, *, take, n_tokens, k_order=None):
 
 def _up_body(
     table_ref, w1c, w3c, w1s, w3s, x_ref, out_ref, out_smem, *a_smem,
-    n_tokens, steps, direct_k, mma, glu, k_order, parts_in_k_order,
+    n_tokens, steps, direct_k, mma, glu, k_order,
 ):  # fmt: skip
     """Grid (slot, row block b, K split kk). w1c / w3c [E, I, L/2] uint8, w1s / w3s [E, I, L/32], x [R, L] bf16
     (z in pair order and K_ORDER; direct_k: z itself, the tile every token) -> part [splits, 2, R, I] fp32: the
     split's W1 / W3 sums of rows 64b .. 64b + 63 for the slot's pairs (direct_k: pair s, column s // k); or,
     glu = (beta1, beta2) (one split), h [R + pad, I] bf16: SiTU-GLU of their bf16 roundings, its 64 columns of
-    block b in K_ORDER (k_order: how the tile's rows are permuted, _store_columns); parts_in_k_order (launch
-    down_glu): the partials' columns in K_ORDER too, as the down kernel's h tile takes them."""
+    block b in K_ORDER (k_order: how the tile's rows are permuted, _store_columns)."""
     s, b, kk = lax.axis_index("s"), lax.axis_index("b"), lax.axis_index("kk")
     e, start, count = bodies.slot(table_ref, s, direct_k)
     n_k = w1c.shape[-1] // UP_BLOCK // (1 if glu else out_ref.shape[0])  # K steps per split
@@ -388,9 +380,8 @@ def _up_body(
                     h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
                     store(h, out_smem, lambda t: out_ref.at[row(t), cols], k_order=k_order)
                 else:
-                    order = k_order if parts_in_k_order else None
-                    store(g, out_smem, lambda t: out_ref.at[kk, 0, row(t), cols], k_order=order)
-                    store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols], k_order=order)
+                    store(g, out_smem, lambda t: out_ref.at[kk, 0, row(t), cols])
+                    store(u, out_smem, lambda t: out_ref.at[kk, 1, row(t), cols])
 
 
 def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, steps, row_blocks, mma, direct_k):
@@ -435,51 +426,6 @@ def _down_body(table_ref, w2c, w2s, h_ref, y_ref, out_smem, *a_smem, n_tokens, s
             )(w2c.at[e], h_ref)
 
 
-def _down_glu_body(
-    table_ref, w2c, w2s, part_ref, y_ref, out_smem, w2_smem, h_smem, bars, *a_smem,
-    n_tokens, row_blocks, mma, glu, on_gpu,
-):  # fmt: skip
-    """launch down_glu, the direct form (a slot is one pair, at row s): grid (pair s, group r of `row_blocks`
-    64-row blocks of L). part [splits, 2, P, I] fp32 (the gate/up partials, columns in K_ORDER) -> y [P, L]. The
-    CTA puts all its W2 row blocks in flight, then forms its pair's h row from the partials (summed in split
-    order, SiTU-GLU with the spec's roundings: bodies.glu_in_kernel) into row 0 of the h tile, the down MMA's N
-    side (column 0 is the pair's; the tile's other columns are never stored), while they load: the XLA GLU
-    kernel between the launches goes, and what it did hides under the W2 loads' latency."""
-    s, r = lax.axis_index("s"), lax.axis_index("r")
-    e = table_ref[0, s]
-    splits, I = part_ref.shape[0], part_ref.shape[-1]
-    a_smem = a_smem[0] if a_smem else None
-    for i in range(row_blocks):
-        plgpu.copy_gmem_to_smem(w2c.at[e, pl.ds((r * row_blocks + i) * ROWS, ROWS)], w2_smem.at[i], bars.at[i])
-    with jax.named_scope("glu"):
-        for b in range(I // ROWS):
-            cols = pl.ds(b * ROWS, ROWS)
-            g, u = (sum(load_row(part_ref.at[c, j, s, cols]) for c in range(splits)) for j in (0, 1))
-            h = bodies.glu_in_kernel(g, u, *glu).astype(F32)
-            if on_gpu:
-                _store_h_row_gpu(h, h_smem, b)
-            else:
-                h_smem[:, cols] = jnp.broadcast_to(h.astype(BF16)[None, :], (n_tokens, ROWS))
-        plgpu.commit_smem()  # the async proxy (WGMMA) reads what the threads wrote
-
-    for i in range(row_blocks):
-        with jax.named_scope("wait"):
-            plgpu.barrier_wait(bars.at[i])
-        rows = pl.ds((r * row_blocks + i) * ROWS, ROWS)
-        _down_block(
-            w2_smem.at[i],
-            lambda g, rows=rows: w2s.at[e, rows, g],
-            h_smem,
-            lambda t, rows=rows: y_ref.at[s, rows],
-            take=lambda t: t == 0,
-            out_smem=out_smem,
-            a_smem=a_smem,
-            n_tokens=n_tokens,
-            mma=mma,
-            dtype=y_ref.dtype,
-        )
-
-
 def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_smem, n_tokens, mma, dtype):
     """One 64-row W2 block of the down kernel: its scale rows by ld.global (scale_ref(g): group g's [64], all
     issued before the first decode needs one), W2 h through the MMA, rounded once to the output's dtype, and
@@ -497,32 +443,6 @@ def _down_block(codes_smem, scale_ref, h_smem, out_row, *, take, out_smem, a_sme
         y = y.astype(dtype).astype(F32)  # rounded once, before the SMEM pass
     with jax.named_scope("store"):
         _store_columns(y, out_smem, out_row, take=take, n_tokens=n_tokens)
-
-
-def _store_h_row_gpu(h_F32, h_smem, block: int):
-    """h_smem [N, I] bf16 (TMA-tiled (8, 64), 128-byte swizzle) row 0, columns 64 block .. 64 block + 63 <- h, a
-    [64] ROW_LAYOUT fp32 vector of bf16 values: a 2-byte st.shared per row a thread holds (rows 16 w + lane // 4
-    + 8 r of register r). Row 0 of a swizzle atom is not swizzled, and a 64-column block of it is one (8, 64)
-    tile of 1024 bytes. Inline Mosaic GPU: Pallas stores no row-layout vector into a swizzled tile."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm
-    from jax.experimental.mosaic.gpu import utils
-
-    @plgpu.inline_mgpu(arg_types=(ROW_LAYOUT, plgpu.RefType(tiled(128))))
-    def store(ctx, h, ref):
-        del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        c = lambda v: utils.c(v, i32)  # noqa: E731
-        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        lane = arith.andi(tid, c(31))
-        row0 = arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2)))
-        base = arith.addi(llvm.ptrtoint(i32, utils.memref_ptr(ref)), c(block * 8 * 128))
-        for r, reg in enumerate(h.registers.flat):
-            addr = arith.addi(base, arith.muli(arith.addi(row0, c(8 * r)), c(2)))
-            bits = arith.trunci(i16, arith.shrui(utils.bitcast(reg, i32), c(16)))  # the bf16 value's bits
-            utils.inline_ptx("st.shared.b16 [$0], $1;", addr, bits, has_side_effects=True)
-
-    store(h_F32, h_smem)
 
 
 def _a_scratch():
@@ -559,7 +479,6 @@ def gate_up(
         mma=_mma_options(launch),
         glu=glu,
         k_order="gpu" if interpret is None else "interpret",
-        parts_in_k_order=launch.down_glu,
     )
     kernel = plgpu.kernel(
         body,
@@ -584,41 +503,13 @@ def down(
     out_dtype=BF16,
     interpret=None,
     a_in_smem=False,
-    glu=None,
     profile_dir="",
 ):
     """The down kernel -> y [rows, L] in pair order (out_dtype: bf16, the spec's rounding; fp32 for tests); h
-    may carry rows past them (the direct form's padding). glu = (beta1, beta2) (launch down_glu): h_RI is the
-    gate/up partials [splits, 2, rows, I] instead (columns in K_ORDER), and each CTA forms its pair's h."""
+    may carry rows past them (the direct form's padding)."""
     E, I, L = expert_shapes(experts)
     S, R = table.shape[1], rows
     N = launch.tokens_per_tile
-    if glu:
-        row_blocks = launch.down_row_blocks
-        scratch = [
-            plgpu.SMEM((ROWS, N), F32),
-            plgpu.SMEM((row_blocks, ROWS, I // 2), jnp.uint8, transforms=tiled(bodies.codes_swizzle(I // 2), 1)),
-            plgpu.SMEM((N, I), BF16, transforms=tiled(128)),
-            plgpu.Barrier(num_barriers=row_blocks),
-        ]
-        body = functools.partial(
-            _down_glu_body,
-            n_tokens=N,
-            row_blocks=row_blocks,
-            mma=_mma_options(launch),
-            glu=glu,
-            on_gpu=interpret is None,
-        )
-        kernel = plgpu.kernel(
-            body,
-            out_type=jax.ShapeDtypeStruct((R, L), out_dtype),
-            scratch_types=scratch + (_a_scratch() if a_in_smem else []),
-            grid=(S, L // ROWS // row_blocks),
-            grid_names=("s", "r"),
-            compiler_params=_params(profile_dir),
-            interpret=interpret,
-        )
-        return kernel(table, experts["w2_codes"], experts["w2_scales"], h_RI)
     kernel = plgpu.kernel(
         functools.partial(
             _down_body,
@@ -670,8 +561,8 @@ def grouped(
     out_dtype=BF16,
     profile_dir="",
 ):
-    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu; down_glu: columns in
-    K_ORDER), h (None: down_glu), y [R, L] in pair order): what tests check. profile_dir: each kernel's in-kernel
+    """Grouping and both kernels -> (groups, the gate/up partials (None: fused_glu), h, y [R, L] in pair
+    order): what tests check. profile_dir: each kernel's in-kernel
     trace into its subdirectory gate_up / down (which must exist; bench/moe_layer.py --profile)."""
     E = experts["w1_codes"].shape[0]
     groups = bodies.group(sel_Tk, E, launch)
@@ -686,10 +577,6 @@ def grouped(
     if launch.fused_glu:
         part = None
         h = gate_up(experts, table, x, rows=rows, direct_k=dk, glu=beta, pad=pad, **kw, **up_kw)
-    elif launch.down_glu:
-        part, h = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw, **up_kw), None
-        y = down(experts, table, part, rows=rows, out_dtype=out_dtype, glu=beta, **kw, **down_kw)
-        return groups, part, h, y
     else:
         part = gate_up(experts, table, x, rows=rows, direct_k=dk, **kw, **up_kw)
         h = glu(part, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, pad_rows=pad)
