@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.config import K3Config
 from pallas_kernels.gemv import api, kernel, kernel_sm100, reference
@@ -534,7 +535,7 @@ def test_sum_kernel_reads_a_window_of_x_in_place(rank, B, block_k, x_stream):
     launch = dict(block_k=block_k, steps=2, x_stream=x_stream)
     with abstract_gpu("sm90"):
         kernel.check_sum_supported(xs, ws, **launch)
-        interp = plgpu_interpret()
+        interp = plgpu.InterpretGPUParams(detect_races=True)
         f = jax.jit(
             lambda wide, x1, ws, r: kernel.gemv_sum(
                 (wide, x1), ws, x_starts=(r * 224, None), interpret=interp, **launch
@@ -542,17 +543,14 @@ def test_sum_kernel_reads_a_window_of_x_in_place(rank, B, block_k, x_stream):
         )
         got = f(wide, xs[1], ws, jnp.int32(rank))
         want = kernel.gemv_sum(xs, ws, interpret=interp, **launch)
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    assert not get_races().races_found
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     np.testing.assert_array_equal(
         np.asarray(reference.gemv_sum((wide, xs[1]), ws, x_starts=(rank * 224, None)), np.float32),
         np.asarray(reference.gemv_sum(xs, ws), np.float32),
     )
-
-
-def plgpu_interpret():
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.InterpretGPUParams()
 
 
 @cpu_only

@@ -391,15 +391,15 @@ def check_sum_operands(xs_BK, ws_NK, block_k, split_k, rows):
         raise NotImplementedError(f"K {[x.shape[1] for x in xs_BK]} in one step of {block_k}: the pipeline needs two")
 
 
-def _sum_body(starts_ref, *refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens):
-    """refs: the column starts of the x_j's windows [J] int32 (0 where x_j is [B, K_j] itself), the x_j
-    [x_rows(B), >= K_j], the w_j [N, K_j], the output [B, N], then scratch: on N the fp32 sum [ROWS, T] (a
+def _sum_body(*refs, bks, swizzles, n_steps, steps, T, x_stream, n_tokens, windowed):
+    """refs: (windowed) the column starts of the x_j's windows [J] int32 (0 where x_j is [B, K_j] itself), the
+    x_j [x_rows(B), >= K_j], the w_j [N, K_j], the output [B, N], then scratch: on N the fp32 sum [ROWS, T] (a
     token's column becomes its output row), on M the rounded [T, ROWS] tile a TMA stores."""
     J = len(bks)
+    starts_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     xs, ws, (out_ref, staging) = refs[:J], refs[J : 2 * J], refs[2 * J :]
     blk = lax.axis_index("n")
     block = pl.ds(blk * ROWS, ROWS)
-    starts = [starts_ref[j] for j in range(J)]
 
     def scope(*accs):
         def step(_, *tiles):  # each pair's weight tile, then its x tile
@@ -411,13 +411,16 @@ def _sum_body(starts_ref, *refs, bks, swizzles, n_steps, steps, T, x_stream, n_t
             plgpu.wgmma_wait(J)  # the previous step's WGMMAs are done: their slots may be refilled (delay_release)
 
         specs = []
-        for bk, sw, x0 in zip(bks, swizzles, starts, strict=True):
+        for j, (bk, sw) in enumerate(zip(bks, swizzles, strict=True)):
             # block k of pair j: w's columns past K_j are the TMA's zeros, so x's there (its window's neighbours,
             # or the TMA's zeros past x) add nothing
             tr = _transforms(sw)
             specs.append(plgpu.BlockSpec((ROWS, bk), lambda k: (blk, k), transforms=tr, delay_release=1))
-            x_at = lambda k, x0=x0, bk=bk: (0, x0 + k * bk)  # noqa: E731 (an element offset: the window's start)
-            specs.append(plgpu.BlockSpec((T, pl.Element(bk)), x_at, transforms=tr, delay_release=1))
+            if windowed:  # an element offset: the window's start
+                x_at = lambda k, x0=starts_ref[j], bk=bk: (0, x0 + k * bk)  # noqa: E731
+                specs.append(plgpu.BlockSpec((T, pl.Element(bk)), x_at, transforms=tr, delay_release=1))
+            else:
+                specs.append(plgpu.BlockSpec((T, bk), lambda k: (0, k), transforms=tr, delay_release=1))
         gmem = [r for pair in zip(ws, xs, strict=True) for r in pair]
         plgpu.emit_pipeline(step, grid=(n_steps,), max_concurrent_steps=steps, in_specs=specs)(*gmem)
         plgpu.wgmma_wait(0)
@@ -454,14 +457,24 @@ def gemv_sum(xs_BK, ws_NK, *, x_starts=None, block_k=192, split_k=1, steps=4, x_
     B, N = xs_BK[0].shape[0], ws_NK[0].shape[0]
     T = tokens(B, x_stream)
     n, bks, swizzles = pair_blocks([w.shape[1] for w in ws_NK], block_k)
-    starts = jnp.stack([jnp.asarray(0 if x0 is None else x0, jnp.int32) for x0 in (x_starts or (None,) * len(xs_BK))])
+    x_starts = x_starts or (None,) * len(xs_BK)
+    windowed = any(x0 is not None for x0 in x_starts)  # static: x_starts' None leaves are its pytree structure
+    starts = [jnp.stack([jnp.asarray(0 if x0 is None else x0, jnp.int32) for x0 in x_starts])] if windowed else []
     # x padded only where Mosaic's TMA needs it (x_rows): an XLA pad is a kernel launch of its own
     xs_TK = tuple(jnp.pad(x, ((0, x_rows(B) - B), (0, 0))) for x in xs_BK)
     dtype = xs_BK[0].dtype
     staging = plgpu.SMEM((T, ROWS), dtype) if x_stream == "M" else plgpu.SMEM((ROWS, T), F32)
     kernel = plgpu.kernel(
         functools.partial(
-            _sum_body, bks=bks, swizzles=swizzles, n_steps=n, steps=min(steps, n), T=T, x_stream=x_stream, n_tokens=B
+            _sum_body,
+            bks=bks,
+            swizzles=swizzles,
+            n_steps=n,
+            steps=min(steps, n),
+            T=T,
+            x_stream=x_stream,
+            n_tokens=B,
+            windowed=windowed,
         ),
         out_type=jax.ShapeDtypeStruct((B, N), dtype),
         scratch_types=[staging],
@@ -470,4 +483,4 @@ def gemv_sum(xs_BK, ws_NK, *, x_starts=None, block_k=192, split_k=1, steps=4, x_
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(starts, *xs_TK, *ws_NK)
+    return kernel(*starts, *xs_TK, *ws_NK)
